@@ -1,0 +1,164 @@
+"""Runs the model over the paged cache: batched prefill of packed prompts and batched decode.
+
+The runner owns the weights, the KV pool and the RoPE table. It builds the typed
+`AttentionMetadata` on the host (pinned) and copies it to the device without blocking; it
+returns fp32 logits of the last token of each sequence. Block bookkeeping stays with the
+caller (the schedulers), which passes block tables in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from splitserve.engine.attention_metadata import AttentionMetadata
+from splitserve.engine.config import EngineConfig, ModelConfig
+from splitserve.engine.hf_config import load_model_config
+from splitserve.engine.kv_cache import KVGeometry, allocate_kv_pool, choose_num_blocks, kv_geometry
+from splitserve.engine.model import CausalLM
+from splitserve.engine.rope import cos_sin_cache
+from splitserve.engine.weights import load_weights
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """New tokens of one sequence; `num_computed` tokens of it are already in the cache."""
+
+    token_ids: Sequence[int]
+    num_computed: int
+    block_table: Sequence[int]
+
+
+@dataclass(frozen=True)
+class DecodeLane:
+    """One token at `position` (= tokens already cached) of one running sequence."""
+
+    token_id: int
+    position: int
+    block_table: Sequence[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    # CPU matmuls in bf16 are slow and lossy; tests compare fp32 against transformers.
+    return torch.float32 if device.type == "cpu" else _DTYPES[model.dtype]
+
+
+def model_compat_hash(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
+    """Identity of what a KV block means: geometry, dtype, block size and the weight files."""
+    h = hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode())
+    h.update(f"{dtype}|{block_size}".encode())
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        stat = f.stat()
+        h.update(f"{f.name}:{stat.st_size}".encode())
+    return h.hexdigest()[:32]
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig) -> None:
+        self.engine_config = cfg
+        self.model_config = load_model_config(cfg.model_path)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.model_config, self.device)
+        mc = self.model_config
+        self.max_model_len = cfg.scheduler.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(
+                f"scheduler.max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {mc.max_position_embeddings}; lower it"
+            )
+        torch.manual_seed(cfg.seed)
+        self.model = CausalLM(mc, self.dtype, self.device)
+        load_weights(self.model, cfg.model_path)
+        self.model.eval()
+        self.geometry: KVGeometry = kv_geometry(mc, cfg.cache, self.dtype)
+        self.block_size = cfg.cache.block_size
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        reserve = 2**30 if self.device.type == "cuda" else 0  # activations and graphs
+        self.num_blocks = choose_num_blocks(self.geometry, cfg.cache, self.device, reserve)
+        self.kv_cache = allocate_kv_pool(self.geometry, self.num_blocks, self.device)
+        self.cos_sin = cos_sin_cache(mc, self.max_model_len, self.device)
+        self.compat_hash = model_compat_hash(cfg.model_path, mc, self.dtype, self.block_size)
+        self._pin = self.device.type == "cuda"
+
+    # ---- host -> device -------------------------------------------------------------------
+    def _to_device(self, data, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self._pin:
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _block_tables(self, tables: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+        return self._to_device([list(t) + [0] * (width - len(t)) for t in tables], torch.int32)
+
+    def _slots(self, table: Sequence[int], start: int, stop: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, stop)]
+
+    def _check_table(self, table: Sequence[int], length: int) -> None:
+        if len(table) * self.block_size < length:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {length} tokens")
+
+    # ---- steps ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> torch.Tensor:
+        """Computes each chunk's tokens into the cache; returns [B, V] logits of each last token."""
+        ids, pos, slots, cu, lens = [], [], [], [0], []
+        for c in chunks:
+            end = c.num_computed + len(c.token_ids)
+            if not c.token_ids:
+                raise ValueError("a prefill chunk needs at least one token")
+            self._check_table(c.block_table, end)
+            ids.extend(c.token_ids)
+            pos.extend(range(c.num_computed, end))
+            slots.extend(self._slots(c.block_table, c.num_computed, end))
+            cu.append(cu[-1] + len(c.token_ids))
+            lens.append(end)
+        width = max(len(c.block_table) for c in chunks)
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._block_tables([c.block_table for c in chunks], width),
+            context_lens=self._to_device(lens, torch.int32),
+            is_prefill=True,
+            cu_seqlens_q=self._to_device(cu, torch.int32),
+            max_query_len=max(len(c.token_ids) for c in chunks),
+        )
+        hidden = self.model(self._to_device(ids, torch.int64), self._to_device(pos, torch.int64),
+                            self.kv_cache, self.cos_sin, meta)
+        last = torch.tensor(cu[1:], device=hidden.device) - 1
+        return self.model.compute_logits(hidden[last])
+
+    @torch.inference_mode()
+    def decode(self, lanes: Sequence[DecodeLane]) -> torch.Tensor:
+        """One token per sequence; returns [B, V] logits."""
+        for lane in lanes:
+            self._check_table(lane.block_table, lane.position + 1)
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device([self._slots(l.block_table, l.position, l.position + 1)[0] for l in lanes],
+                                         torch.int64),
+            block_tables=self._block_tables([l.block_table for l in lanes], max(len(l.block_table) for l in lanes)),
+            context_lens=self._to_device([l.position + 1 for l in lanes], torch.int32),
+            is_prefill=False,
+        )
+        hidden = self.model(self._to_device([l.token_id for l in lanes], torch.int64),
+                            self._to_device([l.position for l in lanes], torch.int64),
+                            self.kv_cache, self.cos_sin, meta)
+        return self.model.compute_logits(hidden)
+
+    def zero_kv(self) -> None:
+        """Clears what warm-up wrote so no stale value can be read as context."""
+        self.kv_cache.zero_()
