@@ -1,0 +1,37 @@
+"""The `splitserve` command line. Each subcommand lives in its own module under cli/;
+errors print one clear line (no traceback) and exit non-zero."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from splitserve.cli import complete_cmd, make_model_cmd
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (make_model_cmd, complete_cmd):
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("splitserve: interrupted", file=sys.stderr)
+        return 130
+    except (CliError, ValueError, FileNotFoundError, MemoryError, RuntimeError) as exc:
+        print(f"splitserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

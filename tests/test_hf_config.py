@@ -1,0 +1,70 @@
+"""Config fields that change the math are honoured or refused with a clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.hf_config import UnsupportedModelError, load_model_config, parse_hf_config
+from splitserve.engine.make_model import PRESETS
+from splitserve.engine.rope import inverse_frequencies
+
+BASE = {**PRESETS["tiny"], "hidden_act": "silu"}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architecture 'GPT2LMHeadModel' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn'"),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 64}, "sliding-window"),
+        ({"torch_dtype": "float8_e4m3fn"}, "dtype"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ],
+)
+def test_unsupported_fields_refused(change, message):
+    with pytest.raises(UnsupportedModelError, match=message):
+        parse_hf_config({**BASE, **change})
+
+
+def test_invalid_geometry_names_the_field():
+    with pytest.raises(ValidationError, match="num_key_value_heads"):
+        parse_hf_config({**BASE, "num_key_value_heads": 3})
+    with pytest.raises(ValidationError, match="low_freq_factor"):
+        parse_hf_config({**BASE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(ValidationError, match="block_size"):
+        CacheConfig(block_size=12)
+    with pytest.raises(ValidationError, match="extra"):
+        EngineConfig(model_path="x", cache={"blocksize": 16})
+
+
+def test_rope_scaling_spellings_and_math():
+    new_style = parse_hf_config({**BASE, "rope_scaling": None,
+                                 "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})
+    assert new_style.rope_theta == 5e5 and new_style.rope_scaling.rope_type == "linear"
+    plain = parse_hf_config({**BASE, "rope_scaling": None, "rope_theta": 5e5})
+    torch.testing.assert_close(inverse_frequencies(new_style), inverse_frequencies(plain) / 2.0)
+    llama3 = parse_hf_config(BASE)
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in BASE.items() if k not in ("architectures",)})
+    ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    torch.testing.assert_close(inverse_frequencies(llama3), ref)
+
+
+def test_qwen2_bias_and_tied_head(tiny_qwen2):
+    cfg = load_model_config(tiny_qwen2)
+    assert cfg.qkv_bias and not cfg.o_proj_bias and cfg.tie_word_embeddings
+
+
+def test_missing_config_is_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    assert load_model_config(tmp_path).architecture == "LlamaForCausalLM"
