@@ -9,14 +9,17 @@ The .proto files are compiled under the virtual include path ``splitserve/protos
 ``import "splitserve/protos/kv.proto";`` and the generated code imports as
 ``from splitserve.protos import kv_pb2``. protoc's output depends only on the inputs
 and the grpcio-tools version, which is pinned to 1.84.x here: ``_pb2_grpc.py`` files
-refuse to import under a grpcio older than the tools that made them, and the GPU
-machine runs grpcio 1.84.
+refuse to import under a grpcio older than their ``GRPC_GENERATED_VERSION``, and the
+GPU machine runs grpcio 1.84.0. Patch releases of one series emit the same code, so
+that stamp is lowered to the series floor (``1.84.0``) after protoc runs; it is the
+only post-processing.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -25,6 +28,8 @@ PROTO_DIR = Path(__file__).resolve().parent
 VIRTUAL_DIR = "splitserve/protos"
 REQUIRED_TOOLS_SERIES = "1.84."
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+GRPC_VERSION_FLOOR = REQUIRED_TOOLS_SERIES + "0"
+_GRPC_STAMP = re.compile(rb"^GRPC_GENERATED_VERSION = '1\.84\.\d+'$", re.M)
 
 
 class BuildError(RuntimeError):
@@ -91,7 +96,19 @@ def generate(proto_dir: Path = PROTO_DIR) -> dict[str, bytes]:
     unexpected = sorted(n for n in outputs if not is_generated_name(n))
     if unexpected:
         raise BuildError(f"protoc wrote unexpected files: {', '.join(unexpected)}")
+    for name in outputs:
+        if name.endswith("_pb2_grpc.py"):
+            outputs[name] = _lower_grpc_stamp(name, outputs[name])
     return outputs
+
+
+def _lower_grpc_stamp(name: str, code: bytes) -> bytes:
+    """Set GRPC_GENERATED_VERSION to the series floor so any grpcio 1.84.x imports it."""
+    floor = f"GRPC_GENERATED_VERSION = '{GRPC_VERSION_FLOOR}'".encode()
+    code, count = _GRPC_STAMP.subn(floor, code)
+    if count != 1:
+        raise BuildError(f"{name}: expected one GRPC_GENERATED_VERSION = '1.84.N' line, found {count}")
+    return code
 
 
 def stale_files(proto_dir: Path = PROTO_DIR) -> list[str]:

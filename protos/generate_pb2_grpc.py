@@ -5,7 +5,7 @@ import warnings
 
 from splitserve.protos import generate_pb2 as splitserve_dot_protos_dot_generate__pb2
 
-GRPC_GENERATED_VERSION = '1.84.2'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
