@@ -53,6 +53,8 @@ class OfflineEngine:
             delta = detoks[id(s)].add(tok) if detoks else ""
             result = checkers[id(s)].update(tok, delta)
             s.text += result.text
+            if result.finish_reason == "length" and detoks:
+                s.text += detoks[id(s)].flush()  # an unfinished multi-byte char, as a full decode shows it
             if result.finish_reason is not None:
                 s.finish_reason = result.finish_reason
                 self.allocator.free(s.block_table)
