@@ -1,0 +1,80 @@
+"""Per-request sampling parameters, with vLLM's names and meanings.
+
+One frozen pydantic model: a bad value fails when the request is built (router or CLI),
+before any KV block is allocated, with an error naming the field. What needs the model
+(vocab size) is checked separately by `validate_against_vocab`, once the worker knows it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_LOGPROBS = 20
+_UINT64_MAX = 2**64 - 1  # the wire type of `seed` (generate.proto)
+
+
+class SamplingParams(BaseModel):
+    """How to pick each generated token (vLLM semantics).
+
+    - `temperature` 0 is greedy; `top_k` 0 or -1 disables top-k, 1 is greedy.
+    - penalties follow vLLM: `repetition_penalty` over prompt and output tokens
+      (divides positive logits, multiplies negative ones), `presence_penalty` /
+      `frequency_penalty` over output tokens only (subtracted from the logits).
+    - `seed` makes the request's tokens reproducible wherever and with whatever it is
+      batched (see sampler.py).
+    - `logprobs` n: return the sampled token's logprob plus the n most likely tokens.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = 0
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=_UINT64_MAX)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    stop: tuple[Annotated[str, Field(min_length=1)], ...] = ()
+    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, v: Any) -> Any:
+        # vLLM (and the OpenAI API) accept a single string as well as a list.
+        return (v,) if isinstance(v, str) else v
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_range(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError(f"must be 0 or -1 (disabled) or at least 1, got {v}")
+        return v
+
+    @property
+    def is_greedy(self) -> bool:
+        """Argmax decoding: no randomness, so `seed` and the filters do not matter."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+
+def validate_against_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse token ids the model cannot produce (a stop token that could never match is
+    almost certainly a tokenizer / model mix-up, so it is an error rather than ignored)."""
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(
+            f"stop_token_ids {bad} are outside the model's vocabulary (size {vocab_size}); "
+            f"use ids below {vocab_size}"
+        )
