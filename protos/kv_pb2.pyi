@@ -18,12 +18,25 @@ class KvDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_DTYPE_FP32: _ClassVar[KvDtype]
     KV_DTYPE_FP16: _ClassVar[KvDtype]
     KV_DTYPE_BF16: _ClassVar[KvDtype]
+
+class KvPullStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_PULL_STATUS_UNSPECIFIED: _ClassVar[KvPullStatus]
+    KV_PULL_STATUS_OK: _ClassVar[KvPullStatus]
+    KV_PULL_STATUS_LEASE_UNKNOWN: _ClassVar[KvPullStatus]
+    KV_PULL_STATUS_LEASE_EXPIRED: _ClassVar[KvPullStatus]
+    KV_PULL_STATUS_INCOMPATIBLE: _ClassVar[KvPullStatus]
 KV_LAYOUT_UNSPECIFIED: KvLayout
 KV_LAYOUT_LAYER_KV_BLOCK_TOKEN_HEAD_DIM: KvLayout
 KV_DTYPE_UNSPECIFIED: KvDtype
 KV_DTYPE_FP32: KvDtype
 KV_DTYPE_FP16: KvDtype
 KV_DTYPE_BF16: KvDtype
+KV_PULL_STATUS_UNSPECIFIED: KvPullStatus
+KV_PULL_STATUS_OK: KvPullStatus
+KV_PULL_STATUS_LEASE_UNKNOWN: KvPullStatus
+KV_PULL_STATUS_LEASE_EXPIRED: KvPullStatus
+KV_PULL_STATUS_INCOMPATIBLE: KvPullStatus
 
 class UcxAddress(_message.Message):
     __slots__ = ("host", "port", "worker_address")
@@ -82,3 +95,51 @@ class KvHandle(_message.Message):
     ttl_ms: int
     shards: _containers.RepeatedCompositeFieldContainer[KvShard]
     def __init__(self, address: _Optional[_Union[UcxAddress, _Mapping]] = ..., lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[KvShard, _Mapping]]] = ...) -> None: ...
+
+class KvPullRequest(_message.Message):
+    __slots__ = ("lease_id", "request_id", "layout", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "model_compat_hash", "max_message_bytes")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    MODEL_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    request_id: str
+    layout: KvLayout
+    dtype: KvDtype
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    model_compat_hash: str
+    max_message_bytes: int
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class KvPullReply(_message.Message):
+    __slots__ = ("status", "message", "payload_bytes", "num_messages", "num_blocks", "checksum")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    status: KvPullStatus
+    message: str
+    payload_bytes: int
+    num_messages: int
+    num_blocks: int
+    checksum: int
+    def __init__(self, status: _Optional[_Union[KvPullStatus, str]] = ..., message: _Optional[str] = ..., payload_bytes: _Optional[int] = ..., num_messages: _Optional[int] = ..., num_blocks: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class KvPullDone(_message.Message):
+    __slots__ = ("lease_id", "ok")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    ok: bool
+    def __init__(self, lease_id: _Optional[str] = ..., ok: _Optional[bool] = ...) -> None: ...

@@ -1,9 +1,15 @@
-"""Shared pytest set-up: the `gpu` marker skips without CUDA."""
+"""Shared pytest set-up: the `gpu` marker skips without CUDA; without CUDA, Triton kernels
+run in Triton's interpreter (set before any kernel module is decorated with @triton.jit)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,303 @@
+"""Micro-benchmarks of the Triton hot-path kernels on one GPU.
+
+For every kernel and shape it prints the time (CUDA events around a CUDA-graph replay, L2
+flushed before each run), the achieved bandwidth (bytes read + written) as a fraction of the
+device copy bandwidth measured in the same run, and the speed-up over the torch path on the
+same inputs: eager torch reference ops (graphed too) for the elementwise kernels, gather +
+SDPA / dense SDPA for attention. Writes everything to a JSON file (--out).
+
+    python benchmarks/kernels.py --out results/kernels.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+
+# Shapes (Llama-3.2-1B: hidden 2048, intermediate 8192, 32 q heads, 8 kv heads, head_dim 64, 16 layers).
+MODEL = dict(hidden=2048, inter=8192, hq=32, hkv=8, d=64, layers=16, block_size=16)
+TOKENS = (64, 8192)  # elementwise ops: a decode batch and a prefill chunk
+PACK_BLOCKS = (256, 512)  # KV hand-off of one 4k / 8k-token request, all layers
+DECODE_SHAPES = ((1, 4096), (16, 2048), (64, 4096), (256, 1024))  # (batch, context)
+PREFILL_SHAPES = ((1, 8192), (8, 1024))  # (sequences, prompt length)
+COPY_BYTES = 2 * 2**30
+FLUSH_BYTES = 256 * 2**20
+DEVICE = "cuda"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--iters", type=int, default=50, help="timed runs per measurement (median reported)")
+    p.add_argument("--only", default=None, help="regex: run only cases whose name matches")
+    p.add_argument("--no-reference", action="store_true", help="skip the torch reference timings")
+    p.add_argument("--no-check", action="store_true", help="skip the output check against the reference")
+    p.add_argument("--sweep", action="store_true",
+                   help="also time decode-attention tile variants (BLOCK_N x num_stages x num_warps) per shape")
+    return p.parse_args(argv)
+
+
+@dataclass
+class Case:
+    name: str  # kernel/shape label
+    kernel: str
+    shape: dict
+    bytes: int  # compulsory bytes read + written by the op
+    flops: float = 0.0
+    results: dict = field(default_factory=dict)
+
+
+class Timer:
+    """Median GPU time of `fn`: captured in a CUDA graph (no launch overhead, the way decode
+    runs), or run eagerly when it syncs on the host. The L2 is flushed before every run; the
+    flush also keeps the host ahead of the GPU, so the events time only GPU work."""
+
+    def __init__(self, torch, iters: int):
+        self.torch = torch
+        self.iters = iters
+        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=DEVICE)
+
+    def __call__(self, fn, graph: bool = True) -> float:
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: compiles kernels before any capture
+            fn()
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        run = fn
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            run = g.replay
+        torch.cuda.synchronize()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.iters)]
+        for start, end in events:
+            self.flush.zero_()
+            start.record()
+            run()
+            end.record()
+        torch.cuda.synchronize()
+        times = sorted(s.elapsed_time(e) for s, e in events)
+        return times[len(times) // 2]
+
+
+def copy_bandwidth(torch, timer: Timer) -> float:
+    """Bytes read + written per second by a large device-to-device copy (the roofline)."""
+    n = COPY_BYTES
+    src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (ms * 1e-3)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    import triton
+    from tqdm import tqdm
+
+    if not torch.cuda.is_available():
+        print("kernels benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
+
+    from splitserve.kernels import reference
+    from splitserve.kernels import triton_ops as tri
+    from splitserve.kernels.triton_decode_attention import paged_decode_attention_impl, plan_splits
+
+    F = torch.nn.functional
+    dev = DEVICE
+    bf16 = torch.bfloat16
+    el = 2  # bytes per bf16 element
+    gen = torch.Generator(device=dev).manual_seed(0)
+    timer = Timer(torch, args.iters)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    copy_bw = copy_bandwidth(torch, timer)
+    print(f"device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
+
+    def rnd(*shape, dtype=bf16):
+        return torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).to(dtype)
+
+    hidden, inter, hq, hkv, d, layers, bs = (MODEL[k] for k in ("hidden", "inter", "hq", "hkv", "d", "layers", "block_size"))
+    scale = d**-0.5
+    cases: list[tuple[Case, object, object]] = []  # (case, triton fn, (ref name, ref fn, graphable))
+
+    def add(case, fn, ref=None) -> bool:
+        if args.only is None or re.search(args.only, case.name):
+            cases.append((case, fn, ref))
+            return True
+        return False
+
+    # --- elementwise ops -------------------------------------------------------------------
+    for t in TOKENS:
+        x, r, w = rnd(t, hidden), rnd(t, hidden), rnd(hidden)
+        add(Case(f"rms_norm T={t} H={hidden}", "rms_norm", dict(T=t, H=hidden), (2 * t + 1) * hidden * el),
+            lambda x=x, w=w: tri.rms_norm(x, w, 1e-5), ("eager", lambda x=x, w=w: reference.rms_norm(x, w, 1e-5), True))
+        add(Case(f"fused_add_rms_norm T={t} H={hidden}", "fused_add_rms_norm", dict(T=t, H=hidden),
+                 (4 * t + 1) * hidden * el),
+            lambda x=x, r=r, w=w: tri.fused_add_rms_norm(x, r, w, 1e-5),
+            ("eager", lambda x=x, r=r, w=w: reference.fused_add_rms_norm(x, r, w, 1e-5), True))
+        gu = rnd(t, 2 * inter)
+        add(Case(f"silu_and_mul T={t} I={inter}", "silu_and_mul", dict(T=t, I=inter), 3 * t * inter * el),
+            lambda gu=gu: tri.silu_and_mul(gu), ("eager", lambda gu=gu: reference.silu_and_mul(gu), True))
+
+        q, k, v = rnd(t, hq, d), rnd(t, hkv, d), rnd(t, hkv, d)
+        pos = torch.randint(0, 8192, (t,), device=dev, generator=gen)
+        inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d)
+        freqs = torch.arange(8192, device=dev, dtype=torch.float32)[:, None] * inv
+        cs = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        add(Case(f"apply_rope T={t}", "apply_rope", dict(T=t, Hq=hq, Hkv=hkv, D=d),
+                 2 * t * (hq + hkv) * d * el + t * d * 4),
+            lambda q=q, k=k, pos=pos, cs=cs: tri.apply_rope(q, k, pos, cs),
+            ("eager", lambda q=q, k=k, pos=pos, cs=cs: reference.apply_rope(q, k, pos, cs), True))
+        nb = t // bs + 8
+        kc, vc = rnd(nb, bs, hkv, d), rnd(nb, bs, hkv, d)
+        slots = torch.randperm(nb * bs, device=dev, generator=gen)[:t]
+        add(Case(f"rope_and_write_kv T={t}", "rope_and_write_kv", dict(T=t, Hq=hq, Hkv=hkv, D=d),
+                 2 * t * (hq + 2 * hkv) * d * el + t * d * 4),
+            lambda q=q, k=k, v=v, pos=pos, cs=cs, kc=kc, vc=vc, s=slots: tri.rope_and_write_kv(q, k, v, pos, cs, kc, vc, s),
+            ("eager", lambda q=q, k=k, v=v, pos=pos, cs=cs, kc=kc, vc=vc, s=slots:
+             reference.rope_and_write_kv(q, k, v, pos, cs, kc, vc, s), True))
+        add(Case(f"write_kv_cache T={t}", "write_kv_cache", dict(T=t, Hkv=hkv, D=d), 4 * t * hkv * d * el),
+            lambda k=k, v=v, kc=kc, vc=vc, s=slots: tri.write_kv_cache(k, v, kc, vc, s),
+            ("eager", lambda k=k, v=v, kc=kc, vc=vc, s=slots: reference.write_kv_cache(k, v, kc, vc, s), True))
+
+    for n in PACK_BLOCKS:
+        pool = rnd(layers, 2, 2 * n + 16, bs, hkv, d)
+        ids = torch.randperm(2 * n + 16, device=dev, generator=gen)[:n]
+        nbytes = 2 * layers * 2 * n * bs * hkv * d * el
+        packed = tri.pack_kv_blocks(pool, ids)
+        add(Case(f"pack_kv_blocks n={n} L={layers}", "pack_kv_blocks", dict(n=n, L=layers, BS=bs, Hkv=hkv, D=d), nbytes),
+            lambda pool=pool, ids=ids, out=packed: tri.pack_kv_blocks(pool, ids, out),
+            ("eager", lambda pool=pool, ids=ids, out=packed: reference.pack_kv_blocks(pool, ids, out), True))
+        add(Case(f"unpack_kv_blocks n={n} L={layers}", "unpack_kv_blocks", dict(n=n, L=layers, BS=bs, Hkv=hkv, D=d),
+                 nbytes),
+            lambda pool=pool, ids=ids, p=packed: tri.unpack_kv_blocks(p, pool, ids),
+            ("eager", lambda pool=pool, ids=ids, p=packed: reference.unpack_kv_blocks(p, pool, ids), True))
+
+    # --- decode attention ---------------------------------------------------------------
+    decode_inputs = {}
+    for batch, ctx in DECODE_SHAPES:
+        mb = ctx // bs
+        nb = batch * mb + 1
+        kc, vc = rnd(nb, bs, hkv, d), rnd(nb, bs, hkv, d)
+        tables = (torch.randperm(nb - 1, device=dev, generator=gen) + 1)[: batch * mb].view(batch, mb)
+        tables32, tables64 = tables.to(torch.int32), tables.long()
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+        q = rnd(batch, hq, d)
+        splits = plan_splits(batch, hkv, mb * bs, 64, q.device)
+        nbytes = batch * ctx * hkv * d * el * 2 + 2 * q.numel() * el + tables32.numel() * 4
+
+        def sdpa_paged(q=q, kc=kc, vc=vc, t=tables64, batch=batch, ctx=ctx):
+            k = kc[t].view(batch, -1, hkv, d)[:, :ctx].transpose(1, 2)
+            v = vc[t].view(batch, -1, hkv, d)[:, :ctx].transpose(1, 2)
+            return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)[:, :, 0]
+
+        decode_inputs[f"paged_decode_attention B={batch} ctx={ctx}"] = (q, kc, vc, tables32, lens)
+        add(Case(f"paged_decode_attention B={batch} ctx={ctx}", "paged_decode_attention",
+                 dict(B=batch, ctx=ctx, Hq=hq, Hkv=hkv, D=d, BS=bs, num_splits=splits), nbytes,
+                 flops=4.0 * batch * hq * ctx * d),
+            lambda q=q, kc=kc, vc=vc, t=tables32, lens=lens: tri.paged_decode_attention(q, kc, vc, t, lens, scale),
+            ("gather+sdpa", sdpa_paged, True))
+
+    # --- prefill attention ------------------------------------------------------------
+    for nseq, qlen in PREFILL_SHAPES:
+        mb = qlen // bs
+        nb = nseq * mb + 1
+        kc, vc = rnd(nb, bs, hkv, d), rnd(nb, bs, hkv, d)
+        tables = ((torch.randperm(nb - 1, device=dev, generator=gen) + 1)[: nseq * mb].view(nseq, mb)).to(torch.int32)
+        lens = torch.full((nseq,), qlen, dtype=torch.int32, device=dev)
+        cu = torch.arange(0, nseq + 1, device=dev, dtype=torch.int32) * qlen
+        q = rnd(nseq * qlen, hq, d)
+        # dense contiguous K/V with the q-head count: the best case for torch's flash SDPA
+        kd = kc[tables.long()].view(nseq, qlen, hkv, d).repeat_interleave(hq // hkv, dim=2).transpose(1, 2).contiguous()
+        vd = vc[tables.long()].view(nseq, qlen, hkv, d).repeat_interleave(hq // hkv, dim=2).transpose(1, 2).contiguous()
+        qd = q.view(nseq, qlen, hq, d).transpose(1, 2).contiguous()
+        nbytes = 2 * q.numel() * el + 2 * nseq * qlen * hkv * d * el
+        flops = 4.0 * nseq * hq * d * qlen * (qlen + 1) / 2  # causal: QK^T and PV over the lower triangle
+        added = add(
+            Case(f"prefill_attention {nseq}x{qlen}", "prefill_attention",
+                 dict(num_seqs=nseq, q_len=qlen, Hq=hq, Hkv=hkv, D=d, BS=bs), nbytes, flops=flops),
+            lambda q=q, kc=kc, vc=vc, t=tables, cu=cu, lens=lens, m=qlen:
+                tri.prefill_attention(q, kc, vc, t, cu, lens, m, scale),
+            ("dense sdpa (flash)", lambda qd=qd, kd=kd, vd=vd:
+                F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale), True))
+        if added and not args.no_check:  # same values as the dense SDPA inputs: check agreement
+            out = tri.prefill_attention(q, kc, vc, tables, cu, lens, qlen, scale).view(nseq, qlen, hq, d)
+            ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale).transpose(1, 2)
+            cases[-1][0].results["max_abs_err_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+
+    if not args.no_check:  # decode: Triton vs gather + SDPA on the benchmark inputs
+        for case, fn, ref in cases:
+            if case.kernel == "paged_decode_attention":
+                case.results["max_abs_err_vs_sdpa"] = (fn().float() - ref[1]().float()).abs().max().item()
+
+    rows = []
+    header = f"{'case':44s} {'triton us':>10s} {'GB/s':>8s} {'%copy':>6s} {'TFLOP/s':>8s} {'ref':>20s} {'ref us':>10s} {'speedup':>8s}"
+    print(header)
+    bar = tqdm(cases, desc="kernels", unit="case", file=sys.stderr)
+    t0 = time.time()
+    for case, fn, ref in bar:
+        bar.set_postfix_str(case.name)
+        ms = timer(fn, graph=True)
+        res = case.results
+        res["triton_us"] = ms * 1e3
+        res["GBps"] = case.bytes / (ms * 1e-3) / 1e9
+        res["frac_copy_bw"] = case.bytes / (ms * 1e-3) / copy_bw
+        if case.flops:
+            res["TFLOPs"] = case.flops / (ms * 1e-3) / 1e12
+        if ref is not None and not args.no_reference:
+            ref_name, ref_fn, graphable = ref
+            ref_ms = timer(ref_fn, graph=graphable)
+            res.update(ref=ref_name, ref_us=ref_ms * 1e3, speedup_vs_ref=ref_ms / ms)
+        tflops = f"{res['TFLOPs']:8.1f}" if case.flops else f"{'':8s}"
+        bar.write(f"{case.name:44s} {res['triton_us']:10.1f} {res['GBps']:8.0f} {100 * res['frac_copy_bw']:5.1f}% "
+                  f"{tflops} {res.get('ref', '-'):>20s} {res.get('ref_us', math.nan):10.1f} "
+                  f"{res.get('speedup_vs_ref', math.nan):7.2f}x")
+        rows.append(asdict(case))
+    print(f"done: {len(rows)} cases in {time.time() - t0:.0f} s")
+
+    sweep = []
+    if args.sweep:  # tuning data for the decode kernel's constants, same inputs as above
+        variants = [(bn, st, nw) for bn in (32, 64, 128) for st in (2, 3, 4) for nw in (4, 8)]
+        for case, _, _ in (c for c in cases if c[0].kernel == "paged_decode_attention"):
+            fn_inputs = decode_inputs[case.name]
+            for bn, st, nw in tqdm(variants, desc=f"sweep {case.name}", file=sys.stderr):
+                try:
+                    ms = timer(lambda: paged_decode_attention_impl(*fn_inputs, scale, block_n=bn, num_stages=st,
+                                                                   num_warps=nw))
+                except Exception as exc:  # e.g. out of shared memory for a big tile
+                    sweep.append(dict(case=case.name, block_n=bn, num_stages=st, num_warps=nw, error=str(exc)[:200]))
+                    continue
+                frac = case.bytes / (ms * 1e-3) / copy_bw
+                sweep.append(dict(case=case.name, block_n=bn, num_stages=st, num_warps=nw, us=ms * 1e3,
+                                  frac_copy_bw=frac))
+                tqdm.write(f"  {case.name:40s} BLOCK_N={bn:3d} stages={st} warps={nw}: {ms * 1e3:8.1f} us "
+                           f"{100 * frac:5.1f}% copy bw")
+
+    result = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        python=platform.python_version(), copy_bandwidth_GBps=copy_bw / 1e9, iters=args.iters, cases=rows,
+        decode_sweep=sweep,
+    )
+    if args.out:
+        import pathlib
+
+        path = pathlib.Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
