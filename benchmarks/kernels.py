@@ -92,8 +92,9 @@ class Timer:
 
 def copy_bandwidth(torch, timer: Timer) -> float:
     """Bytes read + written per second by a large device-to-device copy (the roofline)."""
+    # fp32 elements: a byte-typed copy_ takes a slower, narrower path and under-reports HBM.
     n = COPY_BYTES
-    src = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    src = torch.empty(n // 4, dtype=torch.float32, device=DEVICE)
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
     del src, dst

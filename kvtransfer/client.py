@@ -1,0 +1,169 @@
+"""Decode side of the KV pull (protocol diagram in server.py): connect, ask for the lease,
+receive the packed payload into staging, verify, unpack into the destination blocks, confirm.
+
+Every wait has a timeout; a failure raises `KvTransferError` with a reason label, and the
+endpoint involved is aborted instead of being returned to the pool (re-created next time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from splitserve.kernels import ops
+from splitserve.kvtransfer.buffers import TransferStream, ucx_view
+from splitserve.kvtransfer.checksum import payload_checksum
+from splitserve.kvtransfer.config import KvTransferConfig
+from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
+from splitserve.kvtransfer.metrics import TRANSFER_BYTES, TRANSFER_FAILURES, TRANSFER_GBPS, TRANSFER_SECONDS
+from splitserve.protos import kv_pb2
+
+_STATUS_REASON = {
+    kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN: "lease_unknown",
+    kv_pb2.KV_PULL_STATUS_LEASE_EXPIRED: "lease_expired",
+    kv_pb2.KV_PULL_STATUS_INCOMPATIBLE: "incompatible",
+}
+
+
+class KvTransferError(RuntimeError):
+    """A pull that did not deliver; `reason` labels the metric, `status` maps to gRPC."""
+
+    def __init__(self, reason: str, message: str, status: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+
+
+@dataclass(frozen=True)
+class PullStats:
+    num_bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.num_bytes / max(self.seconds, 1e-9) / 1e9
+
+
+class _EndpointPool:
+    def __init__(self, connect_timeout_s: float) -> None:
+        self.timeout = connect_timeout_s
+        self.idle: dict[tuple[str, int], list] = defaultdict(list)
+
+    async def acquire(self, host: str, port: int):
+        idle = self.idle[(host, port)]
+        while idle:
+            ep = idle.pop()
+            if not ep.closed:
+                return ep
+        import ucxx
+
+        try:
+            return await asyncio.wait_for(
+                ucxx.create_endpoint(host, port, connect_timeout=self.timeout), self.timeout + 1
+            )
+        except Exception as exc:  # timeout or refused: either way the peer is unreachable now
+            raise KvTransferError("connect", f"cannot reach the prefill worker's UCX listener at "
+                                  f"{host}:{port}: {exc or type(exc).__name__}") from exc
+
+    def release(self, host: str, port: int, ep) -> None:
+        if not ep.closed:
+            self.idle[(host, port)].append(ep)
+
+    def close(self) -> None:
+        for eps in self.idle.values():
+            for ep in eps:
+                ep.abort()
+        self.idle.clear()
+
+
+class KvTransferClient:
+    def __init__(self, kv_cache: torch.Tensor, spec: PoolSpec, config: KvTransferConfig) -> None:
+        self.kv_cache = kv_cache
+        self.spec = spec
+        self.config = config
+        self.stream = TransferStream(kv_cache.device)
+        self.pool = _EndpointPool(config.connect_timeout_s)
+
+    async def pull(self, handle: kv_pb2.KvHandle, dest_blocks: list[int]) -> PullStats:
+        try:
+            return await self._pull(handle, dest_blocks)
+        except KvTransferError as exc:
+            TRANSFER_FAILURES.labels(exc.reason).inc()
+            raise
+
+    async def _pull(self, handle: kv_pb2.KvHandle, dest_blocks: list[int]) -> PullStats:
+        try:
+            check_compatible(handle, self.spec)
+        except KvIncompatibleError as exc:
+            raise KvTransferError("incompatible", str(exc), grpc.StatusCode.FAILED_PRECONDITION) from exc
+        if len(dest_blocks) != handle.num_blocks:
+            raise KvTransferError("invalid", f"{len(dest_blocks)} destination blocks for a handle of "
+                                  f"{handle.num_blocks}", grpc.StatusCode.INVALID_ARGUMENT)
+        host, port = handle.address.host, handle.address.port
+        start = time.perf_counter()
+        ep = await self.pool.acquire(host, port)
+        try:
+            nbytes = await self._exchange(ep, handle, dest_blocks)
+        except BaseException:
+            ep.abort()  # a half-used endpoint may hold stray messages: never reuse it
+            raise
+        self.pool.release(host, port, ep)
+        stats = PullStats(nbytes, time.perf_counter() - start)
+        TRANSFER_SECONDS.observe(stats.seconds)
+        TRANSFER_BYTES.labels("received").inc(nbytes)
+        TRANSFER_GBPS.set(stats.gbps)
+        return stats
+
+    async def _exchange(self, ep, handle: kv_pb2.KvHandle, dest_blocks: list[int]) -> int:
+        cfg = self.config
+        request = kv_pb2.KvPullRequest(lease_id=handle.lease_id, request_id=handle.request_id,
+                                       max_message_bytes=cfg.max_message_bytes, **self.spec.fields())
+        try:
+            await asyncio.wait_for(ep.send_obj(request.SerializeToString()), cfg.lease_request_timeout_s)
+            raw = await asyncio.wait_for(ep.recv_obj(), cfg.lease_request_timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise KvTransferError("lease_timeout", f"no answer to the lease request within "
+                                  f"{cfg.lease_request_timeout_s}s") from exc
+        except Exception as exc:
+            raise KvTransferError("peer_failed", f"prefill worker failed during the lease request: {exc}") from exc
+        reply = kv_pb2.KvPullReply.FromString(bytes(raw))
+        if reply.status != kv_pb2.KV_PULL_STATUS_OK:
+            reason = _STATUS_REASON.get(reply.status, "rejected")
+            status = grpc.StatusCode.FAILED_PRECONDITION if reason == "incompatible" else grpc.StatusCode.UNAVAILABLE
+            raise KvTransferError(reason, reply.message or f"pull rejected ({reason})", status)
+        shape = (self.spec.num_layers, 2, len(dest_blocks), *self.kv_cache.shape[3:])
+        staging = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        payload = staging.reshape(-1).view(torch.uint8)
+        if reply.payload_bytes != payload.numel() or reply.num_messages < 1:
+            raise KvTransferError("invalid", f"payload of {reply.payload_bytes} bytes in {reply.num_messages} "
+                                  f"messages; expected {payload.numel()} bytes")
+        chunk = -(-payload.numel() // reply.num_messages)
+        try:
+            await asyncio.wait_for(self._receive(ep, payload, chunk), cfg.data_timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise KvTransferError("data_timeout", f"KV payload not received within {cfg.data_timeout_s}s") from exc
+        except Exception as exc:
+            raise KvTransferError("peer_failed", f"prefill worker failed mid-transfer: {exc}") from exc
+        if cfg.verify_checksum and payload_checksum(staging) != reply.checksum:
+            await ep.send_obj(kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=False).SerializeToString())
+            raise KvTransferError("checksum", "KV payload failed its checksum (corrupted or truncated); "
+                                  "it was discarded")
+        self.stream.after_engine()
+        with self.stream.context():
+            ids = torch.tensor(dest_blocks, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
+            ops.unpack_kv_blocks(staging, self.kv_cache, ids)
+        await self.stream.wait()
+        await ep.send_obj(kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=True).SerializeToString())
+        return payload.numel()
+
+    async def _receive(self, ep, payload: torch.Tensor, chunk: int) -> None:
+        for offset in range(0, payload.numel(), chunk):
+            await ep.recv(ucx_view(payload[offset : offset + chunk]))
+
+    def close(self) -> None:
+        self.pool.close()

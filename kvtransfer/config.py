@@ -1,0 +1,22 @@
+"""Transfer settings: every wait has a timeout; a failed pull follows a stated policy."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class KvTransferConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    connect_timeout_s: float = Field(5.0, gt=0, description="UCX endpoint connect")
+    lease_request_timeout_s: float = Field(5.0, gt=0, description="pull request -> reply")
+    data_timeout_s: float = Field(30.0, gt=0, description="whole payload receive")
+    # recompute: the decode worker recomputes the prompt itself (same tokens, later);
+    # fail: the request ends with UNAVAILABLE.
+    failure_policy: Literal["recompute", "fail"] = "recompute"
+    max_message_bytes: int = Field(256 * 2**20, ge=2**20, description="payload split above this size")
+    verify_checksum: bool = True
+    listen_host: str = "127.0.0.1"
+    listen_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")

@@ -1,0 +1,153 @@
+"""Prefill side of the KV pull: a UCX listener that serves leased blocks.
+
+    decode worker                                   prefill worker (this listener)
+    ─────────────                                   ──────────────────────────────
+    allocate destination blocks
+    connect (endpoint pool) ───────────────────────▶ accept
+    KvPullRequest(lease, geometry, hash) ──────────▶ check geometry + hash, look up lease
+                                     ◀────────────── KvPullReply(status, bytes, checksum)
+                                                     pack all layers' K and V of the lease's
+                                                     blocks into one staging buffer (pack kernel)
+    receive into staging  ◀════ payload in 1..k messages (never one per block)
+    verify checksum, unpack into its blocks
+    KvPullDone(ok) ────────────────────────────────▶ release the lease (blocks freed or cached)
+
+One pull owns an endpoint at a time, so messages of two pulls never interleave; an endpoint
+serves pulls one after another until the peer closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from splitserve.kernels import ops
+from splitserve.kvtransfer.buffers import TransferStream, ucx_view
+from splitserve.kvtransfer.checksum import payload_checksum
+from splitserve.kvtransfer.config import KvTransferConfig
+from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
+from splitserve.kvtransfer.metrics import TRANSFER_BYTES, UCX_TRANSPORTS
+from splitserve.protos import kv_pb2
+
+log = logging.getLogger("splitserve.kvtransfer")
+
+
+class LeaseLookupError(LookupError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class LeaseSource(Protocol):
+    """The prefill worker's lease table, as the listener sees it (thread-safe)."""
+
+    def lease_blocks(self, lease_id: str, request_id: str) -> list[int]:
+        """The lease's block ids in table order; raises LeaseLookupError."""
+
+    def lease_pulled(self, lease_id: str, ok: bool) -> None:
+        """The decode side is done with the lease (ok: it has the data)."""
+
+
+@dataclass(frozen=True)
+class TransferFaults:
+    """Fault-injection seam for tests: what the listener does wrong on purpose."""
+
+    corrupt_payload: bool = False
+    truncate_payload: bool = False
+    stall_before_payload_s: float = 0.0
+
+
+class KvTransferServer:
+    def __init__(self, kv_cache: torch.Tensor, spec: PoolSpec, leases: LeaseSource,
+                 config: KvTransferConfig, faults: TransferFaults | None = None) -> None:
+        self.kv_cache = kv_cache
+        self.spec = spec
+        self.leases = leases
+        self.config = config
+        self.faults = faults or TransferFaults()
+        self.stream = TransferStream(kv_cache.device)
+        self._listener = None
+        self._handlers: set[asyncio.Task] = set()
+
+    @property
+    def port(self) -> int:
+        return self._listener.port
+
+    async def start(self) -> int:
+        import ucxx
+
+        self._listener = ucxx.create_listener(self._on_connect, self.config.listen_port)
+        transports = sorted(ucxx.get_active_transports())
+        for t in transports:
+            UCX_TRANSPORTS.labels(t).set(1)
+        log.info("UCX listener on port %d; transports available: %s", self.port, ", ".join(transports))
+        return self.port
+
+    async def _on_connect(self, ep) -> None:
+        task = asyncio.current_task()
+        self._handlers.add(task)
+        try:
+            while not ep.closed:
+                raw = await ep.recv_obj()
+                req = kv_pb2.KvPullRequest.FromString(bytes(raw))
+                await self._serve(ep, req)
+        except Exception as exc:  # the peer closed or died: nothing to clean but the endpoint
+            log.debug("KV endpoint closed: %s", exc)
+        finally:
+            self._handlers.discard(task)
+            if not ep.closed:
+                ep.abort()
+
+    def _reply_error(self, status: int, message: str) -> kv_pb2.KvPullReply:
+        return kv_pb2.KvPullReply(status=status, message=message)
+
+    async def _serve(self, ep, req: kv_pb2.KvPullRequest) -> None:
+        try:
+            check_compatible(req, self.spec)
+            blocks = self.leases.lease_blocks(req.lease_id, req.request_id)
+        except KvIncompatibleError as exc:
+            await ep.send_obj(self._reply_error(kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, str(exc)).SerializeToString())
+            return
+        except LeaseLookupError as exc:
+            await ep.send_obj(self._reply_error(exc.status, str(exc)).SerializeToString())
+            return
+        self.stream.after_engine()
+        with self.stream.context():
+            ids = torch.tensor(blocks, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
+            packed = ops.pack_kv_blocks(self.kv_cache, ids)
+            checksum = payload_checksum(packed) if self.config.verify_checksum else 0
+        await self.stream.wait()
+        payload = packed.reshape(-1).view(torch.uint8)
+        chunk = max(1, min(self.config.max_message_bytes, req.max_message_bytes or self.config.max_message_bytes))
+        pieces = [payload[i : i + chunk] for i in range(0, payload.numel(), chunk)]
+        reply = kv_pb2.KvPullReply(status=kv_pb2.KV_PULL_STATUS_OK, payload_bytes=payload.numel(),
+                                   num_messages=len(pieces), num_blocks=len(blocks), checksum=checksum)
+        await ep.send_obj(reply.SerializeToString())
+        pieces = self._apply_faults(pieces)
+        if self.faults.stall_before_payload_s:
+            await asyncio.sleep(self.faults.stall_before_payload_s)
+        for piece in pieces:
+            await ep.send(ucx_view(piece))
+        TRANSFER_BYTES.labels("sent").inc(payload.numel())
+        done = kv_pb2.KvPullDone.FromString(bytes(await ep.recv_obj()))
+        self.leases.lease_pulled(done.lease_id or req.lease_id, done.ok)
+
+    def _apply_faults(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.faults.corrupt_payload:
+            pieces = [p.clone() for p in pieces]
+            pieces[0][: min(64, pieces[0].numel())] ^= 0x5A
+        if self.faults.truncate_payload:
+            pieces = [p.clone() for p in pieces]
+            pieces[-1][pieces[-1].numel() // 2 :] = 0  # same length on the wire, half the bytes lost
+        return pieces
+
+    async def close(self) -> None:
+        for task in list(self._handlers):
+            task.cancel()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None

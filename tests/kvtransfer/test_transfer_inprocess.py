@@ -1,0 +1,144 @@
+"""KV pulls over real UCX (TCP loopback on CPU): a listener and a client in one event loop,
+two separate pools. Worker-level hand-over between processes is tested with the workers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import grpc
+import pytest
+import torch
+
+from splitserve.kvtransfer.client import KvTransferClient, KvTransferError
+from splitserve.kvtransfer.config import KvTransferConfig
+from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
+from splitserve.kvtransfer.server import KvTransferServer, LeaseLookupError, TransferFaults
+from splitserve.protos import kv_pb2
+
+SHAPE = (2, 2, 80, 16, 2, 64)  # 32 KiB per block (fp32)
+
+
+class Leases:
+    def __init__(self):
+        self.table: dict[str, list[int]] = {}
+        self.expired: set[str] = set()
+        self.pulled: list[tuple[str, bool]] = []
+
+    def lease_blocks(self, lease_id, request_id):
+        if lease_id in self.expired:
+            raise LeaseLookupError(kv_pb2.KV_PULL_STATUS_LEASE_EXPIRED, f"lease {lease_id} expired")
+        if lease_id not in self.table:
+            raise LeaseLookupError(kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN, f"no lease {lease_id}")
+        return self.table[lease_id]
+
+    def lease_pulled(self, lease_id, ok):
+        self.pulled.append((lease_id, ok))
+        self.table.pop(lease_id, None)
+
+
+def _pools(dst_block_size=16, dst_hash="h"):
+    src = torch.randn(SHAPE)
+    dst_shape = (*SHAPE[:3], dst_block_size, *SHAPE[4:])
+    dst = torch.zeros(dst_shape)
+    return src, PoolSpec.of(src, "h"), dst, PoolSpec.of(dst, dst_hash)
+
+
+async def _run(faults=None, dst_block_size=16, dst_hash="h", blocks=(5, 9, 3, 70, 11, 40, 41, 42), cfg=None,
+               lease="L1", register=True):
+    cfg = cfg or KvTransferConfig(max_message_bytes=2**20, data_timeout_s=3, lease_request_timeout_s=3)
+    src, src_spec, dst, dst_spec = _pools(dst_block_size, dst_hash)
+    leases = Leases()
+    if register:
+        leases.table[lease] = list(blocks)
+    server = KvTransferServer(src, src_spec, leases, cfg, faults)
+    port = await server.start()
+    client = KvTransferClient(dst, dst_spec, cfg)
+    handle = make_handle(src_spec, host="127.0.0.1", port=port, lease_id=lease, request_id="r1",
+                         num_blocks=len(blocks), num_tokens=len(blocks) * 16 - 3, ttl_s=30)
+    dest = [1 + i for i in range(len(blocks))]
+    try:
+        stats = await client.pull(handle, dest)
+        for _ in range(200):  # the listener handles KvPullDone after the client returns
+            if leases.pulled:
+                break
+            await asyncio.sleep(0.01)
+        return src, dst, dest, blocks, leases, stats
+    finally:
+        client.close()
+        await server.close()
+
+
+def test_pull_moves_every_layer_k_and_v_in_few_messages():
+    blocks = tuple(range(2, 66))  # 64 blocks = 2 MiB -> 2 messages of 1 MiB
+    src, dst, dest, blocks, leases, stats = asyncio.run(_run(blocks=blocks))
+    assert torch.equal(dst[:, :, dest], src[:, :, list(blocks)])
+    untouched = [b for b in range(SHAPE[2]) if b not in dest]
+    assert torch.count_nonzero(dst[:, :, untouched]) == 0
+    assert leases.pulled == [("L1", True)] and stats.num_bytes == 64 * 32 * 1024
+
+
+def test_unknown_and_expired_leases_fail_cleanly():
+    with pytest.raises(KvTransferError) as info:
+        asyncio.run(_run(register=False))
+    assert info.value.reason == "lease_unknown" and info.value.status == grpc.StatusCode.UNAVAILABLE
+
+    async def expired():
+        cfg = KvTransferConfig(data_timeout_s=3, lease_request_timeout_s=3)
+        src, spec, dst, dspec = _pools()
+        leases = Leases()
+        leases.expired.add("old")
+        server = KvTransferServer(src, spec, leases, cfg)
+        port = await server.start()
+        client = KvTransferClient(dst, dspec, cfg)
+        try:
+            await client.pull(make_handle(spec, host="127.0.0.1", port=port, lease_id="old", request_id="r",
+                                          num_blocks=1, num_tokens=4, ttl_s=1), [1])
+        finally:
+            client.close()
+            await server.close()
+
+    with pytest.raises(KvTransferError) as info:
+        asyncio.run(expired())
+    assert info.value.reason == "lease_expired"
+
+
+def test_layout_mismatch_is_failed_precondition_before_any_byte_moves():
+    with pytest.raises(KvTransferError) as info:
+        asyncio.run(_run(dst_block_size=8))
+    assert info.value.status == grpc.StatusCode.FAILED_PRECONDITION
+    assert "block_size" in str(info.value)
+    with pytest.raises(KvTransferError, match="model_compat_hash") as info:
+        asyncio.run(_run(dst_hash="other-model"))
+    assert info.value.reason == "incompatible"
+
+
+def test_corrupted_or_truncated_payload_is_detected_and_discarded():
+    for faults in (TransferFaults(corrupt_payload=True), TransferFaults(truncate_payload=True)):
+        with pytest.raises(KvTransferError, match="checksum") as info:
+            asyncio.run(_run(faults=faults))
+        assert info.value.reason == "checksum"
+
+
+def test_dead_peer_and_stalled_peer_time_out():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free_port = s.getsockname()[1]
+    cfg = KvTransferConfig(connect_timeout_s=1)
+
+    async def dead():
+        src, spec, dst, dspec = _pools()
+        client = KvTransferClient(dst, dspec, cfg)
+        try:
+            await client.pull(make_handle(spec, host="127.0.0.1", port=free_port, lease_id="x", request_id="r",
+                                          num_blocks=1, num_tokens=1, ttl_s=1), [1])
+        finally:
+            client.close()
+
+    with pytest.raises(KvTransferError) as info:
+        asyncio.run(asyncio.wait_for(dead(), 15))
+    assert info.value.reason == "connect"
+    stall = KvTransferConfig(data_timeout_s=0.5, lease_request_timeout_s=2)
+    with pytest.raises(KvTransferError) as info:
+        asyncio.run(_run(faults=TransferFaults(stall_before_payload_s=3), cfg=stall))
+    assert info.value.reason == "data_timeout"
