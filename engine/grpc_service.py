@@ -1,0 +1,175 @@
+"""One grpc.aio server per process, the same for every service (workers and router).
+
+    GrpcServer(cfg, registry)        health: all services NOT_SERVING
+      .add(add_fn, servicer, name)
+      await .start()                 bound; reflection on; metrics exporter up
+      await .set_serving(True)       health: SERVING (after warm-up)
+      await .serve_until_signal()    SIGTERM/SIGINT -> drain():
+                                       health NOT_SERVING (for good), stop accepting,
+                                       in-flight RPCs get `drain_grace_s` to finish,
+                                       then they are cancelled and the server stops
+
+Health and reflection are the grpc libraries' own servicers; metrics are
+prometheus-client's own HTTP exporter over the service's registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ServerConfig(BaseModel):
+    """Where and how a service listens."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 for all interfaces")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
+    advertise_host: str | None = Field(None, min_length=1, description="host peers use to reach this one; "
+                                                                       "None: `host`")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; None: off")
+    drain_grace_s: float = Field(30.0, ge=0, description="time in-flight RPCs get to finish on SIGTERM")
+    max_message_mb: int = Field(64, gt=0, le=2047)
+    keepalive_time_s: float = Field(30.0, gt=0)
+    keepalive_timeout_s: float = Field(10.0, gt=0)
+
+    @property
+    def public_host(self) -> str:
+        """The host peers should dial: advertise_host, else host (this machine's name when bound
+        to all interfaces)."""
+        if self.advertise_host:
+            return self.advertise_host
+        return socket.gethostname() if self.host in ("0.0.0.0", "::", "[::]") else self.host
+
+
+def _common_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    size = cfg.max_message_mb * 2**20
+    return [
+        ("grpc.max_send_message_length", size),
+        ("grpc.max_receive_message_length", size),
+        ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    return _common_options(cfg) + [
+        # accept the client pings that channel_options() sends
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", int(cfg.keepalive_time_s * 500)),
+        # a second process on the same port must fail to bind, not share it silently
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def channel_options(cfg: ServerConfig | None = None) -> list[tuple[str, int]]:
+    """Options for a client channel to a splitserve service (same message size and keepalive)."""
+    return _common_options(cfg or ServerConfig())
+
+
+def service_name(file_descriptor, service: str) -> str:
+    """Fully qualified gRPC service name, e.g. `splitserve.v1.PrefillWorker`."""
+    return file_descriptor.services_by_name[service].full_name
+
+
+class GrpcServer:
+    def __init__(self, cfg: ServerConfig, registry: CollectorRegistry | None = None) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.health = health.aio.HealthServicer()
+        self._server = grpc.aio.server(options=server_options(cfg))
+        self._names: list[str] = []
+        self._metrics_http = None
+        self._draining = False
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.public_host}:{self.port}"
+
+    def add(self, add_to_server: Callable, servicer, name: str) -> None:
+        add_to_server(servicer, self._server)
+        self._names.append(name)
+
+    async def start(self) -> None:
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            [*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+        await self.set_serving(False)
+        target = f"{self.cfg.host}:{self.cfg.port}"
+        try:
+            self.port = self._server.add_insecure_port(target)
+        except RuntimeError:
+            self.port = 0
+        if not self.port:
+            raise RuntimeError(f"cannot listen on {target}: the port is in use or the host is not a local "
+                               "address; pick another --port (0 picks a free one) or --host")
+        await self._server.start()
+        if self.cfg.metrics_port is not None:
+            try:
+                self._metrics_http, _ = start_http_server(
+                    self.cfg.metrics_port, addr=self.cfg.host, registry=self.registry or REGISTRY)
+            except OSError as exc:
+                await self._server.stop(None)
+                raise RuntimeError(f"cannot serve metrics on {self.cfg.host}:{self.cfg.metrics_port} ({exc}); "
+                                   "pick another --metrics-port") from None
+            self.metrics_port = self._metrics_http.server_port
+
+    async def set_serving(self, serving: bool) -> None:
+        """Health of every service and of the server as a whole ('')."""
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", *self._names):
+            await self.health.set(name, status)
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING for good, refuse new RPCs, give in-flight ones `grace_s`, then stop.
+        Idempotent."""
+        if self._draining:
+            return
+        self._draining = True
+        await self.health.enter_graceful_shutdown()
+        grace = self.cfg.drain_grace_s if grace_s is None else grace_s
+        await self._server.stop(grace)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+            self._metrics_http = None
+
+    async def serve_until_signal(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> int:
+        """Serves until one of `signals` (or until the server stops); drains; returns the signal number
+        (0 when the server stopped by itself)."""
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[int] = loop.create_future()
+        for sig in signals:
+            loop.add_signal_handler(sig, lambda s=sig: got.done() or got.set_result(s))
+        stopped = asyncio.ensure_future(self._server.wait_for_termination())
+        try:
+            await asyncio.wait([got, stopped], return_when=asyncio.FIRST_COMPLETED)
+            received = got.result() if got.done() else 0
+            if received:
+                log.info("received %s: draining (grace %.1fs)", signal.Signals(received).name, self.cfg.drain_grace_s)
+            await self.drain()
+            return received
+        finally:
+            stopped.cancel()
+            for sig in signals:
+                with contextlib.suppress(ValueError, RuntimeError):
+                    loop.remove_signal_handler(sig)

@@ -1,0 +1,119 @@
+"""Between the wire (generate.proto / worker.proto) and the engine's types.
+
+Inbound, everything is validated before any allocation; a bad value raises
+`RequestError(INVALID_ARGUMENT, ...)` whose message names the field and says how to fix it.
+Outbound, engine results become proto messages. Shared by the workers and the router.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+from splitserve.engine.errors import RequestError
+from splitserve.engine.sampler import TokenLogprobs
+from splitserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, validate_against_vocab
+from splitserve.protos import generate_pb2
+
+# How to fix each sampling field, appended to pydantic's description of what is wrong.
+_HINTS = {
+    "max_tokens": "use at least 1, or leave it unset to generate up to max_model_len",
+    "temperature": "use a finite value >= 0 (0 is greedy), or leave it unset for 1.0",
+    "top_p": "use a value in (0, 1]; 1 (or unset) turns nucleus sampling off",
+    "top_k": "use 0 (off) or at least 1",
+    "min_p": "use a value in [0, 1]; 0 turns it off",
+    "seed": "use an integer in [0, 2^64)",
+    "repetition_penalty": "use a finite value > 0; 1 (or unset) turns it off",
+    "presence_penalty": "use a value in [-2, 2]; 0 turns it off",
+    "frequency_penalty": "use a value in [-2, 2]; 0 turns it off",
+    "stop": "drop empty stop strings",
+    "logprobs": f"ask for at most {MAX_LOGPROBS} alternatives, or leave it unset",
+}
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
+_PLAIN = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "include_stop_str_in_output", "ignore_eos")
+
+_FINISH = {
+    None: generate_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": generate_pb2.FINISH_REASON_STOP,
+    "length": generate_pb2.FINISH_REASON_LENGTH,
+    "abort": generate_pb2.FINISH_REASON_ABORT,
+}
+
+
+def validate_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int,
+                    field: str = "prompt_token_ids") -> None:
+    """A prompt the model can take: non-empty, ids in the vocabulary, room for one new token."""
+    if not token_ids:
+        raise RequestError.invalid(f"{field} is empty; send at least one token")
+    bad = next((i for i, t in enumerate(token_ids) if t >= vocab_size or t < 0), None)
+    if bad is not None:
+        raise RequestError.invalid(
+            f"{field}[{bad}] = {token_ids[bad]} is outside the model's vocabulary (size {vocab_size}); "
+            "tokenize with this model's tokenizer")
+    if len(token_ids) >= max_model_len:
+        raise RequestError.invalid(
+            f"{field} has {len(token_ids)} tokens but max_model_len is {max_model_len} (prompt plus at "
+            f"least one generated token must fit); shorten the prompt to at most {max_model_len - 1} tokens")
+
+
+def sampling_params_from_proto(msg: generate_pb2.SamplingParams | None, *, prompt_len: int,
+                               max_model_len: int, vocab_size: int,
+                               field: str = "sampling") -> SamplingParams:
+    """proto SamplingParams -> engine SamplingParams. Unset max_tokens means "up to
+    max_model_len", as generate.proto documents (not the engine's default of 16)."""
+    msg = msg if msg is not None else generate_pb2.SamplingParams()
+    if msg.min_tokens:
+        raise RequestError.invalid(f"{field}.min_tokens is not supported by this server yet; leave it 0")
+    values: dict = {name: getattr(msg, name) for name in _PLAIN}
+    values |= {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
+    values.setdefault("max_tokens", max(1, max_model_len - prompt_len))
+    values["stop"] = tuple(msg.stop)
+    values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        if name in values and not math.isfinite(values[name]):  # say it plainly; pydantic says "finite number"
+            raise RequestError.invalid(f"{field}.{name} is {values[name]}; {_HINTS[name]}")
+    try:
+        params = SamplingParams(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else ""
+        where = ".".join(str(p) for p in (field, *err["loc"]))
+        hint = f"; {_HINTS[name]}" if name in _HINTS else ""
+        raise RequestError.invalid(f"{where} = {err.get('input')!r}: {err['msg']}{hint}") from None
+    try:
+        validate_against_vocab(params, vocab_size)
+    except ValueError as exc:
+        raise RequestError.invalid(f"{field}.{exc}") from None
+    return params
+
+
+def validate_request(prompt_token_ids: Sequence[int], sampling: generate_pb2.SamplingParams | None, *,
+                     vocab_size: int, max_model_len: int) -> SamplingParams:
+    """The checks every service runs on a request before allocating anything."""
+    validate_prompt(prompt_token_ids, vocab_size, max_model_len)
+    return sampling_params_from_proto(sampling, prompt_len=len(prompt_token_ids),
+                                      max_model_len=max_model_len, vocab_size=vocab_size)
+
+
+def logprob_to_proto(lp: TokenLogprobs) -> generate_pb2.TokenLogprob:
+    return generate_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top_logprobs=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def finish_reason_to_proto(reason: str | None) -> int:
+    try:
+        return _FINISH[reason]
+    except KeyError:
+        raise ValueError(f"unknown finish reason {reason!r}; expected one of {sorted(map(str, _FINISH))}") from None
+
+
+def stop_reason_to_proto(reason: str | int | None) -> generate_pb2.StopReason | None:
+    """A matched stop string or stop token id; None for EOS and non-stop endings."""
+    if reason is None:
+        return None
+    if isinstance(reason, str):
+        return generate_pb2.StopReason(stop_str=reason)
+    return generate_pb2.StopReason(stop_token_id=reason)

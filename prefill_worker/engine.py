@@ -1,0 +1,272 @@
+"""The prefill engine: scheduler + prefix cache + leases around one ModelRunner.
+
+    event-loop thread (owns every piece of state)        step thread (one, owns the model)
+    ─────────────────────────────────────────────        ─────────────────────────────────
+    prefill() / abort() / release_lease()   (gRPC handlers)
+    _loop: expire leases, schedule ─── chunks, rows to sample ──▶ runner.prefill + sampler
+           post-step: register full blocks,  ◀── first tokens ───┘
+           grant leases, resolve futures
+
+Only the loop thread touches the allocator, so nothing is locked. A sequence aborted while
+its chunk is in the step thread is only marked; the post-step pass frees it (one step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from splitserve.engine.block_allocator import NULL_BLOCK, BlockAllocator
+from splitserve.engine.block_hash import ROOT_HASH, block_hashes
+from splitserve.engine.errors import RequestError
+from splitserve.engine.model_runner import ModelRunner, PrefillChunk
+from splitserve.engine.sampler import SampleOutput, Sampler, SeqSamplingInfo
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.stop_checker import StopChecker
+from splitserve.prefill_worker.config import PrefillWorkerConfig
+from splitserve.prefill_worker.leases import Lease, LeaseTable
+from splitserve.prefill_worker.metrics import PrefillMetrics
+from splitserve.prefill_worker.prefix_cache import PrefixCache
+from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
+from splitserve.prefill_worker.scheduler import PrefillScheduler, ScheduledChunk
+
+log = logging.getLogger(__name__)
+
+
+class PrefillEngine:
+    def __init__(self, cfg: PrefillWorkerConfig, runner: ModelRunner, metrics: PrefillMetrics | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+        self.cfg = cfg
+        self.runner = runner
+        self.metrics = metrics or PrefillMetrics()
+        self.allocator = BlockAllocator(runner.num_blocks)
+        self.cache = PrefixCache(self.allocator, runner.block_size, cfg.enable_prefix_cache)
+        self.scheduler = PrefillScheduler(self.cache, cfg.engine.scheduler)
+        self.leases = LeaseTable()
+        self.sampler = Sampler(cfg.engine.seed)
+        self.eos = tuple(runner.model_config.eos_token_ids)
+        self.fatal: BaseException | None = None
+        self._on_fatal = on_fatal
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-step")
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._in_step: set[PrefillSeq] = set()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.model_config.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self.cfg.warmup:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._warmup)
+        self._task = asyncio.create_task(self._loop(), name="prefill-engine")
+        self._update_gauges()
+
+    def _warmup(self) -> None:
+        bs = self.runner.block_size
+        self.runner.prefill([PrefillChunk([0] * bs, 0, [NULL_BLOCK])])  # the null block takes the scribbles
+        self.runner.zero_kv()
+
+    async def stop(self) -> None:
+        """Ends the loop after its current step; queued requests get UNAVAILABLE; leases go.
+        Idempotent."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        gone = RequestError.unavailable("the prefill worker is shutting down; retry on another worker")
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._abort_seq(seq, gone, "unavailable")
+        for lease in self.leases.pop_all():
+            self.cache.free(lease.block_ids)
+        self._executor.shutdown(wait=True)
+        self._update_gauges()
+
+    # ---- requests (called on the loop thread) -----------------------------------------------
+    async def prefill(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
+                      lease_ttl_s: float) -> PrefillResult:
+        """Queues a validated request and waits for its first token."""
+        if self.fatal is not None or self._stopping or self._task is None:
+            raise RequestError.unavailable("the prefill worker is not serving; retry on another worker")
+        if self.scheduler.find(request_id) is not None:
+            raise RequestError.invalid(f"request_id {request_id!r} is already in flight on this worker; "
+                                       "give every request a unique id")
+        prompt = list(prompt)
+        seq = PrefillSeq(request_id, prompt, params, lease_ttl_s, block_hashes(prompt, self.runner.block_size),
+                         asyncio.get_running_loop().create_future())
+        self.scheduler.add(seq)
+        self._update_gauges()
+        self._wake.set()
+        try:
+            return await seq.future
+        except asyncio.CancelledError:  # the call was cancelled or its deadline passed
+            fut = seq.future
+            if not (fut.done() and not fut.cancelled() and fut.exception() is None):
+                self._abort_seq(seq, None, "cancelled")
+            elif fut.result().lease is not None:  # finished just as the caller left: nobody will pull
+                lease = self.leases.pop(fut.result().lease.lease_id)
+                if lease is not None:
+                    self._drop_lease(lease)
+            raise
+
+    def abort(self, request_id: str) -> bool:
+        """Aborts a queued or running prefill and drops the leases of the request."""
+        seq = self.scheduler.find(request_id)
+        if seq is not None:
+            self._abort_seq(seq, RequestError.cancelled(f"request {request_id!r} was aborted"), "aborted")
+        leases = self.leases.pop_request(request_id)
+        for lease in leases:
+            self._drop_lease(lease)
+        return seq is not None or bool(leases)
+
+    def release_lease(self, lease_id: str, request_id: str = "") -> bool:
+        lease = self.leases.get(lease_id)
+        if lease is None:
+            return False
+        if request_id and request_id != lease.request_id:
+            raise RequestError.invalid(
+                f"lease {lease_id} belongs to request {lease.request_id!r}, not {request_id!r}; "
+                "pass the request_id of the same KvHandle")
+        self._drop_lease(self.leases.pop(lease_id))
+        return True
+
+    # ---- the loop ----------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                await self._iteration()
+        except Exception as exc:  # noqa: BLE001 - a failed model step or a broken invariant is fatal
+            self._die(exc)
+
+    async def _iteration(self) -> None:
+        self._expire_leases()
+        batch = self.scheduler.schedule()
+        self._update_gauges()
+        if not batch:
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.leases.seconds_to_next_expiry())
+            return
+        chunks = [PrefillChunk(c.seq.prompt[c.start:c.end], c.start, tuple(c.seq.block_table)) for c in batch]
+        rows = [i for i, c in enumerate(batch) if c.is_last]
+        infos = [SeqSamplingInfo(batch[i].seq.params, batch[i].seq.prompt, ()) for i in rows]
+        self._in_step = {c.seq for c in batch}
+        start = time.perf_counter()
+        try:
+            sampled = await asyncio.get_running_loop().run_in_executor(self._executor, self._step, chunks, rows, infos)
+        finally:
+            self._in_step = set()
+        self.metrics.step_seconds.observe(time.perf_counter() - start)
+        self.metrics.batch_tokens.observe(sum(c.end - c.start for c in batch))
+        self._after_step(batch, sampled)
+
+    def _step(self, chunks: list[PrefillChunk], rows: list[int], infos: list[SeqSamplingInfo]) -> SampleOutput | None:
+        """Runs in the step thread: the model, then the first tokens of the prompts it finished."""
+        logits = self.runner.prefill(chunks)
+        return self.sampler.sample(logits[rows], infos) if rows else None
+
+    def _after_step(self, batch: list[ScheduledChunk], sampled: SampleOutput | None) -> None:
+        firsts = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled else iter(())
+        for c in batch:
+            seq = c.seq
+            first = next(firsts) if c.is_last else None
+            if seq.aborted or seq.future.done():  # marked during the step
+                self._abort_seq(seq, None, "cancelled")
+                continue
+            seq.num_computed = c.end
+            self._register_blocks(seq)
+            if first is not None:
+                self._complete(seq, *first)
+        self._update_gauges()
+
+    def _register_blocks(self, seq: PrefillSeq) -> None:
+        bs = self.runner.block_size
+        full = seq.num_computed // bs
+        for i in range(seq.num_registered, full):
+            parent = seq.block_hashes[i - 1] if i else ROOT_HASH
+            self.cache.register(seq.block_table[i], seq.block_hashes[i], parent, seq.prompt[i * bs:(i + 1) * bs])
+        seq.num_registered = max(seq.num_registered, full)
+
+    def _complete(self, seq: PrefillSeq, token_id: int, logprob) -> None:
+        self.scheduler.remove(seq)
+        stop = StopChecker(seq.params, self.eos, self.max_model_len, len(seq.prompt)).update(token_id, "")
+        table, seq.block_table = seq.block_table, []
+        if stop.finish_reason is not None:
+            self.cache.free(table)
+            lease = None
+        else:
+            lease = self.leases.grant(seq.request_id, tuple(table), len(seq.prompt), seq.lease_ttl_s)
+        m = self.metrics
+        now = time.perf_counter()
+        m.ttft_seconds.observe(now - seq.arrival)
+        m.queue_seconds.observe((seq.admitted_at or now) - seq.arrival)
+        m.count_prompt(len(seq.prompt), seq.num_cached)
+        m.requests.labels("finished" if lease is None else "leased").inc()
+        seq.future.set_result(PrefillResult(seq.request_id, token_id, logprob, stop.finish_reason, stop.stop_reason,
+                                            len(seq.prompt), seq.num_cached, lease))
+
+    # ---- freeing -------------------------------------------------------------------------------
+    def _abort_seq(self, seq: PrefillSeq, error: RequestError | None, outcome: str) -> None:
+        if not seq.future.done() and error is not None:
+            seq.future.set_exception(error)
+        if not seq.aborted:
+            seq.aborted = True
+            self.metrics.requests.labels(outcome).inc()
+        if seq in self._in_step:
+            return  # the step thread still writes its blocks; _after_step frees them
+        self.scheduler.remove(seq)
+        if seq.block_table:
+            self.cache.free(seq.block_table)
+            seq.block_table = []
+        self._freed()
+
+    def _drop_lease(self, lease: Lease) -> None:
+        self.cache.free(lease.block_ids)
+        self._freed()
+
+    def _expire_leases(self) -> None:
+        for lease in self.leases.pop_expired():
+            log.warning("lease %s of request %s expired after %.1fs uncollected; freeing %d blocks",
+                     lease.lease_id, lease.request_id, lease.ttl_s, len(lease.block_ids))
+            self.metrics.lease_expired.inc()
+            self._drop_lease(lease)
+
+    def _freed(self) -> None:
+        self._update_gauges()
+        self._wake.set()  # waiting requests may fit now
+
+    def _die(self, exc: BaseException) -> None:
+        """A failed step: the engine stops; every request it holds gets UNAVAILABLE."""
+        log.error("prefill engine failed, worker stops serving: %s: %s", type(exc).__name__, exc)
+        log.debug("prefill engine failure", exc_info=exc)
+        self.fatal = exc
+        if self._on_fatal is not None:  # health first, so no caller learns of the failure before it
+            self._on_fatal(exc)
+        err = RequestError.unavailable(f"the prefill worker failed ({type(exc).__name__}: {exc}); "
+                                       "retry on another worker")
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._abort_seq(seq, err, "failed")
+        for lease in self.leases.pop_all():
+            self.cache.free(lease.block_ids)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        m.queue_length.set(len(self.scheduler.waiting))
+        m.running.set(len(self.scheduler.running))
+        m.leases_held.set(len(self.leases))
+        m.blocks_free.set(self.allocator.num_free)
+        m.blocks_used.set(self.allocator.num_usable - self.allocator.num_free)
+        m.cached_blocks.set(self.cache.num_cached_blocks)

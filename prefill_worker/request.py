@@ -1,0 +1,50 @@
+"""Typed messages of the prefill engine, one per direction.
+
+    servicer ──PrefillSeq──▶ engine (scheduler: waiting -> running -> done)
+    servicer ◀─PrefillResult── engine (first token, cached tokens, lease or finish reason)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from splitserve.engine.sampler import TokenLogprobs
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.prefill_worker.leases import Lease
+
+
+@dataclass(eq=False)
+class PrefillSeq:
+    """One context-only request while the engine owns it."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    lease_ttl_s: float
+    block_hashes: list[int]  # of the prompt's full blocks (block_hash.block_hashes)
+    future: asyncio.Future
+    arrival: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # prompt tokens whose KV is in the cache
+    num_cached: int = 0  # of those, served from the prefix cache
+    num_registered: int = 0  # full blocks published to the prefix cache
+    aborted: bool = False
+
+    @property
+    def num_remaining(self) -> int:
+        return len(self.prompt) - self.num_computed
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token_id: int
+    logprob: TokenLogprobs | None
+    finish_reason: str | None  # "stop" / "length" when the first token ends the request
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    lease: Lease | None  # None exactly when finish_reason is set

@@ -1,0 +1,120 @@
+"""PrefillWorker gRPC servicer: proto in, validation, engine call, proto out.
+
+Every per-request failure is a `RequestError` turned into its status here; the engine
+never sees an invalid request (validation runs before any allocation).
+"""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from splitserve.engine.errors import RequestError
+from splitserve.engine.kv_cache import KV_LAYOUT
+from splitserve.engine.proto_convert import (
+    finish_reason_to_proto,
+    logprob_to_proto,
+    stop_reason_to_proto,
+    validate_request,
+)
+from splitserve.prefill_worker.config import PrefillWorkerConfig
+from splitserve.prefill_worker.engine import PrefillEngine
+from splitserve.prefill_worker.leases import Lease
+from splitserve.prefill_worker.request import PrefillResult
+from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
+
+_KV_DTYPES = {torch.float32: kv_pb2.KV_DTYPE_FP32, torch.float16: kv_pb2.KV_DTYPE_FP16,
+              torch.bfloat16: kv_pb2.KV_DTYPE_BF16}
+_KV_LAYOUTS = {"layer_kv_block_token_head_dim": kv_pb2.KV_LAYOUT_LAYER_KV_BLOCK_TOKEN_HEAD_DIM}
+
+
+class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, cfg: PrefillWorkerConfig) -> None:
+        self.cfg = cfg
+        self.engine: PrefillEngine | None = None  # set once the model is loaded and warm
+
+    def _engine(self) -> PrefillEngine:
+        if self.engine is None:
+            raise RequestError.unavailable("the prefill worker is still loading its model; "
+                                           "retry when its health check says SERVING")
+        return self.engine
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
+        try:
+            engine = self._engine()
+            if not request.request_id:
+                raise RequestError.invalid("request_id is empty; give every request a unique id")
+            params = validate_request(
+                request.prompt_token_ids, request.sampling if request.HasField("sampling") else None,
+                vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
+            result = await engine.prefill(request.request_id, request.prompt_token_ids, params,
+                                          self._lease_ttl_s(request.lease_ttl_ms))
+        except RequestError as err:
+            if self.engine is not None and err.code != grpc.StatusCode.CANCELLED:
+                self.engine.metrics.requests.labels(err.code.name.lower()).inc()
+            await err.abort(context)
+        return self._response(result)
+
+    async def Abort(self, request: generate_pb2.AbortRequest, context) -> generate_pb2.AbortResponse:
+        engine = self.engine
+        return generate_pb2.AbortResponse(found=engine is not None and engine.abort(request.request_id))
+
+    async def ReleaseLease(self, request: worker_pb2.ReleaseLeaseRequest, context) -> worker_pb2.ReleaseLeaseResponse:
+        try:
+            released = self._engine().release_lease(request.lease_id, request.request_id)
+        except RequestError as err:
+            await err.abort(context)
+        return worker_pb2.ReleaseLeaseResponse(released=released)
+
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context) -> worker_pb2.WorkerLoad:
+        load = worker_pb2.WorkerLoad(role=generate_pb2.WORKER_ROLE_PREFILL)
+        engine = self.engine
+        if engine is None:
+            return load
+        limit = min(request.max_prefix_hashes, self.cfg.max_prefix_hashes)
+        load.num_running = len(engine.scheduler.running)
+        load.num_waiting = len(engine.scheduler.waiting)
+        load.free_blocks = engine.allocator.num_free
+        load.total_blocks = engine.allocator.num_usable
+        load.block_size = engine.runner.block_size
+        load.prefix_cache.block_hashes.extend(engine.cache.recent_hashes(limit))
+        load.prefix_cache.num_cached_blocks = engine.cache.num_cached_blocks
+        load.leases_held = len(engine.leases)
+        load.model_compat_hash = engine.runner.compat_hash
+        return load
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _lease_ttl_s(self, ttl_ms: int) -> float:
+        if not ttl_ms:
+            return self.cfg.lease_ttl_s
+        if ttl_ms > self.cfg.max_lease_ttl_s * 1000:
+            raise RequestError.invalid(
+                f"lease_ttl_ms {ttl_ms} exceeds this worker's max_lease_ttl_s ({self.cfg.max_lease_ttl_s:g} s); "
+                "ask for less, or 0 for the worker's default")
+        return ttl_ms / 1000
+
+    def _response(self, r: PrefillResult) -> worker_pb2.PrefillResponse:
+        resp = worker_pb2.PrefillResponse(
+            request_id=r.request_id, first_token_id=r.first_token_id,
+            finish_reason=finish_reason_to_proto(r.finish_reason), cached_prompt_tokens=r.num_cached_tokens)
+        if r.logprob is not None:
+            resp.first_token_logprob.CopyFrom(logprob_to_proto(r.logprob))
+        stop = stop_reason_to_proto(r.stop_reason)
+        if stop is not None:
+            resp.stop_reason.CopyFrom(stop)
+        if r.lease is not None:
+            resp.kv.CopyFrom(self.kv_handle(r.lease))
+        return resp
+
+    def kv_handle(self, lease: Lease) -> kv_pb2.KvHandle:
+        runner = self._engine().runner
+        geo = runner.geometry
+        return kv_pb2.KvHandle(
+            # port / worker_address stay empty until the UCX listener exists (KV-transfer issue)
+            address=kv_pb2.UcxAddress(host=self.cfg.server.public_host),
+            lease_id=lease.lease_id, request_id=lease.request_id,
+            num_blocks=len(lease.block_ids), block_size=geo.block_size, num_tokens=lease.num_tokens,
+            layout=_KV_LAYOUTS[KV_LAYOUT], dtype=_KV_DTYPES[geo.dtype],
+            num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+            model_compat_hash=runner.compat_hash, expires_at_unix_ms=lease.expires_at_unix_ms,
+            ttl_ms=int(lease.ttl_s * 1000))
