@@ -55,10 +55,10 @@ def _server(port_q, cmd_q, sizes, device):
         def __init__(self, n):
             self.n = n
 
-        def lease_blocks(self, lease_id, request_id):
+        def begin_pull(self, lease_id, request_id):
             return list(range(1, self.n + 1))
 
-        def lease_pulled(self, lease_id, ok):
+        def end_pull(self, lease_id, delivered):
             pass
 
     async def main():

@@ -43,13 +43,14 @@ class LeaseLookupError(LookupError):
 
 
 class LeaseSource(Protocol):
-    """The prefill worker's lease table, as the listener sees it (thread-safe)."""
+    """The prefill worker's lease table, as the listener sees it (called on its event loop)."""
 
-    def lease_blocks(self, lease_id: str, request_id: str) -> list[int]:
-        """The lease's block ids in table order; raises LeaseLookupError."""
+    def begin_pull(self, lease_id: str, request_id: str) -> list[int]:
+        """Pins the lease's blocks for the pull (an expiry meanwhile cannot free them) and
+        returns their ids in table order; raises LeaseLookupError."""
 
-    def lease_pulled(self, lease_id: str, ok: bool) -> None:
-        """The decode side is done with the lease (ok: it has the data)."""
+    def end_pull(self, lease_id: str, delivered: bool) -> None:
+        """Unpins; when delivered, the decode side has the data and the lease is released."""
 
 
 @dataclass(frozen=True)
@@ -108,13 +109,20 @@ class KvTransferServer:
     async def _serve(self, ep, req: kv_pb2.KvPullRequest) -> None:
         try:
             check_compatible(req, self.spec)
-            blocks = self.leases.lease_blocks(req.lease_id, req.request_id)
+            blocks = self.leases.begin_pull(req.lease_id, req.request_id)
         except KvIncompatibleError as exc:
             await ep.send_obj(self._reply_error(kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, str(exc)).SerializeToString())
             return
         except LeaseLookupError as exc:
             await ep.send_obj(self._reply_error(exc.status, str(exc)).SerializeToString())
             return
+        delivered = False
+        try:
+            delivered = await self._send_blocks(ep, req, blocks)
+        finally:
+            self.leases.end_pull(req.lease_id, delivered)
+
+    async def _send_blocks(self, ep, req: kv_pb2.KvPullRequest, blocks: list[int]) -> bool:
         self.stream.after_engine()
         with self.stream.context():
             ids = torch.tensor(blocks, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
@@ -134,7 +142,7 @@ class KvTransferServer:
             await ep.send(ucx_view(piece))
         TRANSFER_BYTES.labels("sent").inc(payload.numel())
         done = kv_pb2.KvPullDone.FromString(bytes(await ep.recv_obj()))
-        self.leases.lease_pulled(done.lease_id or req.lease_id, done.ok)
+        return done.ok
 
     def _apply_faults(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         if self.faults.corrupt_payload:

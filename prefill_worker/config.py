@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.config_file import load_config
 from splitserve.engine.grpc_service import ServerConfig
+from splitserve.kvtransfer.config import KvTransferConfig
 
 
 class PrefillWorkerConfig(BaseModel):
@@ -27,6 +28,7 @@ class PrefillWorkerConfig(BaseModel):
 
     engine: EngineConfig
     server: ServerConfig = ServerConfig()
+    kv_transfer: KvTransferConfig = KvTransferConfig()
     lease_ttl_s: float = Field(30.0, gt=0, description="how long finished KV stays pinned for the decode side")
     max_lease_ttl_s: float = Field(600.0, gt=0, description="longest lease a request may ask for")
     enable_prefix_cache: bool = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,10 @@ class LeaseTable:
         self._clock = clock
         self._leases: dict[str, Lease] = {}
         self._expiry: list[tuple[float, str]] = []  # heap; stale entries are skipped
+        self._expired: OrderedDict[str, None] = OrderedDict()  # recent expiries, to tell a late pull why
+
+    def expired_recently(self, lease_id: str) -> bool:
+        return lease_id in self._expired
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -66,6 +71,9 @@ class LeaseTable:
             lease = self._leases.pop(lid, None)
             if lease is not None:
                 out.append(lease)
+                self._expired[lid] = None
+                if len(self._expired) > 4096:
+                    self._expired.popitem(last=False)
         return out
 
     def pop_all(self) -> list[Lease]:

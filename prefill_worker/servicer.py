@@ -7,31 +7,27 @@ never sees an invalid request (validation runs before any allocation).
 from __future__ import annotations
 
 import grpc
-import torch
 
 from splitserve.engine.errors import RequestError
-from splitserve.engine.kv_cache import KV_LAYOUT
 from splitserve.engine.proto_convert import (
     finish_reason_to_proto,
     logprob_to_proto,
     stop_reason_to_proto,
     validate_request,
 )
+from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.engine import PrefillEngine
 from splitserve.prefill_worker.leases import Lease
 from splitserve.prefill_worker.request import PrefillResult
 from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 
-_KV_DTYPES = {torch.float32: kv_pb2.KV_DTYPE_FP32, torch.float16: kv_pb2.KV_DTYPE_FP16,
-              torch.bfloat16: kv_pb2.KV_DTYPE_BF16}
-_KV_LAYOUTS = {"layer_kv_block_token_head_dim": kv_pb2.KV_LAYOUT_LAYER_KV_BLOCK_TOKEN_HEAD_DIM}
-
 
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, cfg: PrefillWorkerConfig) -> None:
         self.cfg = cfg
         self.engine: PrefillEngine | None = None  # set once the model is loaded and warm
+        self.kv_port = 0  # the UCX listener's port, set when it starts
 
     def _engine(self) -> PrefillEngine:
         if self.engine is None:
@@ -108,13 +104,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def kv_handle(self, lease: Lease) -> kv_pb2.KvHandle:
         runner = self._engine().runner
-        geo = runner.geometry
-        return kv_pb2.KvHandle(
-            # port / worker_address stay empty until the UCX listener exists (KV-transfer issue)
-            address=kv_pb2.UcxAddress(host=self.cfg.server.public_host),
-            lease_id=lease.lease_id, request_id=lease.request_id,
-            num_blocks=len(lease.block_ids), block_size=geo.block_size, num_tokens=lease.num_tokens,
-            layout=_KV_LAYOUTS[KV_LAYOUT], dtype=_KV_DTYPES[geo.dtype],
-            num_layers=geo.num_layers, num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
-            model_compat_hash=runner.compat_hash, expires_at_unix_ms=lease.expires_at_unix_ms,
-            ttl_ms=int(lease.ttl_s * 1000))
+        spec = PoolSpec.of(runner.kv_cache, runner.compat_hash)
+        handle = make_handle(spec, host=self.cfg.server.public_host, port=self.kv_port, lease_id=lease.lease_id,
+                             request_id=lease.request_id, num_blocks=len(lease.block_ids),
+                             num_tokens=lease.num_tokens, ttl_s=lease.ttl_s)
+        handle.expires_at_unix_ms = lease.expires_at_unix_ms
+        return handle

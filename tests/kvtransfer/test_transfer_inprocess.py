@@ -25,16 +25,17 @@ class Leases:
         self.expired: set[str] = set()
         self.pulled: list[tuple[str, bool]] = []
 
-    def lease_blocks(self, lease_id, request_id):
+    def begin_pull(self, lease_id, request_id):
         if lease_id in self.expired:
             raise LeaseLookupError(kv_pb2.KV_PULL_STATUS_LEASE_EXPIRED, f"lease {lease_id} expired")
         if lease_id not in self.table:
             raise LeaseLookupError(kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN, f"no lease {lease_id}")
         return self.table[lease_id]
 
-    def lease_pulled(self, lease_id, ok):
-        self.pulled.append((lease_id, ok))
-        self.table.pop(lease_id, None)
+    def end_pull(self, lease_id, delivered):
+        self.pulled.append((lease_id, delivered))
+        if delivered:
+            self.table.pop(lease_id, None)
 
 
 def _pools(dst_block_size=16, dst_hash="h"):
