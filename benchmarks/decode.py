@@ -1,0 +1,240 @@
+"""Decode-step benchmark on one GPU: graph replay vs eager vs HBM roofline vs transformers.
+
+Measures the CUDA-graph decode step against the eager step and the HBM roofline, the whole
+decode engine loop, and transformers `generate` on the same model as the peer.
+
+    python benchmarks/decode.py --model-dir /tmp/llama-3.2-1b --out decode.json
+
+Per batch size B (default 1, 8, 32, 64, 128, 256), every sequence holding --context tokens:
+
+    graph_step_ms    one graph replay, timed with CUDA events over --steps replays
+    eager_step_ms    the same step body run eagerly (same kernels, no graph)
+    roofline_ms      (weight bytes + KV bytes read) / copy bandwidth measured in this run
+    roofline_ratio   roofline_ms / graph_step_ms (1.0 = at the memory-bandwidth limit)
+    engine_step_ms   the serving loop (scheduler, overlap, stop checks) per step, wall clock
+    hf_step_ms       transformers generate per new token (batch 1 and 64; static cache if it runs)
+
+The model is the `llama-3.2-1b` shape preset (bf16, 1.2B parameters, random weights: speed
+does not depend on the values), written to --model-dir on first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-dir", required=True, help="checkpoint folder (the preset is written there if empty)")
+    p.add_argument("--preset", default="llama-3.2-1b")
+    p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+    p.add_argument("--context", type=int, default=512, help="tokens per sequence when timing starts")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps per measurement")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--hf-batch-sizes", default="1,64", help="transformers peer batch sizes ('' to skip)")
+    p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test of the script)")
+    p.add_argument("--out", help="write the JSON result here")
+    return p.parse_args(argv)
+
+
+def log(msg: str) -> None:
+    print(f"[decode-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def time_ms(torch, fn, steps: int) -> float:
+    """Mean ms per call of fn over `steps` calls: CUDA events on the GPU, wall clock on CPU."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / steps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / steps
+
+
+def copy_bandwidth(torch, device: str, nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    time_ms(torch, lambda: dst.copy_(src), 3)
+    secs = time_ms(torch, lambda: dst.copy_(src), 10) / 1e3
+    del src, dst
+    return 2 * nbytes / secs
+
+
+def fake_sequences(engine, batch: int, context: int, room: int):
+    """`batch` sequences of `context` tokens whose KV blocks exist (values do not matter)."""
+    from splitserve.decode_worker.sequence import DecodeSequence
+    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.engine.stop_checker import StopChecker
+
+    params = SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
+    per_seq = -(-(context + room + 1) // engine.runner.block_size)
+    seqs = []
+    for i in range(batch):
+        got = engine.allocator.allocate(per_seq)
+        if got is None:
+            raise MemoryError("KV pool too small for this batch; lower --context or the batch sizes")
+        stop = StopChecker(params, (), engine.runner.max_model_len, context)
+        seqs.append(DecodeSequence(f"b{i}", [1] * context, params, stop, lambda out: None, None, [5],
+                                   list(got.block_ids)))
+    return seqs
+
+
+def kernel_times(torch, engine, eager_runner, batch: int, args) -> dict:
+    seqs = fake_sequences(engine, batch, args.context, 3 * args.steps + 8)
+    g = engine.graphs
+    size = g.dispatch[batch]
+    out = {"graph_size": size}
+    with torch.inference_mode():
+        g.read(g.launch(seqs, changed=True))  # full prepare; positions then advance inside the graph
+        if size:
+            graph = g._graphs[size]
+            time_ms(torch, graph.replay, 3)
+            out["graph_step_ms"] = time_ms(torch, graph.replay, args.steps)
+        for s in seqs:
+            s.in_flight = 0
+        eager_runner.read(eager_runner.launch(seqs, changed=True))
+        time_ms(torch, lambda: eager_runner._body(batch), 3)
+        out["eager_step_ms"] = time_ms(torch, lambda: eager_runner._body(batch), args.steps)
+    for s in seqs:
+        engine.allocator.free(s.block_ids)
+    return out
+
+
+def engine_time(engine, batch: int, args) -> float:
+    """Wall ms per step of the serving loop (admit with KV present, greedy, fixed length)."""
+    from splitserve.decode_worker.sequence import DecodeInput
+    from splitserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
+    for i in range(batch):
+        got = engine.allocator.allocate(-(-args.context // engine.runner.block_size))
+        engine.admit(DecodeInput(f"e{i}", [1] * args.context, 5, params), list(got.block_ids), lambda out: None)
+    engine.step()  # admission + full prepare
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    assert engine.allocator.num_free == engine.allocator.num_usable
+    return (time.perf_counter() - t0) * 1e3 / max(steps, 1)
+
+
+def hf_peer(torch, model_dir: str, batch: int, args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if next(model.parameters()).dtype != dtype:  # transformers < 4.56 knows only torch_dtype
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype)
+    model = model.to(args.device).eval()
+    ids = torch.randint(3, model.config.vocab_size, (batch, args.context), device=args.device)
+    mask = torch.ones_like(ids)
+    result = {"batch": batch}
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+    for cache in ("static", "dynamic"):
+        kw = dict(do_sample=False, pad_token_id=0, attention_mask=mask)
+        if cache == "static":
+            kw["cache_implementation"] = "static"
+        try:
+            def gen(n: int) -> float:
+                sync()
+                t0 = time.perf_counter()
+                model.generate(ids, min_new_tokens=n, max_new_tokens=n, **kw)
+                sync()
+                return time.perf_counter() - t0
+            gen(args.steps + 1)  # warm-up (and compile, for the static cache)
+            per_token = (gen(args.steps + 1) - gen(1)) / args.steps
+            result.update(cache=cache, hf_step_ms=per_token * 1e3, hf_tokens_per_s=batch / per_token)
+            return result
+        except Exception as exc:  # noqa: BLE001 - the peer is best effort; say why
+            log(f"transformers generate with the {cache} cache failed: {exc!r}")
+            result[f"{cache}_error"] = repr(exc)
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("decode benchmark: needs a CUDA GPU (run it through the device tool); --device cpu "
+              "--preset tiny smoke-tests the script", file=sys.stderr)
+        return 2
+    from splitserve.decode_worker.config import DecodeWorkerConfig
+    from splitserve.decode_worker.engine import DecodeEngine
+    from splitserve.decode_worker.graph_runner import GraphRunner
+    from splitserve.engine.make_model import make_model
+
+    sizes = [int(s) for s in args.batch_sizes.split(",") if s]
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        log(f"writing the {args.preset} preset to {model_dir}")
+        make_model(args.preset, model_dir)
+    max_len = 1 << (args.context + 3 * args.steps + 16).bit_length()
+    blocks = max(sizes) * -(-max_len // args.block_size) + 2
+    cfg = DecodeWorkerConfig(
+        engine={"model_path": str(model_dir), "device": args.device,
+                "cache": {"block_size": args.block_size, "num_blocks": blocks},
+                "scheduler": {"max_batch_size": max(sizes), "max_model_len": max_len}},
+        cuda_graph_sizes=tuple(sizes))
+    log(f"loading {model_dir} (max_model_len {max_len}, {blocks} KV blocks)")
+    engine = DecodeEngine(cfg)
+    t0 = time.perf_counter()
+    engine.warm_up()
+    log(f"captured graphs {engine.graphs.captured_sizes} in {time.perf_counter() - t0:.1f}s")
+    eager_runner = GraphRunner(engine.runner, max(sizes))
+    bw = copy_bandwidth(torch, args.device, (2 << 30) if args.device == "cuda" else (64 << 20))
+    log(f"device copy bandwidth {bw / 1e9:.0f} GB/s")
+    r = engine.runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in r.model.parameters())  # lm_head tied: once
+    kv_per_token = r.geometry.bytes_per_block // r.block_size
+    results = []
+    for b in sizes:
+        row = {"batch": b, **kernel_times(torch, engine, eager_runner, b, args)}
+        avg_ctx = args.context + 1 + args.steps / 2
+        roof = (weight_bytes + b * avg_ctx * kv_per_token) / bw * 1e3
+        step = row.get("graph_step_ms", row["eager_step_ms"])
+        row.update(tokens_per_s=b / step * 1e3, roofline_ms=roof, roofline_ratio=roof / step,
+                   graph_speedup=row["eager_step_ms"] / step, engine_step_ms=engine_time(engine, b, args))
+        row["engine_tokens_per_s"] = b / row["engine_step_ms"] * 1e3
+        log("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        results.append(row)
+    engine.close()
+    del eager_runner, engine
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    hf = []
+    for b in [int(s) for s in args.hf_batch_sizes.split(",") if s]:
+        log(f"transformers generate, batch {b}")
+        peer = hf_peer(torch, str(model_dir), b, args)
+        ours = next((x for x in results if x["batch"] == b), None)
+        if ours and "hf_step_ms" in peer:
+            peer["splitserve_speedup"] = peer["hf_step_ms"] / ours["engine_step_ms"]
+        log(str(peer))
+        hf.append(peer)
+    out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "model": args.preset,
+           "context": args.context, "steps": args.steps, "block_size": args.block_size,
+           "copy_bandwidth_gbs": bw / 1e9, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
+           "results": results, "transformers": hf}
+    text = json.dumps(out, indent=2)
+    if args.out:
+        Path(args.out).write_text(text)
+        log(f"wrote {args.out}")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Configuration of a decode worker: engine (model, KV pool, batch limits), server, graphs.
+
+    DecodeWorkerConfig
+      engine: EngineConfig      model_path, device, dtype, cache.{block_size,num_blocks},
+                                scheduler.{max_batch_size, max_model_len, max_queue_len, ...}
+      server: ServerConfig      host, port, metrics_port, drain_grace_s, ...
+      cuda_graph: bool          capture decode steps as CUDA graphs (CUDA only; --no-cuda-graph)
+      cuda_graph_sizes          batch sizes to capture; None: 1, 2, 4, 8, then steps of 8
+      overlap: bool             enqueue step N+1 before reading step N's tokens
+
+YAML (every section optional but engine.model_path):
+
+    engine:
+      model_path: /models/llama-3.2-1b
+      cache: {block_size: 16, num_blocks: 8192}
+      scheduler: {max_batch_size: 256, max_model_len: 4096, max_queue_len: 1024}
+    server: {host: 0.0.0.0, port: 50071, metrics_port: 9471}
+    cuda_graph: true
+    cuda_graph_sizes: [1, 2, 4, 8, 16, 32, 64, 128, 256]
+
+loaded by `load(path, overrides)` (CLI flags override file values). Every model is frozen
+with extra="forbid"; a bad value is one line naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.config_file import load_config
+from splitserve.engine.grpc_service import ServerConfig
+
+GRAPH_STEP = 8  # capture sizes go 1, 2, 4, 8, then in steps of this
+
+
+class DecodeWorkerConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: EngineConfig
+    server: ServerConfig = ServerConfig()
+    cuda_graph: bool = Field(True, description="capture the decode step as CUDA graphs (ignored on CPU)")
+    cuda_graph_sizes: tuple[int, ...] | None = Field(
+        None, description="batch sizes to capture; None: 1, 2, 4, 8, then steps of 8 up to max_batch_size")
+    overlap: bool = Field(True, description="enqueue step N+1 before reading step N's tokens")
+    warmup_steps: int = Field(2, ge=1, le=16, description="eager runs of each graph size before capture")
+
+    @field_validator("cuda_graph_sizes")
+    @classmethod
+    def _sizes(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None and (not v or any(s < 1 for s in v)):
+            raise ValueError("must be a non-empty list of batch sizes >= 1 (e.g. 1,2,4,8,16)")
+        return v
+
+
+def default_graph_sizes(max_batch_size: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4) if s < GRAPH_STEP]
+    sizes += list(range(GRAPH_STEP, max_batch_size + GRAPH_STEP, GRAPH_STEP))
+    return sizes
+
+
+def capture_sizes(cfg: DecodeWorkerConfig, max_batch_size: int, usable_blocks: int) -> list[int]:
+    """The sizes the graph runner captures: configured (or default) sizes, capped by the max
+    batch and by the KV pool (every running sequence holds at least one block)."""
+    cap = min(max_batch_size, usable_blocks)
+    wanted = cfg.cuda_graph_sizes or default_graph_sizes(max_batch_size)
+    return sorted({s for s in wanted if s <= cap})
+
+
+def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> DecodeWorkerConfig:
+    """YAML file (optional) with dotted-key overrides on top, e.g. {"engine.cache.block_size": 8};
+    a bad value raises ConfigError (a ValueError), one line naming the field."""
+    return load_config(DecodeWorkerConfig, path, overrides)

@@ -1,0 +1,247 @@
+"""The decode engine: scheduler + graph runner + sampler + stop checks, one `step()` at a time.
+
+Single-threaded (the engine loop thread, or a test, calls it). One step:
+
+    1. a still-unread step that needs host sampling is finished first (its tokens feed this one)
+    2. schedule: grow / preempt / admit; recompute (local prefill) the KV of admitted
+       sequences that have none (preempted ones, and requests whose KvHandle is empty)
+    3. launch the step (graph replay or eager)
+    4. read the PREVIOUS step's tokens (overlap: the device already runs this one), sample the
+       non-greedy rows on the host, run stop checks, stream outputs, free finished sequences
+    5. a step with host-sampled rows (or overlap off) is read at once
+
+Greedy rows never leave the device between steps: their argmax is the next step's input.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from splitserve.decode_worker.config import DecodeWorkerConfig, capture_sizes
+from splitserve.decode_worker.graph_runner import GraphRunner, StepHandle
+from splitserve.decode_worker.metrics import DecodeMetrics
+from splitserve.decode_worker.scheduler import DecodeScheduler
+from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
+from splitserve.engine.block_allocator import BlockAllocator
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.errors import RequestError
+from splitserve.engine.model_runner import ModelRunner, PrefillChunk
+from splitserve.engine.sampler import Sampler, SeqSamplingInfo, TokenLogprobs
+from splitserve.engine.sampling_params import validate_against_vocab
+from splitserve.engine.stop_checker import StopChecker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    num_running: int = 0
+    num_waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+class DecodeEngine:
+    def __init__(self, cfg: DecodeWorkerConfig, runner: ModelRunner | None = None, tokenizer=None,
+                 metrics: DecodeMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.runner = runner or ModelRunner(cfg.engine)
+        self.tokenizer = tokenizer
+        self.metrics = metrics or DecodeMetrics()
+        sc = cfg.engine.scheduler
+        self.allocator = BlockAllocator(self.runner.num_blocks)
+        self.max_batch_size = sc.max_batch_size
+        self.scheduler = DecodeScheduler(self.allocator, self.runner.block_size, sc.max_batch_size,
+                                         self.runner.max_model_len, sc.max_queue_len, sc.max_num_batched_tokens)
+        self.graphs = GraphRunner(self.runner, sc.max_batch_size)
+        self.sampler = Sampler(cfg.engine.seed)
+        self.eos = tuple(self.runner.model_config.eos_token_ids)
+        self.vocab_size = self.runner.model_config.vocab_size
+        self._inflight: StepHandle | None = None
+        self.load = LoadSnapshot(free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_usable)
+
+    # ---- start-up --------------------------------------------------------------------------------
+    def warm_up(self) -> list[int]:
+        """Captures the decode graphs (CUDA with cuda_graph on); returns the captured sizes."""
+        if self.cfg.cuda_graph and self.runner.device.type == "cuda":
+            sizes = capture_sizes(self.cfg, self.max_batch_size, self.allocator.num_usable)
+            self.graphs.capture(sizes, self.cfg.warmup_steps)
+        return self.graphs.captured_sizes
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _new_sequence(self, inp: DecodeInput, sink: Sink) -> tuple[DecodeSequence, StepOutput | None]:
+        prompt = list(inp.prompt_token_ids)
+        max_len = self.runner.max_model_len
+        if not 0 < len(prompt) < max_len:
+            raise RequestError.invalid(f"prompt has {len(prompt)} tokens; it must have 1..{max_len - 1} "
+                                       f"(max_model_len {max_len})")
+        bad = [t for t in (*prompt, inp.first_token_id) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError.invalid(f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size}); "
+                                       "tokenize with this model's tokenizer")
+        try:
+            validate_against_vocab(inp.params, self.vocab_size)
+            stop = StopChecker(inp.params, self.eos, max_len, len(prompt))
+        except ValueError as exc:
+            raise RequestError.invalid(str(exc)) from None
+        detok = None
+        if inp.params.stop:
+            if self.tokenizer is None:
+                raise RequestError.invalid("stop strings need the worker's tokenizer, and this worker has none; "
+                                           "use stop_token_ids or start the worker on a checkpoint with tokenizer.json")
+            detok = IncrementalDetokenizer(self.tokenizer, prompt)
+        seq = DecodeSequence(inp.request_id, prompt, inp.params, stop, sink, detok, [inp.first_token_id])
+        first = stop.update(inp.first_token_id, detok.add(inp.first_token_id) if detok else "")
+        done = StepOutput(inp.request_id, (), (), first.finish_reason, first.stop_reason) if first.finished else None
+        return seq, done
+
+    def submit(self, inp: DecodeInput, sink: Sink) -> None:
+        """A request without KV: its prompt is recomputed locally when it is admitted."""
+        seq, done = self._new_sequence(inp, sink)
+        if done is not None:  # the first token already ends it
+            sink(done)
+            return
+        self.scheduler.add(seq)
+        self._snapshot()
+
+    def admit(self, inp: DecodeInput, block_ids: Sequence[int], sink: Sink) -> None:
+        """A request whose prompt KV is already in `block_ids` (allocated from `self.allocator`
+        by the caller, e.g. the KV-transfer pull); the engine owns the blocks from here on."""
+        try:
+            seq, done = self._new_sequence(inp, sink)
+        except RequestError:
+            self.allocator.free(block_ids)
+            raise
+        if done is not None:
+            self.allocator.free(block_ids)
+            sink(done)
+            return
+        try:
+            self.scheduler.admit(seq, list(block_ids))
+        except RequestError:
+            self.allocator.free(block_ids)
+            raise
+        self._snapshot()
+
+    def abort(self, request_id: str, reason: str = "abort", error: Exception | None = None) -> bool:
+        """Ends a request now: blocks freed, its stream gets a last chunk with `reason`."""
+        seq = self.scheduler.by_id.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        self.metrics.finished.labels(reason).inc()
+        self._emit(seq, StepOutput(request_id, finish_reason=reason, error=error))
+        self._snapshot()
+        return True
+
+    def abort_all(self, reason: str = "abort", error: Exception | None = None) -> None:
+        for rid in list(self.scheduler.by_id):
+            self.abort(rid, reason, error)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.by_id) or self._inflight is not None
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        prev, self._inflight = self._inflight, None
+        if prev is not None and (prev.needs_host_sampling or not self.cfg.overlap):
+            self._complete(prev)
+            prev = None
+        batch = self.scheduler.schedule()
+        handle = None
+        if batch is not None:
+            if batch.num_preempted:
+                self.metrics.preemptions.inc(batch.num_preempted)
+            if batch.recompute:
+                self._recompute(batch.recompute)
+            handle = self.graphs.launch(batch.seqs, batch.changed, batch.new_blocks)
+            (self.metrics.graph_replays if handle.graph_size else self.metrics.eager_steps).inc()
+            self.metrics.batch_size.observe(len(batch.seqs))
+        elif prev is None and self.scheduler.by_id:
+            raise RuntimeError("decode scheduler stalled: requests wait but nothing can run or is in flight")
+        if prev is not None:
+            self._complete(prev)
+        if handle is not None:
+            if handle.needs_host_sampling or not self.cfg.overlap:
+                self._complete(handle)
+            else:
+                self._inflight = handle
+        self._snapshot()
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+
+    def _recompute(self, seqs: list[DecodeSequence]) -> None:
+        """Rebuilds the KV of `seqs` with local prefills, at most max_num_batched_tokens a call."""
+        budget = self.cfg.engine.scheduler.max_num_batched_tokens
+        chunks: list[PrefillChunk] = []
+        used = 0
+        for seq in seqs:
+            tokens = seq.recompute_tokens()
+            self.metrics.recomputed_tokens.inc(len(tokens))
+            start = 0
+            while start < len(tokens):
+                take = min(len(tokens) - start, budget - used)
+                chunks.append(PrefillChunk(tokens[start:start + take], start, seq.block_ids))
+                start += take
+                used += take
+                if used == budget:
+                    self.runner.prefill(chunks)
+                    chunks, used = [], 0
+        if chunks:
+            self.runner.prefill(chunks)
+
+    def _complete(self, handle: StepHandle) -> None:
+        tokens = self.graphs.read(handle)
+        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
+        if handle.sampler_rows:
+            rows = [handle.seqs[i] for i in handle.sampler_rows]
+            infos = [SeqSamplingInfo(s.params, s.prompt_token_ids, s.output_token_ids) for s in rows]
+            out = self.sampler.sample(handle.sampler_logits, infos)
+            for j, i in enumerate(handle.sampler_rows):
+                tokens[i] = out.token_ids[j]
+                logprobs[i] = out.logprobs[j]
+            self.graphs.write_tokens(handle, out.token_ids)
+        now = time.monotonic()
+        for seq, tok, lp in zip(handle.seqs, tokens, logprobs):
+            seq.in_flight -= 1
+            if not seq.finished:
+                self._accept(seq, tok, lp, now)
+
+    def _accept(self, seq: DecodeSequence, token: int, logprob: TokenLogprobs | None, now: float) -> None:
+        seq.output_token_ids.append(token)
+        delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
+        result = seq.stop.update(token, delta)
+        self.metrics.itl_seconds.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        if result.finished:
+            self.scheduler.finish(seq)
+            self.metrics.finished.labels(result.finish_reason).inc()
+        self._emit(seq, StepOutput(seq.request_id, (token,), (logprob,), result.finish_reason, result.stop_reason))
+
+    def _emit(self, seq: DecodeSequence, out: StepOutput) -> None:
+        try:
+            seq.sink(out)
+        except Exception:  # a broken consumer must not stop the batch
+            log.exception("output sink of %s failed; aborting it", seq.request_id)
+            self.scheduler.finish(seq)
+
+    def _snapshot(self) -> None:
+        free = self.allocator.num_free
+        self.load = LoadSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), free,
+                                 self.allocator.num_usable)
+        m = self.metrics
+        m.kv_blocks_free.set(free)
+        m.kv_blocks_used.set(self.allocator.num_usable - free)
+        m.running.set(self.load.num_running)
+        m.waiting.set(self.load.num_waiting)
+
+    def close(self, error: RequestError | None = None) -> None:
+        """Ends what is left with `error` (default UNAVAILABLE) and releases the graphs; idempotent."""
+        self._inflight = None
+        self.abort_all("error", error or RequestError.unavailable(
+            "the decode worker is shutting down; retry on another decode worker"))
+        self.graphs.release()

@@ -1,0 +1,196 @@
+"""Continuous batching for the decode worker: who runs in the next step, and with which blocks.
+
+    waiting (FIFO; preempted sequences go back to the front)
+       │ admit: batch has room and the pool has the blocks the sequence needs
+       ▼
+    running (row order = admission order; a step runs every running sequence that may step)
+       │ finish (stop / eos / length), abort: blocks freed at once
+       │ preempt (pool exhausted while growing): the NEWEST running sequence frees its
+       ▼   blocks and goes back to the front of waiting, to be recomputed on re-admission
+    (when nothing runs and the head of waiting does not fit, waiting sequences that hold KV
+     give it back too, newest first: the head alone always fits, see `_check_new`)
+
+Blocks: a sequence admitted through `admit(seq, block_ids)` brings its prompt's KV in blocks
+the caller allocated from `allocator` (the KV-transfer seam: allocate, pull, admit); a
+sequence queued with `add(seq)` has no KV and is recomputed with a local prefill when
+admitted (the engine runs it; `ScheduledBatch.recompute` lists them). Each step a sequence
+crossing a block boundary gets one more block.
+
+Freed blocks may still be written by a step in flight (overlap); every KV writer of this
+worker (decode steps, the recompute prefill) runs on the one compute stream, so the GPU
+orders those writes before any new owner's. A writer on another stream (the UCX pull) must
+wait for the compute stream at allocation time.
+
+The scheduler is host bookkeeping only: it never touches the model or the device.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from splitserve.engine.block_allocator import BlockAllocator
+from splitserve.engine.errors import RequestError
+from splitserve.decode_worker.sequence import DecodeSequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[DecodeSequence]  # rows of the step, in order
+    changed: bool  # rows differ from the previous step's: the runner re-prepares everything
+    recompute: list[DecodeSequence] = field(default_factory=list)  # admitted without KV: prefill first
+    new_blocks: list[tuple[DecodeSequence, int, int]] = field(default_factory=list)  # (seq, column, block)
+    num_preempted: int = 0
+
+
+class DecodeScheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_size: int,
+                 max_model_len: int, max_queue_len: int, max_recompute_tokens: int) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_batch_size = max_batch_size
+        self.max_model_len = max_model_len
+        self.max_queue_len = max_queue_len
+        self.max_recompute_tokens = max_recompute_tokens
+        self.waiting: deque[DecodeSequence] = deque()
+        self.running: list[DecodeSequence] = []
+        self.by_id: dict[str, DecodeSequence] = {}
+        self._admitted = 0
+        self._last_rows: tuple[int, ...] = ()
+        self.num_preemptions = 0
+
+    # ---- sizes -------------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _missing_blocks(self, seq: DecodeSequence) -> int:
+        """Blocks the sequence lacks for its next step (which writes position next_position)."""
+        return self.blocks_for(seq.next_position + 1) - len(seq.block_ids)
+
+    # ---- entry points ----------------------------------------------------------------------
+    def _check_new(self, seq: DecodeSequence) -> None:
+        if seq.request_id in self.by_id:
+            raise RequestError.invalid(f"request_id {seq.request_id!r} is already in flight on this worker; "
+                                       "use a unique id per request")
+        if len(self.waiting) >= self.max_queue_len:
+            raise RequestError.exhausted(f"decode queue is full ({self.max_queue_len} waiting); retry later "
+                                         "or on another decode worker")
+        worst = min(seq.prompt_len + seq.params.max_tokens, self.max_model_len)
+        if self.blocks_for(worst) > self.allocator.num_usable:
+            raise RequestError.exhausted(
+                f"prompt + max_tokens need up to {self.blocks_for(worst)} KV blocks but this worker's pool "
+                f"holds {self.allocator.num_usable}; lower max_tokens or raise cache.num_blocks")
+
+    def add(self, seq: DecodeSequence) -> None:
+        """Queues a sequence without KV: it is recomputed locally when admitted."""
+        self._check_new(seq)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+        self.by_id[seq.request_id] = seq
+
+    def admit(self, seq: DecodeSequence, block_ids: list[int]) -> None:
+        """Queues a sequence whose prompt KV is already in `block_ids` (allocated by the caller
+        from `self.allocator`; the scheduler owns them from now on and frees them)."""
+        need = self.blocks_for(seq.prompt_len)
+        if len(block_ids) != need:
+            raise RequestError.invalid(f"prompt of {seq.prompt_len} tokens needs {need} blocks, got {len(block_ids)}")
+        self._check_new(seq)
+        seq.block_ids = list(block_ids)
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+        self.by_id[seq.request_id] = seq
+
+    def finish(self, seq: DecodeSequence) -> None:
+        """Removes a finished or aborted sequence and frees its blocks (idempotent)."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._free(seq)
+        seq.status = Status.FINISHED
+        self.by_id.pop(seq.request_id, None)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch (None when nothing can run)."""
+        new_blocks: list[tuple[DecodeSequence, int, int]] = []
+        preempted = 0
+        for seq in list(self.running):  # oldest first, so the newest are preempted first
+            if seq.status is not Status.RUNNING or not self._may_step(seq):
+                continue
+            while self._missing_blocks(seq) > 0:
+                got = self.allocator.allocate(1)
+                if got is not None:
+                    new_blocks.append((seq, len(seq.block_ids), got.block_ids[0]))
+                    seq.block_ids.append(got.block_ids[0])
+                    continue
+                victim = max(self.running, key=lambda s: s.admit_order)
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+        batch = [s for s in self.running if self._may_step(s)]
+        recompute = self._admit_waiting(batch)
+        if not batch:
+            self._last_rows = ()
+            return None
+        rows = tuple(s.uid for s in batch)
+        changed = rows != self._last_rows
+        self._last_rows = rows
+        steady_blocks = [] if changed else [c for c in new_blocks if c[0].status is Status.RUNNING]
+        return ScheduledBatch(batch, changed, recompute, steady_blocks, preempted)
+
+    def _may_step(self, seq: DecodeSequence) -> bool:
+        return seq.may_step(seq.params.max_tokens, self.max_model_len)
+
+    def _admit_waiting(self, batch: list[DecodeSequence]) -> list[DecodeSequence]:
+        recompute: list[DecodeSequence] = []
+        budget = self.max_recompute_tokens
+        while self.waiting and len(batch) < self.max_batch_size:
+            seq = self.waiting[0]
+            if seq.in_flight:  # preempted with a token still in flight: re-admit once it is read
+                break
+            needs_kv = not seq.has_kv
+            if needs_kv and recompute and len(seq.recompute_tokens()) > budget:
+                break
+            missing = self._missing_blocks(seq)
+            got = self.allocator.allocate(max(missing, 0))
+            if got is None and not self.running and self._evict_waiting_kv(seq):
+                continue  # nothing runs: waiting KV holders made room (the head alone always fits)
+            if got is None:
+                break
+            self.waiting.popleft()
+            seq.block_ids.extend(got.block_ids)
+            seq.status = Status.RUNNING
+            self._admitted += 1
+            seq.admit_order = self._admitted
+            self.running.append(seq)
+            batch.append(seq)
+            if needs_kv:
+                recompute.append(seq)
+                budget -= len(seq.recompute_tokens())
+        return recompute
+
+    def _evict_waiting_kv(self, head: DecodeSequence) -> bool:
+        """Frees the KV of a waiting sequence (newest first) other than `head`; it will be
+        recomputed on admission. Without it, waiting KV holders could starve the head forever."""
+        for seq in reversed(self.waiting):
+            if seq is not head and seq.has_kv:
+                self._free(seq)
+                return True
+        return False
+
+    def _preempt(self, seq: DecodeSequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _free(self, seq: DecodeSequence) -> None:
+        if seq.block_ids:
+            self.allocator.free(seq.block_ids)
+            seq.block_ids = []

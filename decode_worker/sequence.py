@@ -1,0 +1,123 @@
+"""One request's state on the decode worker, and the typed messages to and from the engine.
+
+Token accounting (P = prompt length, out = output_token_ids, first_token_id = out[0]):
+
+    decode step k (k = 0, 1, ...) feeds out[k] at position P + k and produces out[k+1]
+    KV present before step k: P + k positions; step k needs ceil((P + k + 1) / block_size) blocks
+
+With overlap, a step's tokens reach the host one step late, so `in_flight` counts the
+launched steps whose token has not been read yet; the next step's index is
+`len(out) - 1 + in_flight`. Length limits (max_tokens, max_model_len) are decided from that
+count before launching, so a sequence never runs a step past them; only eos / stop tokens /
+stop strings are found after the fact (one wasted lane-step at most).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from splitserve.engine.sampler import TokenLogprobs
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.stop_checker import StopChecker
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued; KV present (admitted with blocks) or to be recomputed
+    RUNNING = "running"  # in the decode batch
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeInput:
+    """What the servicer hands the engine (validated already)."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    first_token_id: int
+    params: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """Tokens of one request produced since its last output; the last one has finish_reason.
+
+    finish_reason: "stop" | "length" | "abort" | "error" (error: `error` says why)."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs | None, ...] = ()
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: Exception | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+Sink = Callable[[StepOutput], None]
+_UIDS = itertools.count(1)
+
+
+@dataclass(eq=False)
+class DecodeSequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop: StopChecker
+    sink: Sink
+    detokenizer: object | None = None  # IncrementalDetokenizer when stop strings are set
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    in_flight: int = 0  # launched steps whose token is not read yet
+    admit_order: int = 0  # larger = admitted later; preemption takes the largest
+    num_preemptions: int = 0
+    last_token_time: float = field(default_factory=time.monotonic)
+    uid: int = field(default_factory=lambda: next(_UIDS))  # never reused (id() is)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def next_step(self) -> int:
+        """Index k of the next step to launch (see module doc)."""
+        return len(self.output_token_ids) - 1 + self.in_flight
+
+    @property
+    def next_position(self) -> int:
+        return self.prompt_len + self.next_step
+
+    @property
+    def kv_len(self) -> int:
+        """Positions whose KV the next step needs present (it writes position next_position)."""
+        return self.next_position
+
+    @property
+    def has_kv(self) -> bool:
+        return bool(self.block_ids)
+
+    def may_step(self, max_tokens_cap: int, max_model_len: int) -> bool:
+        """Whether one more step stays within max_tokens and max_model_len (decided from
+        counts, before the in-flight tokens are read)."""
+        produced = len(self.output_token_ids) + self.in_flight
+        return produced < max_tokens_cap and self.prompt_len + produced < max_model_len
+
+    def recompute_tokens(self) -> list[int]:
+        """Tokens whose KV a local prefill must rebuild: all but the last known token, which
+        the next decode step feeds."""
+        return self.prompt_token_ids + self.output_token_ids[:-1]
+
+    def __post_init__(self) -> None:
+        p = self.params
+        # False for plain greedy rows: their argmax stays on the device, no host sampling
+        self.uses_sampler = not (p.is_greedy and not p.needs_penalties and p.logprobs is None)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,159 @@
+"""DecodeWorker gRPC servicer: proto in, validation, engine loop, streamed proto out.
+
+KV hand-over: the UCX pull is a later issue (kvtransfer/). Until it lands, a Decode request
+is served by RECOMPUTING THE PROMPT LOCALLY (the recompute fallback of the KV-transfer
+issue): an empty KvHandle asks for exactly that; a non-empty one is checked for
+compatibility (block size, layout, dtype, geometry, model hash: a mismatch is
+INVALID_ARGUMENT) and then recomputed too, its prefill lease left to expire. With the pull:
+`block_ids = await wrap_future(loop.reserve_blocks(kv.num_blocks))`, `await client.pull(kv,
+block_ids)`, release the lease, then `loop.submit(input, sink, block_ids)` (DecodeEngine.admit:
+the seam the engine tests drive with a local prefill), or `loop.release_blocks` on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+from splitserve.decode_worker.engine_loop import EngineLoop
+from splitserve.decode_worker.sequence import DecodeInput, StepOutput
+from splitserve.engine.errors import RequestError
+from splitserve.engine.proto_convert import (
+    finish_reason_to_proto,
+    logprob_to_proto,
+    stop_reason_to_proto,
+    validate_request,
+)
+from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
+from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def _merge(outs: list[StepOutput], want_logprobs: bool) -> worker_pb2.DecodeResponse:
+    resp = worker_pb2.DecodeResponse()
+    for out in outs:
+        resp.token_ids.extend(out.token_ids)
+        if want_logprobs:
+            resp.logprobs.extend(logprob_to_proto(lp) for lp in out.logprobs if lp is not None)
+    last = outs[-1]
+    if last.finished:
+        resp.finish_reason = finish_reason_to_proto(last.finish_reason)
+        stop = stop_reason_to_proto(last.stop_reason)
+        if stop is not None:
+            resp.stop_reason.CopyFrom(stop)
+    return resp
+
+
+class _Outbox:
+    """Carries StepOutputs from the engine thread to the event loop with one wake-up per
+    batch of outputs (a step's worth), not one per token and request."""
+
+    def __init__(self, aio: asyncio.AbstractEventLoop) -> None:
+        self._aio = aio
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, StepOutput]] = []
+
+    def sink(self, queue: asyncio.Queue):
+        def put(out: StepOutput) -> None:
+            with self._lock:
+                self._pending.append((queue, out))
+                if len(self._pending) > 1:  # a flush is already scheduled
+                    return
+            self._aio.call_soon_threadsafe(self._flush)
+        return put
+
+    def _flush(self) -> None:
+        with self._lock:
+            items, self._pending = self._pending, []
+        for queue, out in items:
+            queue.put_nowait(out)
+
+
+class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self) -> None:
+        self.loop: EngineLoop | None = None  # set once the model is loaded and the graphs captured
+        self._outbox: _Outbox | None = None
+
+    def _loop(self) -> EngineLoop:
+        if self.loop is None:
+            raise RequestError.unavailable("the decode worker is still loading its model and capturing graphs; "
+                                           "retry when its health check says SERVING")
+        return self.loop
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context):
+        try:
+            loop = self._loop()
+            inp = self._validate(request, loop)
+        except RequestError as err:
+            await err.abort(context)
+        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        if self._outbox is None:
+            self._outbox = _Outbox(asyncio.get_running_loop())
+        loop.submit(inp, self._outbox.sink(queue))
+        done = False
+        try:
+            while not done:
+                outs = [await queue.get()]
+                while not queue.empty():  # the client fell behind: one chunk for all of it
+                    outs.append(queue.get_nowait())
+                done = outs[-1].finished
+                if done and outs[-1].error is not None:
+                    err = outs[-1].error
+                    if not isinstance(err, RequestError):
+                        err = RequestError.unavailable(f"decode failed: {err!r}")
+                    if len(outs) > 1:
+                        yield _merge(outs[:-1], inp.params.logprobs is not None)
+                    await err.abort(context)
+                yield _merge(outs, inp.params.logprobs is not None)
+        finally:
+            if not done:  # cancelled by the client, deadline passed, or the server stopping
+                loop.abort(request.request_id)
+
+    def _validate(self, request: worker_pb2.DecodeRequest, loop: EngineLoop) -> DecodeInput:
+        engine = loop.engine
+        if not request.request_id:
+            raise RequestError.invalid("request_id is empty; give every request a unique id")
+        params = validate_request(request.prompt_token_ids, request.sampling if request.HasField("sampling") else None,
+                                  vocab_size=engine.vocab_size, max_model_len=engine.runner.max_model_len)
+        if request.first_token_id >= engine.vocab_size:
+            raise RequestError.invalid(f"first_token_id {request.first_token_id} is outside the vocabulary "
+                                       f"(size {engine.vocab_size}); pass the token the prefill worker returned")
+        if request.HasField("kv") and request.kv.lease_id:
+            self._check_handle(request.kv, len(request.prompt_token_ids), engine)
+        return DecodeInput(request.request_id, list(request.prompt_token_ids), request.first_token_id, params)
+
+    @staticmethod
+    def _check_handle(kv: kv_pb2.KvHandle, prompt_len: int, engine) -> None:
+        """A handle for another model, dtype, block size or layout is the caller's mistake
+        (INVALID_ARGUMENT, as kv.proto says), caught before any block is allocated."""
+        runner = engine.runner
+        try:
+            check_compatible(kv, PoolSpec.of(runner.kv_cache, runner.compat_hash))
+        except KvIncompatibleError as exc:
+            raise RequestError.invalid(f"kv: {exc} (GetLoad.model_compat_hash tells compatible workers)") from None
+        if kv.num_tokens != prompt_len:
+            raise RequestError.invalid(f"kv.num_tokens is {kv.num_tokens} but the prompt has {prompt_len} tokens; "
+                                       "send the prompt the handle was made for")
+        log.debug("%s: KV pull not wired in yet; recomputing the prompt locally", kv.request_id)
+
+    async def Abort(self, request: generate_pb2.AbortRequest, context) -> generate_pb2.AbortResponse:
+        if self.loop is None:
+            return generate_pb2.AbortResponse(found=False)
+        found = await asyncio.wrap_future(self.loop.abort(request.request_id))
+        return generate_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request: worker_pb2.GetLoadRequest, context) -> worker_pb2.WorkerLoad:
+        load = worker_pb2.WorkerLoad(role=generate_pb2.WORKER_ROLE_DECODE)
+        if self.loop is None:
+            return load
+        engine = self.loop.engine
+        snap = engine.load  # the last step's snapshot; never waits for a step
+        load.num_running = snap.num_running
+        load.num_waiting = snap.num_waiting
+        load.free_blocks = snap.free_blocks
+        load.total_blocks = snap.total_blocks
+        load.block_size = engine.runner.block_size
+        load.model_compat_hash = engine.runner.compat_hash
+        return load

@@ -1,0 +1,124 @@
+"""A whole decode worker process: gRPC server, model, graphs, engine loop, metrics, drain.
+
+    start():  bind (health NOT_SERVING) -> load the model and capture every decode graph (in a
+              thread; health answers meanwhile; before any UCX listener exists, see DESIGN
+              "CUDA graphs") -> engine loop -> health SERVING
+    watchdog: health NOT_SERVING for good when the engine fails or stops making progress
+    stop():   health NOT_SERVING, refuse new calls, in-flight streams get the grace period
+              (then they are cancelled: their requests are aborted), the engine loop ends,
+              the graphs are released
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from splitserve.decode_worker.config import DecodeWorkerConfig
+from splitserve.decode_worker.engine import DecodeEngine
+from splitserve.decode_worker.engine_loop import EngineLoop
+from splitserve.decode_worker.metrics import DecodeMetrics
+from splitserve.decode_worker.servicer import DecodeWorkerServicer
+from splitserve.engine.grpc_service import GrpcServer, service_name
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.tokenizer import Tokenizer
+from splitserve.protos import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("splitserve.decode_worker")
+
+SERVICE_NAME = service_name(worker_pb2.DESCRIPTOR, "DecodeWorker")
+STALL_S = 60.0  # a step that takes longer than this means the engine is stuck
+
+
+def _load_tokenizer(model_path: str):
+    try:
+        return Tokenizer.from_dir(model_path)
+    except FileNotFoundError:
+        log.warning("no tokenizer.json in %s: requests with stop strings will be refused", model_path)
+        return None
+
+
+class DecodeWorker:
+    def __init__(self, cfg: DecodeWorkerConfig, runner: ModelRunner | None = None) -> None:
+        self.cfg = cfg
+        self._runner = runner
+        self.metrics = DecodeMetrics()
+        self.server = GrpcServer(cfg.server, self.metrics.registry)
+        self.servicer = DecodeWorkerServicer()
+        self.server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self.servicer, SERVICE_NAME)
+        self.engine: DecodeEngine | None = None
+        self.loop: EngineLoop | None = None
+        self._watchdog: asyncio.Task | None = None
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def _build(self) -> DecodeEngine:
+        runner = self._runner or ModelRunner(self.cfg.engine)
+        engine = DecodeEngine(self.cfg, runner, _load_tokenizer(self.cfg.engine.model_path), self.metrics)
+        engine.warm_up()
+        return engine
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.engine = await asyncio.to_thread(self._build)
+        self.loop = EngineLoop(self.engine)
+        self.loop.start()
+        self.servicer.loop = self.loop
+        await self.server.set_serving(True)
+        self._watchdog = asyncio.create_task(self._watch(), name="decode-watchdog")
+
+    async def _watch(self) -> None:
+        """NOT_SERVING when the loop died or a step has not returned for STALL_S."""
+        loop = self.loop
+        while loop.alive and not (loop.busy and time.monotonic() - loop.last_progress > STALL_S):
+            await asyncio.sleep(0.5)
+        log.error("decode engine %s; health NOT_SERVING", "failed" if loop.fatal else "stopped making progress")
+        await self.server.set_serving(False)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Idempotent."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
+        await self.server.drain(grace_s)
+        if self.loop is not None:
+            await asyncio.to_thread(self.loop.stop)
+        elif self.engine is not None:
+            self.engine.close()
+
+    async def serve_until_signal(self) -> int:
+        signum = await self.server.serve_until_signal()
+        await self.stop(0)
+        return signum
+
+    def describe(self) -> str:
+        e = self.engine
+        if e is None:
+            return f"decode worker on {self.address} (not started)"
+        r = e.runner
+        graphs = e.graphs.captured_sizes
+        metrics = f", metrics on :{self.server.metrics_port}" if self.server.metrics_port is not None else ""
+        return (f"decode worker serving {SERVICE_NAME} on {self.address}: model {self.cfg.engine.model_path} "
+                f"({r.device}, {str(r.dtype).removeprefix('torch.')}), {e.allocator.num_usable} KV blocks x "
+                f"{r.block_size} tokens, max batch {e.max_batch_size}, "
+                f"CUDA graphs {graphs if graphs else 'off'}{metrics}")
+
+
+async def run_worker(cfg: DecodeWorkerConfig) -> int:
+    """Serves until SIGTERM/SIGINT, then drains; the CLI's entry point."""
+    worker = DecodeWorker(cfg)
+    try:
+        await worker.start()
+    except BaseException:
+        await worker.stop(0)
+        raise
+    log.info(worker.describe())
+    await worker.serve_until_signal()
+    log.info("decode worker stopped")
+    return 0

@@ -1,0 +1,176 @@
+"""DecodeWorker over real grpc.aio in this process: streams equal isolated generation,
+validation errors are INVALID_ARGUMENT, cancel and Abort free blocks, drain ends cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+from decode_helpers import assert_all_free, collect_stream, decode_request, worker_config
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.decode_worker.worker import DecodeWorker
+from splitserve.engine.grpc_service import channel_options
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
+from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
+
+PROMPTS = [[1, 17, 99, 230, 41], [1, 300, 301, 7, 8, 9, 10, 11, 12], [1, 450]]
+
+
+@contextlib.asynccontextmanager
+async def serving(model, **kw):
+    worker = DecodeWorker(worker_config(model, **kw))
+    await worker.start()
+    channel = grpc.aio.insecure_channel(worker.address, options=channel_options())
+    try:
+        yield worker, worker_pb2_grpc.DecodeWorkerStub(channel), channel
+    finally:
+        await channel.close()
+        await worker.stop(grace_s=1.0)
+
+
+async def _wait_until(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_streams_match_isolated_generation(tiny_llama, oracle):
+    async def main():
+        async with serving(tiny_llama) as (worker, stub, channel):
+            health = health_pb2_grpc.HealthStub(channel)
+            got = await health.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.DecodeWorker"))
+            assert got.status == health_pb2.HealthCheckResponse.SERVING
+            refs = [oracle(p, SamplingParams(temperature=0, max_tokens=10 + 3 * i)) for i, p in enumerate(PROMPTS)]
+            reqs = [decode_request(f"s{i}", p, r.token_ids[0], temperature=0, max_tokens=10 + 3 * i,
+                                   logprobs=1 if i == 1 else None) for i, (p, r) in enumerate(zip(PROMPTS, refs))]
+            runner = worker.engine.runner  # a compatible handle: checked, then recomputed until the pull lands
+            reqs[2].kv.CopyFrom(make_handle(PoolSpec.of(runner.kv_cache, runner.compat_hash), host="127.0.0.1",
+                                            port=1, lease_id="lease-2", request_id="s2", num_blocks=1,
+                                            num_tokens=len(PROMPTS[2]), ttl_s=30))
+            calls = [stub.Decode(r) for r in reqs]
+            results = await asyncio.gather(*(collect_stream(c) for c in calls))
+            for i, ((tokens, chunks), ref) in enumerate(zip(results, refs)):
+                assert tokens == ref.token_ids[1:]
+                assert chunks[-1].finish_reason == (generate_pb2.FINISH_REASON_LENGTH if ref.finish_reason == "length"
+                                                    else generate_pb2.FINISH_REASON_STOP)
+                assert all(not c.finish_reason for c in chunks[:-1])
+                n_lp = sum(len(c.logprobs) for c in chunks)
+                assert n_lp == (len(tokens) if i == 1 else 0)
+            load = await stub.GetLoad(worker_pb2.GetLoadRequest())
+            assert load.role == generate_pb2.WORKER_ROLE_DECODE
+            assert (load.num_running, load.num_waiting, load.free_blocks) == (0, 0, load.total_blocks)
+            assert load.block_size == 4 and load.model_compat_hash == worker.engine.runner.compat_hash
+            assert_all_free(worker.engine)
+    asyncio.run(main())
+
+
+def test_invalid_requests_are_refused_with_fix_hints(tiny_llama):
+    async def main():
+        async with serving(tiny_llama, num_blocks=16) as (worker, stub, _):
+            bad = {
+                "empty id": decode_request("", [1, 2], 3, temperature=0),
+                "empty prompt": decode_request("x", [], 3, temperature=0),
+                "token out of vocab": decode_request("x", [1, 9999], 3, temperature=0),
+                "first token out of vocab": decode_request("x", [1, 2], 9999, temperature=0),
+                "bad temperature": decode_request("x", [1, 2], 3, temperature=-1),
+            }
+            mismatched = decode_request("x", [1, 2], 3, temperature=0)
+            mismatched.kv.CopyFrom(kv_pb2.KvHandle(lease_id="l1", block_size=16, num_tokens=2))
+            bad["kv block size"] = mismatched
+            for what, req in bad.items():
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await collect_stream(stub.Decode(req))
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
+                assert exc.value.details(), what
+            too_long = decode_request("big", [1] * 10, 3, temperature=0, max_tokens=200)
+            with pytest.raises(grpc.aio.AioRpcError) as exc:  # 4-token blocks, pool of 15
+                await collect_stream(stub.Decode(too_long))
+            assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "num_blocks" in exc.value.details()
+            assert_all_free(worker.engine)
+    asyncio.run(main())
+
+
+def test_cancel_and_abort_free_blocks(tiny_llama):
+    async def main():
+        async with serving(tiny_llama, num_blocks=128) as (worker, stub, _):
+            engine = worker.engine
+            long = dict(temperature=0, max_tokens=200, ignore_eos=True)
+            cancelled = stub.Decode(decode_request("c", PROMPTS[0], 5, **long))
+            aborted = stub.Decode(decode_request("a", PROMPTS[1], 5, **long))
+            it = cancelled.__aiter__()
+            await it.__anext__()
+            cancelled.cancel()
+            chunks = []
+            async for chunk in aborted:
+                chunks.append(chunk)
+                if len(chunks) == 2:
+                    assert (await stub.Abort(generate_pb2.AbortRequest(request_id="a"))).found
+            assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_ABORT
+            assert not (await stub.Abort(generate_pb2.AbortRequest(request_id="a"))).found
+            await _wait_until(lambda: not engine.scheduler.by_id)
+            await _wait_until(lambda: engine.load.free_blocks == engine.load.total_blocks)
+            assert_all_free(engine)
+    asyncio.run(main())
+
+
+def test_duplicate_request_id_and_drain(tiny_llama):
+    async def main():
+        async with serving(tiny_llama) as (worker, stub, channel):
+            first = stub.Decode(decode_request("dup", PROMPTS[0], 5, temperature=0, max_tokens=50, ignore_eos=True))
+            it = first.__aiter__()
+            await it.__anext__()
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await collect_stream(stub.Decode(decode_request("dup", PROMPTS[1], 5, temperature=0)))
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            health = health_pb2_grpc.HealthStub(channel)
+            stopping = asyncio.ensure_future(worker.stop(grace_s=5.0))
+            rest = [c async for c in first]  # the in-flight stream finishes within the grace period
+            assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+            await stopping
+            assert_all_free(worker.engine)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+    asyncio.run(main())
+
+
+def test_deadline_frees_blocks(tiny_llama):
+    async def main():
+        async with serving(tiny_llama) as (worker, stub, _):
+            call = stub.Decode(decode_request("d", PROMPTS[0], 5, temperature=0, max_tokens=240, ignore_eos=True),
+                               timeout=0.05)
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await collect_stream(call)
+            assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await _wait_until(lambda: not worker.engine.scheduler.by_id)
+            await _wait_until(lambda: worker.engine.load.free_blocks == worker.engine.load.total_blocks)
+            assert_all_free(worker.engine)
+    asyncio.run(main())
+
+
+def test_failing_step_is_fatal_unavailable_and_not_serving(tiny_llama):
+    async def main():
+        async with serving(tiny_llama) as (worker, stub, channel):
+            def broken(n):
+                raise RuntimeError("injected device fault")
+            worker.engine.graphs._body = broken
+            with pytest.raises(grpc.aio.AioRpcError) as exc:
+                await collect_stream(stub.Decode(decode_request("f", PROMPTS[0], 5, temperature=0, max_tokens=20)))
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and "injected" in exc.value.details()
+            health = health_pb2_grpc.HealthStub(channel)
+            req = health_pb2.HealthCheckRequest(service="splitserve.v1.DecodeWorker")
+            deadline = time.monotonic() + 5
+            while (await health.Check(req)).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            with pytest.raises(grpc.aio.AioRpcError) as exc:  # later requests: refused at once
+                await collect_stream(stub.Decode(decode_request("g", PROMPTS[1], 5, temperature=0)))
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert_all_free(worker.engine)
+    asyncio.run(main())
