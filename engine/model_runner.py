@@ -93,14 +93,12 @@ class ModelRunner:
         self.kv_cache = allocate_kv_pool(self.geometry, self.num_blocks, self.device)
         self.cos_sin = cos_sin_cache(mc, self.max_model_len, self.device)
         self.compat_hash = model_compat_hash(cfg.model_path, mc, self.dtype, self.block_size)
-        self._pin = self.device.type == "cuda"
 
     # ---- host -> device -------------------------------------------------------------------
     def _to_device(self, data, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        if self._pin:
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
+        # Pageable on purpose: pinning a fresh buffer per call costs a page-locked allocation
+        # (milliseconds); the decode loop's graph runner keeps reusable pinned buffers instead.
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
     def _block_tables(self, tables: Sequence[Sequence[int]], width: int) -> torch.Tensor:
         return self._to_device([list(t) + [0] * (width - len(t)) for t in tables], torch.int32)
@@ -139,7 +137,7 @@ class ModelRunner:
         )
         hidden = self.model(self._to_device(ids, torch.int64), self._to_device(pos, torch.int64),
                             self.kv_cache, self.cos_sin, meta)
-        last = torch.tensor(cu[1:], device=hidden.device) - 1
+        last = self._to_device([c - 1 for c in cu[1:]], torch.int64)
         return self.model.compute_logits(hidden[last])
 
     @torch.inference_mode()
