@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.config_file import load_config
 from splitserve.engine.grpc_service import ServerConfig
+from splitserve.kvtransfer.config import KvTransferConfig
 
 GRAPH_STEP = 8  # capture sizes go 1, 2, 4, 8, then in steps of this
 
@@ -42,6 +43,7 @@ class DecodeWorkerConfig(BaseModel):
 
     engine: EngineConfig
     server: ServerConfig = ServerConfig()
+    kv_transfer: KvTransferConfig = KvTransferConfig()
     cuda_graph: bool = Field(True, description="capture the decode step as CUDA graphs (ignored on CPU)")
     cuda_graph_sizes: tuple[int, ...] | None = Field(
         None, description="batch sizes to capture; None: 1, 2, 4, 8, then steps of 8 up to max_batch_size")

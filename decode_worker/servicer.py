@@ -1,13 +1,11 @@
 """DecodeWorker gRPC servicer: proto in, validation, engine loop, streamed proto out.
 
-KV hand-over: the UCX pull is a later issue (kvtransfer/). Until it lands, a Decode request
-is served by RECOMPUTING THE PROMPT LOCALLY (the recompute fallback of the KV-transfer
-issue): an empty KvHandle asks for exactly that; a non-empty one is checked for
-compatibility (block size, layout, dtype, geometry, model hash: a mismatch is
-INVALID_ARGUMENT) and then recomputed too, its prefill lease left to expire. With the pull:
-`block_ids = await wrap_future(loop.reserve_blocks(kv.num_blocks))`, `await client.pull(kv,
-block_ids)`, release the lease, then `loop.submit(input, sink, block_ids)` (DecodeEngine.admit:
-the seam the engine tests drive with a local prefill), or `loop.release_blocks` on failure.
+KV hand-over: a request with a KvHandle is checked for compatibility (block size, layout,
+dtype, geometry, model hash: a mismatch is FAILED_PRECONDITION before any block is
+allocated), then its KV is pulled over UCX into freshly reserved blocks (kv_pull.py; a
+delivered pull releases the prefill lease) and it joins the batch with the first token from
+the host. A request without a handle, or whose pull failed under the `recompute` policy, is
+served by recomputing the prompt locally.
 """
 
 from __future__ import annotations
@@ -16,7 +14,10 @@ import asyncio
 import logging
 import threading
 
+import grpc
+
 from splitserve.decode_worker.engine_loop import EngineLoop
+from splitserve.decode_worker.kv_pull import KvPuller
 from splitserve.decode_worker.sequence import DecodeInput, StepOutput
 from splitserve.engine.errors import RequestError
 from splitserve.engine.proto_convert import (
@@ -74,6 +75,7 @@ class _Outbox:
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self) -> None:
         self.loop: EngineLoop | None = None  # set once the model is loaded and the graphs captured
+        self.puller: KvPuller | None = None  # set after the graphs are captured (DESIGN: capture before UCX)
         self._outbox: _Outbox | None = None
 
     def _loop(self) -> EngineLoop:
@@ -88,10 +90,16 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             inp = self._validate(request, loop)
         except RequestError as err:
             await err.abort(context)
+        block_ids = None
+        if request.HasField("kv") and request.kv.lease_id and self.puller is not None:
+            try:
+                block_ids = await self.puller.pull(request.kv, loop)
+            except RequestError as err:
+                await err.abort(context)
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         if self._outbox is None:
             self._outbox = _Outbox(asyncio.get_running_loop())
-        loop.submit(inp, self._outbox.sink(queue))
+        loop.submit(inp, self._outbox.sink(queue), block_ids)
         done = False
         try:
             while not done:
@@ -126,17 +134,17 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     @staticmethod
     def _check_handle(kv: kv_pb2.KvHandle, prompt_len: int, engine) -> None:
-        """A handle for another model, dtype, block size or layout is the caller's mistake
-        (INVALID_ARGUMENT, as kv.proto says), caught before any block is allocated."""
+        """A handle for another model, dtype, block size or layout is a deployment mistake
+        (FAILED_PRECONDITION), caught before any block is allocated."""
         runner = engine.runner
         try:
             check_compatible(kv, PoolSpec.of(runner.kv_cache, runner.compat_hash))
         except KvIncompatibleError as exc:
-            raise RequestError.invalid(f"kv: {exc} (GetLoad.model_compat_hash tells compatible workers)") from None
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"kv: {exc} (GetLoad.model_compat_hash tells compatible workers)") from None
         if kv.num_tokens != prompt_len:
             raise RequestError.invalid(f"kv.num_tokens is {kv.num_tokens} but the prompt has {prompt_len} tokens; "
                                        "send the prompt the handle was made for")
-        log.debug("%s: KV pull not wired in yet; recomputing the prompt locally", kv.request_id)
 
     async def Abort(self, request: generate_pb2.AbortRequest, context) -> generate_pb2.AbortResponse:
         if self.loop is None:

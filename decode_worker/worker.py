@@ -19,11 +19,15 @@ import time
 from splitserve.decode_worker.config import DecodeWorkerConfig
 from splitserve.decode_worker.engine import DecodeEngine
 from splitserve.decode_worker.engine_loop import EngineLoop
+from splitserve.decode_worker.kv_pull import KvPuller
 from splitserve.decode_worker.metrics import DecodeMetrics
 from splitserve.decode_worker.servicer import DecodeWorkerServicer
 from splitserve.engine.grpc_service import GrpcServer, service_name
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.kvtransfer.client import KvTransferClient
+from splitserve.kvtransfer.descriptor import PoolSpec
+from splitserve.kvtransfer.metrics import log_transports
 from splitserve.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("splitserve.decode_worker")
@@ -68,6 +72,12 @@ class DecodeWorker:
         self.loop = EngineLoop(self.engine)
         self.loop.start()
         self.servicer.loop = self.loop
+        # UCX starts only now, after every graph was captured (DESIGN.md "CUDA graphs").
+        runner = self.engine.runner
+        client = KvTransferClient(runner.kv_cache, PoolSpec.of(runner.kv_cache, runner.compat_hash),
+                                  self.cfg.kv_transfer)
+        self.servicer.puller = KvPuller(client, self.cfg.kv_transfer.failure_policy)
+        log_transports()
         await self.server.set_serving(True)
         self._watchdog = asyncio.create_task(self._watch(), name="decode-watchdog")
 
@@ -87,6 +97,9 @@ class DecodeWorker:
                 await self._watchdog
             self._watchdog = None
         await self.server.drain(grace_s)
+        if self.servicer.puller is not None:
+            self.servicer.puller.close()
+            self.servicer.puller = None
         if self.loop is not None:
             await asyncio.to_thread(self.loop.stop)
         elif self.engine is not None:

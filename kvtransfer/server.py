@@ -30,7 +30,7 @@ from splitserve.kvtransfer.buffers import TransferStream, ucx_view
 from splitserve.kvtransfer.checksum import payload_checksum
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
-from splitserve.kvtransfer.metrics import TRANSFER_BYTES, UCX_TRANSPORTS
+from splitserve.kvtransfer.metrics import TRANSFER_BYTES, log_transports
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
@@ -82,10 +82,8 @@ class KvTransferServer:
         import ucxx
 
         self._listener = ucxx.create_listener(self._on_connect, self.config.listen_port)
-        transports = sorted(ucxx.get_active_transports())
-        for t in transports:
-            UCX_TRANSPORTS.labels(t).set(1)
-        log.info("UCX listener on port %d; transports available: %s", self.port, ", ".join(transports))
+        log.info("UCX listener on port %d", self.port)
+        log_transports()
         return self.port
 
     async def _on_connect(self, ep) -> None:

@@ -49,7 +49,7 @@ def test_streams_match_isolated_generation(tiny_llama, oracle):
             refs = [oracle(p, SamplingParams(temperature=0, max_tokens=10 + 3 * i)) for i, p in enumerate(PROMPTS)]
             reqs = [decode_request(f"s{i}", p, r.token_ids[0], temperature=0, max_tokens=10 + 3 * i,
                                    logprobs=1 if i == 1 else None) for i, (p, r) in enumerate(zip(PROMPTS, refs))]
-            runner = worker.engine.runner  # a compatible handle: checked, then recomputed until the pull lands
+            runner = worker.engine.runner  # a compatible handle whose listener is gone: pull fails, recomputed
             reqs[2].kv.CopyFrom(make_handle(PoolSpec.of(runner.kv_cache, runner.compat_hash), host="127.0.0.1",
                                             port=1, lease_id="lease-2", request_id="s2", num_blocks=1,
                                             num_tokens=len(PROMPTS[2]), ttl_s=30))
@@ -80,14 +80,17 @@ def test_invalid_requests_are_refused_with_fix_hints(tiny_llama):
                 "first token out of vocab": decode_request("x", [1, 2], 9999, temperature=0),
                 "bad temperature": decode_request("x", [1, 2], 3, temperature=-1),
             }
-            mismatched = decode_request("x", [1, 2], 3, temperature=0)
-            mismatched.kv.CopyFrom(kv_pb2.KvHandle(lease_id="l1", block_size=16, num_tokens=2))
-            bad["kv block size"] = mismatched
             for what, req in bad.items():
                 with pytest.raises(grpc.aio.AioRpcError) as exc:
                     await collect_stream(stub.Decode(req))
                 assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
                 assert exc.value.details(), what
+            mismatched = decode_request("x", [1, 2], 3, temperature=0)
+            mismatched.kv.CopyFrom(kv_pb2.KvHandle(lease_id="l1", block_size=16, num_tokens=2))
+            with pytest.raises(grpc.aio.AioRpcError) as exc:  # a deployment error, before any allocation
+                await collect_stream(stub.Decode(mismatched))
+            assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "block_size" in exc.value.details()
             too_long = decode_request("big", [1] * 10, 3, temperature=0, max_tokens=200)
             with pytest.raises(grpc.aio.AioRpcError) as exc:  # 4-token blocks, pool of 15
                 await collect_stream(stub.Decode(too_long))

@@ -1,0 +1,58 @@
+"""Brings a handed-off request's KV into this pool before it joins the batch.
+
+    reserve blocks (engine thread) -> pull over UCX (kvtransfer) -> submit(input, blocks)
+                                   └ failure: give the blocks back, then the policy:
+                                     recompute (submit without blocks: the engine recomputes
+                                     the prompt, same tokens) or fail (UNAVAILABLE)
+
+An incompatible handle is FAILED_PRECONDITION whatever the policy: recomputing would hide a
+deployment error. When the pool is short right now, the request is recomputed once blocks
+free up (the scheduler queues it) and the prefill lease is left to its TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from splitserve.decode_worker.engine_loop import EngineLoop
+from splitserve.engine.errors import RequestError
+from splitserve.kvtransfer.client import KvTransferClient, KvTransferError
+from splitserve.kvtransfer.metrics import TRANSFER_FAILURES
+from splitserve.protos import kv_pb2
+
+log = logging.getLogger(__name__)
+
+
+class KvPuller:
+    def __init__(self, client: KvTransferClient, policy: str) -> None:
+        self.client = client
+        self.policy = policy
+
+    async def pull(self, kv: kv_pb2.KvHandle, loop: EngineLoop) -> list[int] | None:
+        """Block ids now holding the prompt's KV, or None: recompute it."""
+        ids = await asyncio.wrap_future(loop.reserve_blocks(kv.num_blocks))
+        if ids is None:
+            TRANSFER_FAILURES.labels("pool_full").inc()
+            log.info("%s: no room for %d blocks now; recomputing once blocks free up", kv.request_id, kv.num_blocks)
+            return None
+        try:
+            await self.client.pull(kv, ids)
+        except KvTransferError as exc:
+            loop.release_blocks(ids)
+            if exc.status == grpc.StatusCode.FAILED_PRECONDITION:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"kv: {exc}") from None
+            if self.policy == "fail":
+                raise RequestError.unavailable(f"KV transfer failed ({exc.reason}): {exc}; retry the request "
+                                               "or set kv_transfer.failure_policy=recompute") from None
+            log.warning("%s: KV transfer failed (%s: %s); recomputing the prompt", kv.request_id, exc.reason, exc)
+            return None
+        except BaseException:  # cancelled mid-pull: the blocks never reached the engine
+            loop.release_blocks(ids)
+            raise
+        return ids
+
+    def close(self) -> None:
+        self.client.close()
