@@ -26,6 +26,9 @@ _OVERRIDES = {
     "drain_grace_s": "server.drain_grace_s",
     "cuda_graph": "cuda_graph",
     "cuda_graph_sizes": "cuda_graph_sizes",
+    "kv_failure_policy": "kv_transfer.failure_policy",
+    "kv_data_timeout_s": "kv_transfer.data_timeout_s",
+    "kv_connect_timeout_s": "kv_transfer.connect_timeout_s",
 }
 
 
@@ -59,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch sizes to capture (default 1,2,4,8, then steps of 8 up to --max-batch-size)")
     p.add_argument("--drain-grace-s", type=float, help="seconds in-flight streams get to finish on SIGTERM")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--kv-failure-policy", choices=["recompute", "fail"],
+                   help="a failed KV pull: recompute the prompt here (default) or end with UNAVAILABLE")
+    p.add_argument("--kv-connect-timeout-s", type=float, help="UCX connect timeout (default 5)")
+    p.add_argument("--kv-data-timeout-s", type=float, help="KV payload receive timeout (default 30)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 

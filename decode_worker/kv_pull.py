@@ -20,7 +20,6 @@ import grpc
 from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.engine.errors import RequestError
 from splitserve.kvtransfer.client import KvTransferClient, KvTransferError
-from splitserve.kvtransfer.metrics import TRANSFER_FAILURES
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger(__name__)
@@ -35,7 +34,7 @@ class KvPuller:
         """Block ids now holding the prompt's KV, or None: recompute it."""
         ids = await asyncio.wrap_future(loop.reserve_blocks(kv.num_blocks))
         if ids is None:
-            TRANSFER_FAILURES.labels("pool_full").inc()
+            self.client.metrics.failures.labels("pool_full").inc()
             log.info("%s: no room for %d blocks now; recomputing once blocks free up", kv.request_id, kv.num_blocks)
             return None
         try:

@@ -27,7 +27,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.kvtransfer.client import KvTransferClient
 from splitserve.kvtransfer.descriptor import PoolSpec
-from splitserve.kvtransfer.metrics import log_transports
+from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("splitserve.decode_worker")
@@ -74,10 +74,11 @@ class DecodeWorker:
         self.servicer.loop = self.loop
         # UCX starts only now, after every graph was captured (DESIGN.md "CUDA graphs").
         runner = self.engine.runner
+        kv_metrics = KvTransferMetrics(self.metrics.registry)
         client = KvTransferClient(runner.kv_cache, PoolSpec.of(runner.kv_cache, runner.compat_hash),
-                                  self.cfg.kv_transfer)
+                                  self.cfg.kv_transfer, kv_metrics)
         self.servicer.puller = KvPuller(client, self.cfg.kv_transfer.failure_policy)
-        log_transports()
+        kv_metrics.log_transports()
         await self.server.set_serving(True)
         self._watchdog = asyncio.create_task(self._watch(), name="decode-watchdog")
 

@@ -20,7 +20,7 @@ from splitserve.kvtransfer.buffers import TransferStream, ucx_view
 from splitserve.kvtransfer.checksum import payload_checksum
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
-from splitserve.kvtransfer.metrics import TRANSFER_BYTES, TRANSFER_FAILURES, TRANSFER_GBPS, TRANSFER_SECONDS
+from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import kv_pb2
 
 _STATUS_REASON = {
@@ -82,8 +82,10 @@ class _EndpointPool:
 
 
 class KvTransferClient:
-    def __init__(self, kv_cache: torch.Tensor, spec: PoolSpec, config: KvTransferConfig) -> None:
+    def __init__(self, kv_cache: torch.Tensor, spec: PoolSpec, config: KvTransferConfig,
+                 metrics: KvTransferMetrics | None = None) -> None:
         self.kv_cache = kv_cache
+        self.metrics = metrics or KvTransferMetrics()
         self.spec = spec
         self.config = config
         self.stream = TransferStream(kv_cache.device)
@@ -93,7 +95,7 @@ class KvTransferClient:
         try:
             return await self._pull(handle, dest_blocks)
         except KvTransferError as exc:
-            TRANSFER_FAILURES.labels(exc.reason).inc()
+            self.metrics.failures.labels(exc.reason).inc()
             raise
 
     async def _pull(self, handle: kv_pb2.KvHandle, dest_blocks: list[int]) -> PullStats:
@@ -114,9 +116,9 @@ class KvTransferClient:
             raise
         self.pool.release(host, port, ep)
         stats = PullStats(nbytes, time.perf_counter() - start)
-        TRANSFER_SECONDS.observe(stats.seconds)
-        TRANSFER_BYTES.labels("received").inc(nbytes)
-        TRANSFER_GBPS.set(stats.gbps)
+        self.metrics.seconds.observe(stats.seconds)
+        self.metrics.bytes.labels("received").inc(nbytes)
+        self.metrics.gbps.set(stats.gbps)
         return stats
 
     async def _exchange(self, ep, handle: kv_pb2.KvHandle, dest_blocks: list[int]) -> int:

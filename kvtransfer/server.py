@@ -30,7 +30,7 @@ from splitserve.kvtransfer.buffers import TransferStream, ucx_view
 from splitserve.kvtransfer.checksum import payload_checksum
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
-from splitserve.kvtransfer.metrics import TRANSFER_BYTES, log_transports
+from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
@@ -64,12 +64,14 @@ class TransferFaults:
 
 class KvTransferServer:
     def __init__(self, kv_cache: torch.Tensor, spec: PoolSpec, leases: LeaseSource,
-                 config: KvTransferConfig, faults: TransferFaults | None = None) -> None:
+                 config: KvTransferConfig, faults: TransferFaults | None = None,
+                 metrics: KvTransferMetrics | None = None) -> None:
         self.kv_cache = kv_cache
         self.spec = spec
         self.leases = leases
         self.config = config
         self.faults = faults or TransferFaults()
+        self.metrics = metrics or KvTransferMetrics()
         self.stream = TransferStream(kv_cache.device)
         self._listener = None
         self._handlers: set[asyncio.Task] = set()
@@ -83,7 +85,7 @@ class KvTransferServer:
 
         self._listener = ucxx.create_listener(self._on_connect, self.config.listen_port)
         log.info("UCX listener on port %d", self.port)
-        log_transports()
+        self.metrics.log_transports()
         return self.port
 
     async def _on_connect(self, ep) -> None:
@@ -138,7 +140,7 @@ class KvTransferServer:
             await asyncio.sleep(self.faults.stall_before_payload_s)
         for piece in pieces:
             await ep.send(ucx_view(piece))
-        TRANSFER_BYTES.labels("sent").inc(payload.numel())
+        self.metrics.bytes.labels("sent").inc(payload.numel())
         done = kv_pb2.KvPullDone.FromString(bytes(await ep.recv_obj()))
         return done.ok
 

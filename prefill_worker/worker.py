@@ -14,6 +14,7 @@ import logging
 from splitserve.engine.grpc_service import GrpcServer, service_name
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.kvtransfer.descriptor import PoolSpec
+from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.server import KvTransferServer
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.engine import PrefillEngine
@@ -49,7 +50,8 @@ class PrefillWorker:
         self.engine = PrefillEngine(self.cfg, runner, self.metrics, on_fatal=self._on_fatal)
         await self.engine.start()
         self.kv_server = KvTransferServer(runner.kv_cache, PoolSpec.of(runner.kv_cache, runner.compat_hash),
-                                          EngineLeaseSource(self.engine), self.cfg.kv_transfer)
+                                          EngineLeaseSource(self.engine), self.cfg.kv_transfer,
+                                          metrics=KvTransferMetrics(self.metrics.registry))
         self.servicer.kv_port = await self.kv_server.start()
         self.servicer.engine = self.engine
         await self.server.set_serving(True)
