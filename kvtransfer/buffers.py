@@ -13,6 +13,8 @@ from contextlib import nullcontext
 
 import torch
 
+_POLLS = 200
+
 
 def ucx_view(t: torch.Tensor):
     flat = t.reshape(-1).view(torch.uint8)
@@ -32,6 +34,12 @@ class TransferStream:
             return
         event = torch.cuda.Event()
         event.record(self.stream)
+        # Cooperative polling first: a pack or unpack takes well under a millisecond, and a
+        # thread hop costs about as much; long waits go to a thread so the loop stays free.
+        for _ in range(_POLLS):
+            if event.query():
+                return
+            await asyncio.sleep(0)
         await asyncio.to_thread(event.synchronize)
 
     def after_engine(self) -> None:

@@ -12,7 +12,12 @@ import torch
 _ROW = 1024
 
 
-def payload_checksum(payload: torch.Tensor) -> int:
+def to_u64(checksum: torch.Tensor) -> int:
+    return int(checksum.item()) & 0xFFFFFFFFFFFFFFFF
+
+
+def payload_checksum_async(payload: torch.Tensor) -> torch.Tensor:
+    """The checksum as a 0-d device tensor, queued on the current stream (no host sync)."""
     words = payload.reshape(-1).view(torch.uint8)
     pad = (-words.numel()) % (4 * _ROW)
     if pad:
@@ -20,4 +25,4 @@ def payload_checksum(payload: torch.Tensor) -> int:
     rows = words.view(torch.int32).view(-1, _ROW)
     row_sums = rows.sum(dim=1, dtype=torch.int64)
     weights = torch.arange(1, row_sums.numel() + 1, device=row_sums.device, dtype=torch.int64)
-    return int((row_sums * weights).sum().item()) & 0xFFFFFFFFFFFFFFFF
+    return (row_sums * weights).sum()

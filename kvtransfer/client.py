@@ -17,7 +17,7 @@ import torch
 
 from splitserve.kernels import ops
 from splitserve.kvtransfer.buffers import TransferStream, ucx_view
-from splitserve.kvtransfer.checksum import payload_checksum
+from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
 from splitserve.kvtransfer.metrics import KvTransferMetrics
@@ -151,21 +151,24 @@ class KvTransferClient:
             raise KvTransferError("data_timeout", f"KV payload not received within {cfg.data_timeout_s}s") from exc
         except Exception as exc:
             raise KvTransferError("peer_failed", f"prefill worker failed mid-transfer: {exc}") from exc
-        if cfg.verify_checksum and payload_checksum(staging) != reply.checksum:
-            await ep.send_obj(kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=False).SerializeToString())
-            raise KvTransferError("checksum", "KV payload failed its checksum (corrupted or truncated); "
-                                  "it was discarded")
+        # Checksum and unpack in one pass of the transfer stream, then one wait. On a mismatch the
+        # destination blocks hold garbage, but they were never admitted: they go back unused.
         self.stream.after_engine()
         with self.stream.context():
+            checksum = payload_checksum_async(staging) if cfg.verify_checksum else None
             ids = torch.tensor(dest_blocks, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
             ops.unpack_kv_blocks(staging, self.kv_cache, ids)
         await self.stream.wait()
+        if checksum is not None and to_u64(checksum) != reply.checksum:
+            await ep.send_obj(kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=False).SerializeToString())
+            raise KvTransferError("checksum", "KV payload failed its checksum (corrupted or truncated); "
+                                  "it was discarded")
         await ep.send_obj(kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=True).SerializeToString())
         return payload.numel()
 
     async def _receive(self, ep, payload: torch.Tensor, chunk: int) -> None:
-        for offset in range(0, payload.numel(), chunk):
-            await ep.recv(ucx_view(payload[offset : offset + chunk]))
+        # all receives posted at once: UCX matches them in order and overlaps the messages
+        await asyncio.gather(*(ep.recv(ucx_view(payload[o : o + chunk])) for o in range(0, payload.numel(), chunk)))
 
     def close(self) -> None:
         self.pool.close()

@@ -27,7 +27,7 @@ import torch
 
 from splitserve.kernels import ops
 from splitserve.kvtransfer.buffers import TransferStream, ucx_view
-from splitserve.kvtransfer.checksum import payload_checksum
+from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
 from splitserve.kvtransfer.metrics import KvTransferMetrics
@@ -127,8 +127,9 @@ class KvTransferServer:
         with self.stream.context():
             ids = torch.tensor(blocks, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
             packed = ops.pack_kv_blocks(self.kv_cache, ids)
-            checksum = payload_checksum(packed) if self.config.verify_checksum else 0
+            checksum = payload_checksum_async(packed) if self.config.verify_checksum else None
         await self.stream.wait()
+        checksum = to_u64(checksum) if checksum is not None else 0
         payload = packed.reshape(-1).view(torch.uint8)
         chunk = max(1, min(self.config.max_message_bytes, req.max_message_bytes or self.config.max_message_bytes))
         pieces = [payload[i : i + chunk] for i in range(0, payload.numel(), chunk)]
@@ -138,8 +139,7 @@ class KvTransferServer:
         pieces = self._apply_faults(pieces)
         if self.faults.stall_before_payload_s:
             await asyncio.sleep(self.faults.stall_before_payload_s)
-        for piece in pieces:
-            await ep.send(ucx_view(piece))
+        await asyncio.gather(*(ep.send(ucx_view(piece)) for piece in pieces))  # pipelined, tag-ordered
         self.metrics.bytes.labels("sent").inc(payload.numel())
         done = kv_pb2.KvPullDone.FromString(bytes(await ep.recv_obj()))
         return done.ok
