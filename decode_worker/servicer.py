@@ -145,6 +145,13 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if kv.num_tokens != prompt_len:
             raise RequestError.invalid(f"kv.num_tokens is {kv.num_tokens} but the prompt has {prompt_len} tokens; "
                                        "send the prompt the handle was made for")
+        if kv.num_blocks != -(-kv.num_tokens // kv.block_size):
+            raise RequestError.invalid(f"kv.num_blocks is {kv.num_blocks} but {kv.num_tokens} tokens fill "
+                                       f"{-(-kv.num_tokens // kv.block_size)} blocks of {kv.block_size}; "
+                                       "pass the handle the prefill worker returned, unchanged")
+        if not kv.address.host or not kv.address.port:
+            raise RequestError.invalid("kv.address needs the prefill worker's UCX host and port; "
+                                       "pass the handle the prefill worker returned, unchanged")
 
     async def Abort(self, request: generate_pb2.AbortRequest, context) -> generate_pb2.AbortResponse:
         if self.loop is None:

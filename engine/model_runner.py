@@ -58,13 +58,26 @@ def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.
     return torch.float32 if device.type == "cpu" else _DTYPES[model.dtype]
 
 
+_SAMPLE_BYTES = 1 << 16
+
+
 def model_compat_hash(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
-    """Identity of what a KV block means: geometry, dtype, block size and the weight files."""
+    """Identity of what a KV block means: geometry, dtype, block size and the weights.
+
+    The weights enter through each file's size, its safetensors header (names, shapes, offsets)
+    and three 64 KiB samples of its contents, so two fine-tunes of one base differ, without
+    reading gigabytes at start-up."""
     h = hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode())
     h.update(f"{dtype}|{block_size}".encode())
     for f in sorted(Path(model_dir).glob("*.safetensors")):
-        stat = f.stat()
-        h.update(f"{f.name}:{stat.st_size}".encode())
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            h.update(fh.read(min(header_len, 1 << 24)))
+            for offset in (8 + header_len, (size + header_len) // 2, size - _SAMPLE_BYTES):
+                fh.seek(max(0, offset))
+                h.update(fh.read(_SAMPLE_BYTES))
     return h.hexdigest()[:32]
 
 
@@ -135,10 +148,9 @@ class ModelRunner:
             cu_seqlens_q=self._to_device(cu, torch.int32),
             max_query_len=max(len(c.token_ids) for c in chunks),
         )
-        hidden = self.model(self._to_device(ids, torch.int64), self._to_device(pos, torch.int64),
-                            self.kv_cache, self.cos_sin, meta)
         last = self._to_device([c - 1 for c in cu[1:]], torch.int64)
-        return self.model.compute_logits(hidden[last])
+        return self.model.logits(self._to_device(ids, torch.int64), self._to_device(pos, torch.int64),
+                                 self.kv_cache, self.cos_sin, meta, rows=last)
 
     @torch.inference_mode()
     def decode(self, lanes: Sequence[DecodeLane]) -> torch.Tensor:
@@ -152,10 +164,9 @@ class ModelRunner:
             context_lens=self._to_device([l.position + 1 for l in lanes], torch.int32),
             is_prefill=False,
         )
-        hidden = self.model(self._to_device([l.token_id for l in lanes], torch.int64),
-                            self._to_device([l.position for l in lanes], torch.int64),
-                            self.kv_cache, self.cos_sin, meta)
-        return self.model.compute_logits(hidden)
+        return self.model.logits(self._to_device([l.token_id for l in lanes], torch.int64),
+                                 self._to_device([l.position for l in lanes], torch.int64),
+                                 self.kv_cache, self.cos_sin, meta)
 
     def zero_kv(self) -> None:
         """Clears what warm-up wrote so no stale value can be read as context."""

@@ -33,10 +33,12 @@ _STATUS_REASON = {
 class KvTransferError(RuntimeError):
     """A pull that did not deliver; `reason` labels the metric, `status` maps to gRPC."""
 
-    def __init__(self, reason: str, message: str, status: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+    def __init__(self, reason: str, message: str, status: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+                 payload_started: bool = False):
         super().__init__(message)
         self.reason = reason
         self.status = status
+        self.payload_started = payload_started  # past the lease request: the lease may be consumed
 
 
 @dataclass(frozen=True)
@@ -54,18 +56,19 @@ class _EndpointPool:
         self.timeout = connect_timeout_s
         self.idle: dict[tuple[str, int], list] = defaultdict(list)
 
-    async def acquire(self, host: str, port: int):
+    async def acquire(self, host: str, port: int, fresh: bool = False):
+        """(endpoint, reused): an idle cached endpoint, else a new connection."""
         idle = self.idle[(host, port)]
-        while idle:
+        while idle and not fresh:
             ep = idle.pop()
             if not ep.closed:
-                return ep
+                return ep, True
         import ucxx
 
         try:
-            return await asyncio.wait_for(
-                ucxx.create_endpoint(host, port, connect_timeout=self.timeout), self.timeout + 1
-            )
+            ep = await asyncio.wait_for(ucxx.create_endpoint(host, port, connect_timeout=self.timeout),
+                                        self.timeout + 1)
+            return ep, False
         except Exception as exc:  # timeout or refused: either way the peer is unreachable now
             raise KvTransferError("connect", f"cannot reach the prefill worker's UCX listener at "
                                   f"{host}:{port}: {exc or type(exc).__name__}") from exc
@@ -108,11 +111,22 @@ class KvTransferClient:
                                   f"{handle.num_blocks}", grpc.StatusCode.INVALID_ARGUMENT)
         host, port = handle.address.host, handle.address.port
         start = time.perf_counter()
-        ep = await self.pool.acquire(host, port)
+        ep, reused = await self.pool.acquire(host, port)
         try:
             nbytes = await self._exchange(ep, handle, dest_blocks)
-        except BaseException:
+        except KvTransferError as exc:
             ep.abort()  # a half-used endpoint may hold stray messages: never reuse it
+            if not (reused and exc.reason == "peer_failed" and not exc.payload_started):
+                raise
+            # a cached endpoint whose peer restarted: one retry on a fresh connection
+            ep, _ = await self.pool.acquire(host, port, fresh=True)
+            try:
+                nbytes = await self._exchange(ep, handle, dest_blocks)
+            except BaseException:
+                ep.abort()
+                raise
+        except BaseException:
+            ep.abort()
             raise
         self.pool.release(host, port, ep)
         stats = PullStats(nbytes, time.perf_counter() - start)
@@ -150,7 +164,8 @@ class KvTransferClient:
         except asyncio.TimeoutError as exc:
             raise KvTransferError("data_timeout", f"KV payload not received within {cfg.data_timeout_s}s") from exc
         except Exception as exc:
-            raise KvTransferError("peer_failed", f"prefill worker failed mid-transfer: {exc}") from exc
+            raise KvTransferError("peer_failed", f"prefill worker failed mid-transfer: {exc}",
+                                  payload_started=True) from exc
         # Checksum and unpack in one pass of the transfer stream, then one wait. On a mismatch the
         # destination blocks hold garbage, but they were never admitted: they go back unused.
         self.stream.after_engine()

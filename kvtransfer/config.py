@@ -18,5 +18,5 @@ class KvTransferConfig(BaseModel):
     failure_policy: Literal["recompute", "fail"] = "recompute"
     max_message_bytes: int = Field(256 * 2**20, ge=2**20, description="payload split above this size")
     verify_checksum: bool = True
-    listen_host: str = "127.0.0.1"
+    # ucxx listeners bind every interface; peers dial the worker's advertised host.
     listen_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")

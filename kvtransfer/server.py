@@ -116,6 +116,8 @@ class KvTransferServer:
         except LeaseLookupError as exc:
             await ep.send_obj(self._reply_error(exc.status, str(exc)).SerializeToString())
             return
+        # any failure below (timeout, dead peer) propagates to _on_connect, which aborts the
+        # endpoint; end_pull has already unpinned the blocks
         delivered = False
         try:
             delivered = await self._send_blocks(ep, req, blocks)
@@ -131,17 +133,21 @@ class KvTransferServer:
         await self.stream.wait()
         checksum = to_u64(checksum) if checksum is not None else 0
         payload = packed.reshape(-1).view(torch.uint8)
-        chunk = max(1, min(self.config.max_message_bytes, req.max_message_bytes or self.config.max_message_bytes))
+        limit = max(1, min(self.config.max_message_bytes, req.max_message_bytes or self.config.max_message_bytes))
+        # Even pieces: the receiver sizes its buffers as ceil(bytes / num_messages).
+        chunk = -(-payload.numel() // -(-payload.numel() // limit))
         pieces = [payload[i : i + chunk] for i in range(0, payload.numel(), chunk)]
         reply = kv_pb2.KvPullReply(status=kv_pb2.KV_PULL_STATUS_OK, payload_bytes=payload.numel(),
                                    num_messages=len(pieces), num_blocks=len(blocks), checksum=checksum)
-        await ep.send_obj(reply.SerializeToString())
+        timeout = self.config.data_timeout_s  # a hung peer must not pin the blocks past this
+        await asyncio.wait_for(ep.send_obj(reply.SerializeToString()), timeout)
         pieces = self._apply_faults(pieces)
         if self.faults.stall_before_payload_s:
             await asyncio.sleep(self.faults.stall_before_payload_s)
-        await asyncio.gather(*(ep.send(ucx_view(piece)) for piece in pieces))  # pipelined, tag-ordered
+        # pipelined, tag-ordered
+        await asyncio.wait_for(asyncio.gather(*(ep.send(ucx_view(piece)) for piece in pieces)), timeout)
         self.metrics.bytes.labels("sent").inc(payload.numel())
-        done = kv_pb2.KvPullDone.FromString(bytes(await ep.recv_obj()))
+        done = kv_pb2.KvPullDone.FromString(bytes(await asyncio.wait_for(ep.recv_obj(), timeout)))
         return done.ok
 
     def _apply_faults(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:

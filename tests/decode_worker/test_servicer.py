@@ -51,7 +51,7 @@ def test_streams_match_isolated_generation(tiny_llama, oracle):
                                    logprobs=1 if i == 1 else None) for i, (p, r) in enumerate(zip(PROMPTS, refs))]
             runner = worker.engine.runner  # a compatible handle whose listener is gone: pull fails, recomputed
             reqs[2].kv.CopyFrom(make_handle(PoolSpec.of(runner.kv_cache, runner.compat_hash), host="127.0.0.1",
-                                            port=1, lease_id="lease-2", request_id="s2", num_blocks=1,
+                                            port=1, lease_id="lease-2", request_id="s2", num_blocks=-(-len(PROMPTS[2]) // 4),
                                             num_tokens=len(PROMPTS[2]), ttl_s=30))
             calls = [stub.Decode(r) for r in reqs]
             results = await asyncio.gather(*(collect_stream(c) for c in calls))

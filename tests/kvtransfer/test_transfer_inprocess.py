@@ -79,6 +79,45 @@ def test_pull_moves_every_layer_k_and_v_in_few_messages():
     assert leases.pulled == [("L1", True)] and stats.num_bytes == 64 * 32 * 1024
 
 
+def test_payload_that_is_not_a_multiple_of_the_message_limit():
+    blocks = tuple(range(2, 50))  # 48 blocks = 1.5 MiB over a 1 MiB limit: two even pieces
+    src, dst, dest, blocks, leases, stats = asyncio.run(_run(blocks=blocks))
+    assert torch.equal(dst[:, :, dest], src[:, :, list(blocks)])
+
+
+def test_cached_endpoint_is_reused_and_recreated_after_the_peer_restarts():
+    cfg = KvTransferConfig(data_timeout_s=3, lease_request_timeout_s=3, connect_timeout_s=2)
+
+    async def main():
+        src, spec, dst, dspec = _pools()
+        leases = Leases()
+        client = KvTransferClient(dst, dspec, cfg)
+        port = None
+        try:
+            for round_ in range(3):
+                server = KvTransferServer(src, spec, leases, cfg.model_copy(update={"listen_port": port or 0}))
+                for _attempt in range(50):  # the old listener's port frees up a moment after close
+                    try:
+                        port = await server.start()
+                        break
+                    except Exception:
+                        await asyncio.sleep(0.1)
+                for i in range(2):
+                    lease = f"L{round_}-{i}"
+                    leases.table[lease] = [3, 4]
+                    await client.pull(make_handle(spec, host="127.0.0.1", port=port, lease_id=lease,
+                                                  request_id="r1", num_blocks=2, num_tokens=20, ttl_s=30), [5, 6])
+                    assert torch.equal(dst[:, :, [5, 6]], src[:, :, [3, 4]])
+                    dst.zero_()
+                assert len(client.pool.idle[("127.0.0.1", port)]) == 1  # one endpoint served both pulls
+                await server.close()  # the peer goes away; the cached endpoint is now stale
+                await asyncio.sleep(0.2)
+        finally:
+            client.close()
+
+    asyncio.run(main())
+
+
 def test_unknown_and_expired_leases_fail_cleanly():
     with pytest.raises(KvTransferError) as info:
         asyncio.run(_run(register=False))
