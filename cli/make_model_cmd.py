@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 
 def register(sub) -> None:
-    from splitserve.engine.make_model import PRESETS
+    from splitserve.engine.presets import PRESETS
 
     p = sub.add_parser("make-model", help="write a deterministic random checkpoint + tokenizer into DIR")
     p.add_argument("folder", metavar="DIR")
