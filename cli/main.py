@@ -6,7 +6,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from splitserve.cli import complete_cmd, decode_worker_cmd, make_model_cmd, prefill_worker_cmd
+from splitserve.cli import (
+    bench_cmd,
+    complete_cmd,
+    decode_worker_cmd,
+    generate_cmd,
+    health_cmd,
+    make_model_cmd,
+    prefill_worker_cmd,
+    router_cmd,
+    serve_cmd,
+)
 
 
 class CliError(Exception):
@@ -16,7 +26,8 @@ class CliError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (make_model_cmd, complete_cmd, prefill_worker_cmd, decode_worker_cmd):
+    for module in (serve_cmd, generate_cmd, bench_cmd, make_model_cmd, complete_cmd, prefill_worker_cmd,
+                   decode_worker_cmd, router_cmd, health_cmd):
         module.register(sub)
     return parser
 

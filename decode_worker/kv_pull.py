@@ -37,8 +37,15 @@ class KvPuller:
             self.client.metrics.failures.labels("pool_full").inc()
             log.info("%s: no room for %d blocks now; recomputing once blocks free up", kv.request_id, kv.num_blocks)
             return None
+        # The pull runs as its own task and a cancelled caller does not cancel it: UCX may still
+        # write into the pull's staging buffer, which must outlive every posted receive. The
+        # pull ends on its own timeouts; only then do its blocks go back.
+        task = asyncio.ensure_future(self.client.pull(kv, ids))
         try:
-            await self.client.pull(kv, ids)
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(lambda t: (t.cancelled() or t.exception(), loop.release_blocks(ids)))
+            raise
         except KvTransferError as exc:
             loop.release_blocks(ids)
             if exc.status == grpc.StatusCode.FAILED_PRECONDITION:
@@ -48,7 +55,7 @@ class KvPuller:
                                                "or set kv_transfer.failure_policy=recompute") from None
             log.warning("%s: KV transfer failed (%s: %s); recomputing the prompt", kv.request_id, exc.reason, exc)
             return None
-        except BaseException:  # cancelled mid-pull: the blocks never reached the engine
+        except BaseException:
             loop.release_blocks(ids)
             raise
         return ids

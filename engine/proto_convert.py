@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from splitserve.engine.errors import RequestError
-from splitserve.engine.sampler import TokenLogprobs
 from splitserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, validate_against_vocab
 from splitserve.protos import generate_pb2
+
+if TYPE_CHECKING:  # the sampler imports torch, which the router (a user of this module) does not need
+    from splitserve.engine.sampler import TokenLogprobs
 
 # How to fix each sampling field, appended to pydantic's description of what is wrong.
 _HINTS = {

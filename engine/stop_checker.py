@@ -103,6 +103,12 @@ class StopChecker:
         self._held = text[len(text) - keep :] if keep else ""
         return StopResult(text[: len(text) - keep])
 
+    def end(self) -> str:
+        """Ends the sequence for a reason decided elsewhere (another process's limit, an
+        abort); returns the text held back so far, so no streamed text is lost."""
+        held, self._held = self._held, ""
+        return held
+
     def _finish(self, text: str, reason: FinishReason, stop_reason: str | int | None) -> StopResult:
         self._held = ""
         self.finish_reason = reason

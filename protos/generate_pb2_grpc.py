@@ -69,7 +69,7 @@ class GenerateServiceServicer:
         A client cancel likewise cancels the worker calls.
         Idempotency: not idempotent; every call is a new generation (the same text
         only when greedy or seeded). A request_id already in flight is rejected
-        with INVALID_ARGUMENT. Retry only on UNAVAILABLE before the first chunk.
+        with ALREADY_EXISTS. Retry only on UNAVAILABLE before the first chunk.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

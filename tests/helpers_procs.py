@@ -154,7 +154,7 @@ class ProcessGroup:
         its health says SERVING (else call `wait_serving()` yourself)."""
         name = name or f"{subcommand}-{len(self.procs)}"
         fixed_port = port is not None
-        sp = ServiceProcess(name, None, "", SERVICES[subcommand][0], self.log_dir / f"{name}.log")  # type: ignore[arg-type]
+        sp = ServiceProcess(name, None, "", SERVICES[subcommand][0], self.log_dir / f"{name}.log")  # type: ignore
 
         def launch(target: ServiceProcess, chosen: int | None = None) -> None:
             target_port = chosen or free_port()

@@ -22,13 +22,15 @@ from splitserve.protos import (
     generate_pb2_grpc,
     kv_pb2,
     kv_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
 
 PROTO_DIR = Path(build.__file__).resolve().parent
-PB2_MODULES = (generate_pb2, kv_pb2, worker_pb2)
-GRPC_MODULES = (generate_pb2_grpc, kv_pb2_grpc, worker_pb2_grpc)
+PB2_MODULES = (generate_pb2, kv_pb2, worker_pb2, router_pb2)
+GRPC_MODULES = (generate_pb2_grpc, kv_pb2_grpc, worker_pb2_grpc, router_pb2_grpc)
 FD = _descriptor.FieldDescriptor
 
 needs_tools = pytest.mark.skipif(
@@ -129,7 +131,7 @@ def test_every_rpc_states_deadline_and_idempotency():
             comment = " ".join(_comment_above(lines, i))
             assert "Deadline:" in comment, f"{name}: rpc {m[1]} has no 'Deadline:' comment"
             assert "Idempotency:" in comment, f"{name}: rpc {m[1]} has no 'Idempotency:' comment"
-    assert rpcs == 3 + 4 + 3
+    assert rpcs == 3 + 4 + 3 + 2
 
 
 DECL = re.compile(
@@ -188,11 +190,16 @@ WIRE = {
     "model_compat_hash max_message_bytes",
     "KvPullReply": "status message payload_bytes num_messages num_blocks checksum",
     "KvPullDone": "lease_id ok",
+    "RegisterWorkerRequest": "role address",
+    "RegisterWorkerResponse": "heartbeat_interval_ms heartbeat_timeout_ms",
+    "HeartbeatRequest": "address role",
+    "HeartbeatResponse": "known",
 }
 SERVICES = {
     "GenerateService": "Generate Abort GetServerInfo",
     "PrefillWorker": "Prefill Abort ReleaseLease GetLoad",
     "DecodeWorker": "Decode Abort GetLoad",
+    "RouterControl": "RegisterWorker Heartbeat",
 }
 
 

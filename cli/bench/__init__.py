@@ -1,0 +1,8 @@
+"""`splitserve bench`: a serving benchmark against the router (in the manner of `vllm bench serve`).
+
+    workload.py   BenchConfig, prompts (random ids or JSONL), arrival times
+    runner.py     grpc.aio requests, per-chunk timing
+    metrics.py    throughputs, latency percentiles, goodput
+    report.py     terminal table, JSON file
+    plot.py       latency CDFs (matplotlib, optional)
+"""

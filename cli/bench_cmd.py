@@ -1,0 +1,122 @@
+"""`splitserve bench`: a serving benchmark against a running router, in the manner of
+`vllm bench serve`.
+
+    splitserve bench --num-prompts 200 --input-len 512 --output-len 128 --request-rate 8 \\
+        --slo ttft:500,tpot:50 --json-out bench.json --plot bench.png
+
+Prompts are random token ids of --input-len (or --dataset FILE.jsonl); every request asks for
+--output-len tokens with ignore_eos, so outputs have that length. Requests arrive as a Poisson
+process at --request-rate (inf: all at once), at most --max-concurrency in flight. The summary
+gives request and token throughput, TTFT / TPOT / ITL / E2E latency (mean, median, p90, p99)
+and goodput under --slo. Also runnable alone: `python -m splitserve.cli.bench_cmd ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from splitserve.cli import client
+from splitserve.cli.bench.workload import parse_slo
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="serving benchmark: throughput, TTFT/TPOT/ITL/E2E, goodput")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected requests per second or inf, got {text!r}") from None
+    return value
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", metavar="HOST:PORT",
+                   help=f"router address (default ${client.ADDRESS_ENV}, else 127.0.0.1:{client.DEFAULT_PORT})")
+    p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
+    p.add_argument("--dataset", metavar="FILE.jsonl",
+                   help='prompts, one JSON object a line: {"prompt": TEXT} or {"prompt_token_ids": [...]}')
+    p.add_argument("--input-len", type=int, default=128, help="random prompt length in tokens (default 128)")
+    p.add_argument("--output-len", type=int, default=128, help="tokens per request (default 128)")
+    p.add_argument("--request-rate", type=_rate, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
+    p.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--no-ignore-eos", action="store_true", help="let EOS end a request early")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
+    p.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests sent first (default 1)")
+    p.add_argument("--timeout", type=float, default=600.0, help="deadline of each request in seconds")
+    p.add_argument("--slo", type=parse_slo, metavar="KEY:MS,...",
+                   help="service-level objectives for goodput, e.g. ttft:500,tpot:50 (keys ttft tpot itl e2el)")
+    p.add_argument("--json-out", metavar="FILE", help="write the summary and per-request rows as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot the latency CDFs (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    import grpc
+    from tqdm import tqdm
+
+    from splitserve.cli.bench import metrics, report, runner
+    from splitserve.cli.bench.workload import BenchConfig, arrival_offsets, make_prompts
+    from splitserve.engine.grpc_service import channel_options
+    from splitserve.protos import generate_pb2_grpc
+
+    address = args.address or client.default_address()
+    cfg = BenchConfig.from_args(args, address)
+    if args.plot:
+        from splitserve.cli.bench.plot import require_matplotlib
+        require_matplotlib()
+    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+        stub = generate_pb2_grpc.GenerateServiceStub(channel)
+        info = await runner.server_info(stub, address)
+        prompts = make_prompts(cfg, info.vocab_size)
+        runner.check_lengths(prompts, info.max_model_len)
+        offsets = arrival_offsets(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)
+        workers = {"prefill": 0, "decode": 0}
+        for w in info.workers:
+            workers["prefill" if w.role == 1 else "decode"] += int(w.healthy)
+        print(f"bench: {cfg.num_prompts} requests to {address} ({info.model_name}; {workers['prefill']} prefill + "
+              f"{workers['decode']} decode healthy), rate {cfg.request_rate:g}/s, "
+              f"max concurrency {cfg.max_concurrency or 'none'}", file=sys.stderr, flush=True)
+        await runner.warm_up(stub, cfg, prompts)
+        with tqdm(total=cfg.num_prompts, desc="requests", unit="req", file=sys.stderr,
+                  disable=args.no_progress or None) as bar:
+            results, duration = await runner.run_requests(stub, cfg, prompts, offsets, on_done=lambda r: bar.update(1))
+    summary = metrics.summarize(results, duration, cfg.slo)
+    report.print_summary(sys.stdout, summary, cfg, info.model_name)
+    server = {"address": address, "model_name": info.model_name, "max_model_len": info.max_model_len,
+              "block_size": info.block_size, "healthy_workers": workers}
+    if args.json_out:
+        report.write_json(args.json_out, summary, cfg, server, metrics.per_request(results))
+        print(f"wrote {args.json_out}", file=sys.stderr)
+    if args.plot:
+        from splitserve.cli.bench.plot import plot_cdfs
+        plot_cdfs(args.plot, metrics.latency_samples(results), f"splitserve bench: {info.model_name}, "
+                  f"{cfg.num_prompts} req, rate {cfg.request_rate:g}/s")
+        print(f"wrote {args.plot}", file=sys.stderr)
+    if summary["completed"] == 0:
+        first = next((r.error for r in results if r.error), "no request completed")
+        print(f"splitserve bench: error: every request failed; first error: {first}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_bench(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from splitserve.cli.standalone import standalone_main
+
+    return standalone_main("bench", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Child service processes of `splitserve serve`: start, wait until healthy, watch, stop.
+
+    Launcher(log_dir)
+      .add(name, subcommand, args, service)    `splitserve <subcommand> --host H --port P args`
+      .start_all()                             every child at once; output -> log_dir/<name>.log
+      .wait_healthy(timeout, stop_event)       grpc.health.v1 SERVING for each child's service;
+                                               a child that lost its port to another binder is
+                                               relaunched on a new one (and its dependents too)
+      .check_alive()                           StartError when a child died while serving
+      .stop(grace_s)                           SIGTERM in order (router first, workers next),
+                                               wait, SIGKILL the stragglers' process groups
+
+No orphans: every child runs in its own process group (a terminal Ctrl-C reaches only the
+launcher, which stops the children in order) with PR_SET_PDEATHSIG=SIGTERM on Linux, so
+even a launcher killed with SIGKILL takes its children with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+PORT_TAKEN = "cannot listen on"  # GrpcServer's message when the port is in use
+PORT_RETRIES = 3
+TAIL_LINES = 3
+
+
+class StartError(RuntimeError):
+    """A child failed: one line naming it, its exit code and its last log lines."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (the OS's pick; a small race with other binders)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def cli_argv(subcommand: str) -> list[str]:
+    """argv prefix running `splitserve <subcommand>` with this interpreter: the command's own
+    module when it is runnable alone (it defines main()), else through cli/main.py."""
+    module = f"splitserve.cli.{subcommand.replace('-', '_')}_cmd"
+    try:
+        runnable = hasattr(importlib.import_module(module), "main")
+    except ImportError:
+        runnable = False
+    return [sys.executable, "-m", module] if runnable else [sys.executable, "-m", "splitserve.cli.main", subcommand]
+
+
+def _child_setup(parent_pid: int) -> Callable[[], None]:
+    """preexec_fn: die with the launcher (Linux), even when it is SIGKILLed."""
+    def setup() -> None:
+        with contextlib.suppress(Exception):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+    return setup
+
+
+def _exited_unreaped(proc: subprocess.Popen, deadline: float) -> bool:
+    """Waits until `proc` exits or `deadline`, leaving it unreaped (a zombie keeps its pid and
+    process group id, so a following killpg cannot hit a stranger); True when it exited."""
+    while True:
+        try:
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                return True
+        except ChildProcessError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def log_tail(path: Path, lines: int = TAIL_LINES, since: int = 0, width: int = 300) -> str:
+    """The last `lines` non-empty lines of a log file, joined by ' | ' (one line)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    tail = [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
+    return " | ".join(ln if len(ln) <= width else ln[:width] + "..." for ln in tail)
+
+
+@dataclass(eq=False)
+class Child:
+    name: str
+    subcommand: str
+    args: Callable[[], list[str]] | list[str]  # without --host/--port; a callable sees current addresses
+    service: str  # grpc.health.v1 service whose SERVING means ready
+    host: str
+    fixed_port: int | None = None
+    depends_on: tuple[Child, ...] = ()  # relaunched (new addresses) when one of these is
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    log_path: Path = Path()
+    healthy: bool = False
+    started: float = 0.0
+    retries: int = PORT_RETRIES
+    _log_start: int = 0
+    _log_file: object = field(default=None, repr=False)
+    _channel: grpc.Channel | None = field(default=None, repr=False)
+
+    @property
+    def address(self) -> str:
+        """Where to dial it (loopback when it binds every interface)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self) -> str:
+        return log_tail(self.log_path, since=self._log_start)
+
+    def health(self, timeout: float = 1.0) -> int | None:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(self.address)
+        try:
+            return health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=self.service), timeout=timeout).status
+        except grpc.RpcError:
+            return None
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+class Launcher:
+    def __init__(self, log_dir: str | Path, on_event: Callable[[str], None] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: list[Child] = []
+        self._say = on_event or (lambda msg: None)
+        self._env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", **(env or {})}
+
+    def add(self, name: str, subcommand: str, args, service: str, host: str = "127.0.0.1",
+            port: int | None = None, depends_on: tuple[Child, ...] = ()) -> Child:
+        child = Child(name, subcommand, args, service, host, fixed_port=port or None, depends_on=depends_on,
+                      log_path=self.log_dir / f"{name}.log")
+        child.port = port or free_port(host)
+        self.children.append(child)
+        return child
+
+    # ---- start -------------------------------------------------------------------------------------
+    def launch(self, child: Child) -> None:
+        child.close()
+        child.healthy = False
+        child._log_file = open(child.log_path, "ab")  # noqa: SIM115 - closed by Child.close()
+        args = child.args() if callable(child.args) else child.args
+        cmd = [*cli_argv(child.subcommand), "--host", child.host, "--port", str(child.port), *args]
+        child._log_file.write(f"$ {' '.join(cmd)}\n".encode())
+        child._log_file.flush()
+        child._log_start = child._log_file.tell()  # tails show the child's output, not the command
+        child.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=child._log_file, stderr=subprocess.STDOUT,
+                                      env=self._env, process_group=0, preexec_fn=_child_setup(os.getpid()))
+        child.started = time.monotonic()
+        self._say(f"started {child.name} on {child.address} (pid {child.pid}, log {child.log_path})")
+
+    def start_all(self) -> None:
+        for child in self.children:
+            self.launch(child)
+
+    def _relaunch_on_new_port(self, child: Child) -> None:
+        child.retries -= 1
+        child.port = free_port(child.host)
+        self._say(f"{child.name}: port taken by another process; retrying on {child.address}")
+        self.launch(child)
+        for other in self.children:
+            if child in other.depends_on and other.proc is not None:
+                self._terminate([other], grace_s=5.0)
+                self.launch(other)
+
+    def _failed(self, child: Child, what: str) -> StartError:
+        tail = child.tail()
+        return StartError(f"{child.name} {what} (exit code {child.proc.returncode})"
+                          f"{': ' + tail if tail else ''} [log: {child.log_path}]")
+
+    def wait_healthy(self, timeout: float, stop: threading.Event | None = None,
+                     on_healthy: Callable[[Child], None] | None = None, on_poll: Callable[[], None] | None = None,
+                     poll_s: float = 0.2) -> None:
+        """Returns once every child's service is SERVING; StartError when one exits first, or at
+        `timeout`; KeyboardInterrupt when `stop` is set meanwhile."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for child in self.children:
+                if child.healthy:
+                    continue
+                if not child.alive():
+                    if child.fixed_port is None and child.retries > 0 and PORT_TAKEN in child.tail():
+                        self._relaunch_on_new_port(child)
+                        continue
+                    raise self._failed(child, "exited before it was healthy")
+                if child.health() == SERVING:
+                    child.healthy = True
+                    if on_healthy:
+                        on_healthy(child)
+            if all(c.healthy for c in self.children):
+                return
+            if on_poll is not None:
+                on_poll()
+            if time.monotonic() > deadline:
+                waiting = ", ".join(f"{c.name} [log: {c.log_path}]" for c in self.children if not c.healthy)
+                raise StartError(f"not healthy within {timeout:.0f}s: {waiting}; raise --start-timeout if the "
+                                 "model is large, else see the log")
+            if stop is not None and stop.wait(poll_s):
+                raise KeyboardInterrupt
+            if stop is None:
+                time.sleep(poll_s)
+
+    def check_alive(self) -> None:
+        """StartError naming the first child that exited while it should be serving."""
+        for child in self.children:
+            if not child.alive():
+                raise self._failed(child, "exited unexpectedly")
+
+    # ---- stop --------------------------------------------------------------------------------------
+    def _terminate(self, children: list[Child], grace_s: float) -> None:
+        for child in children:
+            if child.alive():
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in children:
+            if child.proc is None or child.proc.returncode is not None:  # reaped already
+                child.close()
+                continue
+            if not _exited_unreaped(child.proc, deadline):
+                self._say(f"{child.name} did not stop within {grace_s:.0f}s of SIGTERM; killing it")
+            # the child is a zombie or still running, so its process group id is still ours:
+            # kill whatever it left behind in the group (or it, when it ignored SIGTERM)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+            child.close()
+
+    def stop(self, grace_s: float = 30.0, first: tuple[str, ...] = ("router",)) -> dict[str, int | None]:
+        """SIGTERM the `first` subcommands (the router drains its streams), then the rest;
+        kill what is left after `grace_s` per stage. Idempotent; returns name -> exit code."""
+        head = [c for c in self.children if c.subcommand in first]
+        rest = [c for c in self.children if c.subcommand not in first]
+        for stage in (head, rest):
+            self._terminate(stage, grace_s)
+        return {c.name: (c.proc.returncode if c.proc is not None else None) for c in self.children}

@@ -1,0 +1,94 @@
+"""`splitserve router --model DIR --prefill ADDR --decode ADDR`: serve the public GenerateService
+(and RouterControl for worker registration) until SIGTERM.
+
+Settings come from --config YAML (see router/config.py), then the flags below on top.
+Also runnable alone: `python -m splitserve.cli.router_cmd --model DIR ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+# flag dest -> dotted config field
+_OVERRIDES = {
+    "model": "model_path",
+    "model_name": "model_name",
+    "max_model_len": "max_model_len",
+    "host": "server.host",
+    "port": "server.port",
+    "advertise_host": "server.advertise_host",
+    "metrics_port": "server.metrics_port",
+    "drain_grace_s": "server.drain_grace_s",
+    "prefill": "workers.prefill",
+    "decode": "workers.decode",
+    "prefill_policy": "routing.prefill_policy",
+    "decode_policy": "routing.decode_policy",
+    "poll_interval_s": "registry.poll_interval_s",
+}
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+
+
+def _policy(text: str) -> str:
+    name = text.replace("-", "_")
+    if name not in POLICIES:
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; choose round-robin, least-loaded or prefix-aware")
+    return name
+
+
+def register(sub) -> None:
+    p = sub.add_parser("router", help="serve the public Generate API over prefill and decode workers")
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR", help="checkpoint folder: tokenizer.json and config.json (no weights read)")
+    p.add_argument("--config", metavar="YAML", help="RouterConfig file; flags override it")
+    p.add_argument("--model-name", help="model name reported by GetServerInfo (default: the folder name)")
+    p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's); "
+                                                     "as the workers'")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, help="gRPC port (default 0: a free one, printed at start)")
+    p.add_argument("--advertise-host", help="host that clients and workers use to reach this one")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--drain-grace-s", type=float, help="seconds in-flight streams get to finish on SIGTERM")
+    p.add_argument("--prefill", action="append", metavar="HOST:PORT",
+                   help="a prefill worker (repeat for several; more may register over RouterControl)")
+    p.add_argument("--decode", action="append", metavar="HOST:PORT", help="a decode worker (repeat for several)")
+    p.add_argument("--prefill-policy", type=_policy, metavar="POLICY",
+                   help="prefix-aware (default), least-loaded or round-robin")
+    p.add_argument("--decode-policy", type=_policy, metavar="POLICY", help="least-loaded (default) or round-robin")
+    p.add_argument("--poll-interval-s", type=float, help="seconds between health/load probes of each worker")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from splitserve.router.config import RouterConfig
+    from splitserve.router.server import run_router
+
+    if not args.model and not args.config:
+        raise ValueError("give the checkpoint folder with --model DIR (or model_path in --config)")
+    cfg = RouterConfig.load(args.config, {field: getattr(args, dest) for dest, field in _OVERRIDES.items()})
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(run_router(cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry (until `splitserve router` is registered in cli/main.py)."""
+    parser = argparse.ArgumentParser(prog="splitserve router", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"splitserve router: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

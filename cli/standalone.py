@@ -1,0 +1,23 @@
+"""Runs one subcommand module on its own (`python -m splitserve.cli.serve_cmd ...`), with the
+same one-line errors as cli/main.py; for commands that cli/main.py does not register yet."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def standalone_main(command: str, doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
+                    run: Callable[[argparse.Namespace], int], argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"splitserve {command}", description=doc.strip().splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return int(run(args) or 0)
+    except KeyboardInterrupt:
+        print(f"splitserve {command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, MemoryError, RuntimeError) as exc:
+        print(f"splitserve {command}: error: {exc}", file=sys.stderr)
+        return 2

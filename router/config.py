@@ -1,0 +1,137 @@
+"""RouterConfig: the served model, the server, the workers, routing and registry knobs.
+
+YAML (every section optional but model_path):
+
+    model_path: /models/llama-3.2-1b      # tokenizer.json + config.json (no weights are read)
+    max_model_len: 8192                   # null: the model's max_position_embeddings
+    server: {host: 0.0.0.0, port: 50051, metrics_port: 9451}
+    workers:
+      prefill: [prefill-0:50061, prefill-1:50061]
+      decode: [decode-0:50071]
+    routing:
+      prefill_policy: prefix_aware        # round_robin | least_loaded | prefix_aware
+      decode_policy: least_loaded         # round_robin | least_loaded
+      prefix: {balance_abs_threshold: 4, balance_rel_threshold: 1.5, min_match_blocks: 1}
+    registry: {poll_interval_s: 0.5, probe_timeout_s: 1.0, heartbeat_timeout_s: 3.0}
+
+Loaded by `RouterConfig.load(path, overrides)`; a bad value is one line naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from splitserve.engine.config_file import load_config
+from splitserve.engine.grpc_service import ServerConfig
+
+PolicyName = Literal["round_robin", "least_loaded", "prefix_aware"]
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[\w.-]+):(\d{1,5})$")
+
+
+def check_address(address: str) -> str:
+    """host:port (or [v6]:port) with a port in 1..65535; raises ValueError saying what is wrong."""
+    m = _ADDRESS.match(address)
+    if not m or not 0 < int(m[2]) < 65536:
+        raise ValueError(f"worker address {address!r} is not host:port (e.g. 10.0.0.5:50061)")
+    return address
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class WorkersConfig(_Frozen):
+    """Workers known from the start (more may register over RouterControl)."""
+
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _addresses(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for a in v:
+            check_address(a)
+        if len(set(v)) != len(v):
+            raise ValueError("lists an address twice")
+        return v
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> WorkersConfig:
+        both = sorted(set(self.prefill) & set(self.decode))
+        if both:
+            raise ValueError(f"{both[0]} is listed as both a prefill and a decode worker; one role per address")
+        return self
+
+
+class PrefixPolicyConfig(_Frozen):
+    """Cache-aware prefill routing (SGLang's rule): follow the longest cached prefix unless
+    the queues are clearly unbalanced, then take the shortest queue."""
+
+    balance_abs_threshold: int = Field(4, ge=0, description="queue difference that counts as unbalanced ...")
+    balance_rel_threshold: float = Field(1.5, ge=1.0, description="... together with longest > this x shortest")
+    min_match_blocks: int = Field(1, ge=1, description="fewest cached blocks that make a prefix worth following")
+
+
+class RoutingConfig(_Frozen):
+    prefill_policy: PolicyName = "prefix_aware"
+    decode_policy: PolicyName = "least_loaded"
+    prefix: PrefixPolicyConfig = PrefixPolicyConfig()
+    prefill_retry: bool = Field(True, description="retry a prefill that failed UNAVAILABLE once, on another worker")
+    release_lease_after_decode: bool = Field(
+        True, description="release the prefill lease once the decode stream has started (the decode worker "
+                          "normally does after its pull; this is the safety net); a request that ends before "
+                          "Decode took the lease always releases it")
+
+    @field_validator("decode_policy")
+    @classmethod
+    def _decode_has_no_prefix_cache(cls, v: str) -> str:
+        if v == "prefix_aware":
+            raise ValueError("decode workers report no prefix cache; use least_loaded or round_robin")
+        return v
+
+
+class RegistryConfig(_Frozen):
+    poll_interval_s: float = Field(0.5, gt=0, le=60, description="health Check + GetLoad of every worker")
+    probe_timeout_s: float = Field(1.0, gt=0, le=60, description="a probe slower than this counts as failed")
+    heartbeat_interval_s: float = Field(1.0, gt=0, description="what registered workers are told to use")
+    heartbeat_timeout_s: float = Field(3.0, gt=0, description="silence after which a registered worker is evicted")
+    forget_after_s: float = Field(60.0, gt=0, description="silence after which it is removed from the registry")
+    max_prefix_hashes: int = Field(4096, ge=0, description="block hashes asked of prefill workers per poll")
+
+    @model_validator(mode="after")
+    def _order(self) -> RegistryConfig:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_interval_s "
+                             f"({self.heartbeat_interval_s}), or every worker is evicted between two heartbeats")
+        if self.forget_after_s < self.heartbeat_timeout_s:
+            raise ValueError("forget_after_s must be at least heartbeat_timeout_s")
+        return self
+
+
+class RouterConfig(_Frozen):
+    model_path: str = Field(min_length=1, description="checkpoint folder: tokenizer.json and config.json")
+    model_name: str | None = Field(None, min_length=1, description="name in GetServerInfo; None: the folder name")
+    max_model_len: int | None = Field(None, gt=1, description="None: the model's max_position_embeddings")
+    server: ServerConfig = ServerConfig()
+    workers: WorkersConfig = WorkersConfig()
+    routing: RoutingConfig = RoutingConfig()
+    registry: RegistryConfig = RegistryConfig()
+    max_request_bytes: int = Field(8 * 2**20, gt=0, description="largest GenerateRequest taken (serialized)")
+    max_request_id_len: int = Field(256, gt=0)
+    worker_call_timeout_s: float = Field(5.0, gt=0, description="Abort / ReleaseLease calls to workers")
+
+    @model_validator(mode="after")
+    def _request_fits_transport(self) -> RouterConfig:
+        if self.max_request_bytes > self.server.max_message_mb * 2**20:
+            raise ValueError(f"max_request_bytes ({self.max_request_bytes}) exceeds server.max_message_mb "
+                             f"({self.server.max_message_mb} MiB); gRPC would refuse such requests first")
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RouterConfig:
+        """YAML file (optional) with dotted-key overrides on top, e.g. {"routing.decode_policy": "round_robin"}."""
+        return load_config(cls, path, overrides)

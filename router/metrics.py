@@ -1,0 +1,48 @@
+"""Prometheus metrics of the router, in a registry of its own (tests run several routers in
+one process; the server exports this registry)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.ttft_seconds = Histogram("splitserve_router_ttft_seconds",
+                                      "arrival to the first token's chunk (the prefill path)", buckets=_LATENCY,
+                                      registry=r)
+        self.itl_seconds = Histogram("splitserve_router_itl_seconds", "time between streamed token chunks",
+                                     buckets=_LATENCY, registry=r)
+        self.e2e_seconds = Histogram("splitserve_router_e2e_seconds", "arrival to the last chunk of a finished "
+                                     "request", buckets=_E2E, registry=r)
+        self.requests = Counter("splitserve_router_requests", "Generate calls by outcome (finish reason or status)",
+                                ["outcome"], registry=r)
+        self.in_flight = Gauge("splitserve_router_requests_in_flight", "Generate calls in progress", registry=r)
+        self.prompt_tokens = Counter("splitserve_router_prompt_tokens", "prompt tokens of routed requests",
+                                     registry=r)
+        self.completion_tokens = Counter("splitserve_router_completion_tokens", "tokens streamed to clients",
+                                         registry=r)
+        self.prefill_retries = Counter("splitserve_router_prefill_retries",
+                                       "prefills retried on another worker after UNAVAILABLE", registry=r)
+        self.leases_released = Counter("splitserve_router_leases_released",
+                                       "prefill leases the router released (the decode side had not)",
+                                       ["reason"], registry=r)
+        self.worker_healthy = Gauge("splitserve_router_worker_healthy", "1 when the worker receives requests",
+                                    ["role", "address"], registry=r)
+        self.worker_queue = Gauge("splitserve_router_worker_queue", "waiting + running requests (last GetLoad)",
+                                  ["role", "address"], registry=r)
+        self.worker_free_blocks = Gauge("splitserve_router_worker_free_blocks", "free KV blocks (last GetLoad)",
+                                        ["role", "address"], registry=r)
+        self.worker_evictions = Counter("splitserve_router_worker_evictions",
+                                        "healthy -> evicted transitions", ["role", "address"], registry=r)
+
+    def forget_worker(self, role: str, address: str) -> None:
+        for metric in (self.worker_healthy, self.worker_queue, self.worker_free_blocks, self.worker_evictions):
+            try:
+                metric.remove(role, address)
+            except KeyError:
+                pass

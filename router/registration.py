@@ -1,0 +1,93 @@
+"""Keeps a worker registered with a router: RegisterWorker, then Heartbeat at the interval the
+router asks for; registers again when the router forgot it (restart, long silence) and
+retries with backoff while the router is unreachable.
+
+    python -m splitserve.router.registration --router ROUTER:50051 --role prefill --worker HOST:50061
+
+runs it as a sidecar next to a worker (a worker process itself must not import the router
+package, DESIGN "imports run one way"); `keep_registered(...)` is the same loop as a
+coroutine, e.g. for tests or a launcher script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+import grpc
+
+from splitserve.engine.grpc_service import channel_options
+from splitserve.protos import generate_pb2, router_pb2, router_pb2_grpc
+
+log = logging.getLogger("splitserve.registration")
+
+ROLES = {"prefill": generate_pb2.WORKER_ROLE_PREFILL, "decode": generate_pb2.WORKER_ROLE_DECODE}
+
+
+async def keep_registered(router: str, role: str, worker: str, stop: asyncio.Event | None = None,
+                          call_timeout_s: float = 2.0, max_backoff_s: float = 10.0) -> None:
+    """Runs until `stop` is set (or the task is cancelled). Errors that retrying cannot fix
+    (INVALID_ARGUMENT, FAILED_PRECONDITION) are raised."""
+    stop = stop or asyncio.Event()
+    role_id = ROLES[role]
+    async with grpc.aio.insecure_channel(router, options=channel_options()) as channel:
+        stub = router_pb2_grpc.RouterControlStub(channel)
+        interval, backoff, registered = 1.0, 0.5, False
+        while not stop.is_set():
+            try:
+                if not registered:
+                    got = await stub.RegisterWorker(router_pb2.RegisterWorkerRequest(role=role_id, address=worker),
+                                                    timeout=call_timeout_s)
+                    interval = max(0.05, got.heartbeat_interval_ms / 1000)
+                    registered = True
+                    log.info("registered %s worker %s with router %s (heartbeat every %.1fs)",
+                             role, worker, router, interval)
+                else:
+                    got = await stub.Heartbeat(router_pb2.HeartbeatRequest(address=worker, role=role_id),
+                                               timeout=call_timeout_s)
+                    if not got.known:
+                        log.warning("router %s forgot %s worker %s; registering again", router, role, worker)
+                        registered = False
+                        continue
+                backoff = 0.5
+                wait = interval
+            except grpc.aio.AioRpcError as err:
+                if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                    raise
+                log.warning("router %s unreachable (%s); retrying in %.1fs", router, err.code().name, backoff)
+                registered = False
+                wait, backoff = backoff, min(max_backoff_s, backoff * 2)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), wait)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m splitserve.router.registration", description=__doc__.splitlines()[0])
+    p.add_argument("--router", required=True, metavar="HOST:PORT", help="the router's gRPC address")
+    p.add_argument("--role", required=True, choices=sorted(ROLES))
+    p.add_argument("--worker", required=True, metavar="HOST:PORT", help="the worker's address as the router dials it")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await keep_registered(args.router, args.role, args.worker, stop)
+
+    try:
+        asyncio.run(run())
+    except grpc.aio.AioRpcError as err:
+        print(f"registration: error: {err.details()}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""The router's view of its workers: who exists, who is healthy, how loaded each one is.
+
+    static workers (config)  ─┐                      every poll_interval_s, per worker:
+    RegisterWorker (dynamic) ─┴─▶ Worker ──probe──▶   grpc.health.v1 Check(role service)
+                                    │                 GetLoad (prefix hashes for prefill)
+                                    ▼
+           healthy = last probe ok  and  (static  or  heartbeat within heartbeat_timeout_s)
+
+An unhealthy worker is evicted: no new requests go there (in-flight ones finish or fail on
+their own); it returns as soon as it is healthy again. A registered worker silent for
+forget_after_s is removed; static workers stay listed (healthy=false) and keep being
+probed. A request that sees UNAVAILABLE from a worker reports it (`report_failure`), which
+evicts the worker at once instead of at the next probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.engine.errors import RequestError
+from splitserve.engine.grpc_service import channel_options
+from splitserve.router.config import RouterConfig, check_address
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policies import Policy, WorkerView
+from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+PREFILL = generate_pb2.WORKER_ROLE_PREFILL
+DECODE = generate_pb2.WORKER_ROLE_DECODE
+ROLE_NAME = {PREFILL: "prefill", DECODE: "decode"}
+SERVICE = {PREFILL: "splitserve.v1.PrefillWorker", DECODE: "splitserve.v1.DecodeWorker"}
+_STUB = {PREFILL: worker_pb2_grpc.PrefillWorkerStub, DECODE: worker_pb2_grpc.DecodeWorkerStub}
+
+
+@dataclass(eq=False)
+class Worker:
+    role: int
+    address: str
+    static: bool
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
+    health: health_pb2_grpc.HealthStub
+    healthy: bool = False
+    probe_ok: bool = False
+    why: str = "not probed yet"  # why it is unhealthy
+    load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
+    prefix_hashes: frozenset[int] = frozenset()
+    in_flight: int = 0
+    last_heartbeat: float = 0.0
+    task: asyncio.Task | None = None
+
+    @property
+    def role_name(self) -> str:
+        return ROLE_NAME[self.role]
+
+    def view(self) -> WorkerView:
+        ld = self.load
+        return WorkerView(self.address, ld.num_running, ld.num_waiting, ld.free_blocks, ld.total_blocks,
+                          ld.block_size, self.prefix_hashes, self.in_flight)
+
+
+class WorkerRegistry:
+    def __init__(self, cfg: RouterConfig, metrics: RouterMetrics,
+                 on_change: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.rc = cfg.registry
+        self.metrics = metrics
+        self._on_change = on_change
+        self._clock = clock
+        self._workers: dict[str, Worker] = {}
+        self._closed = False
+        self._prefix_hashes = self.rc.max_prefix_hashes if cfg.routing.prefill_policy == "prefix_aware" else 0
+
+    # ---- membership --------------------------------------------------------------------------
+    def start(self) -> None:
+        for address in self.cfg.workers.prefill:
+            self._add(PREFILL, address, static=True)
+        for address in self.cfg.workers.decode:
+            self._add(DECODE, address, static=True)
+
+    async def close(self) -> None:
+        """Stops every probe and closes the channels; idempotent."""
+        self._closed = True
+        workers, self._workers = list(self._workers.values()), {}
+        for w in workers:
+            await self._drop(w)
+
+    def _add(self, role: int, address: str, static: bool) -> Worker:
+        channel = grpc.aio.insecure_channel(address, options=channel_options(self.cfg.server))
+        w = Worker(role, address, static, channel, _STUB[role](channel), health_pb2_grpc.HealthStub(channel),
+                   last_heartbeat=self._clock())
+        self._workers[address] = w
+        self.metrics.worker_healthy.labels(w.role_name, address).set(0)
+        w.task = asyncio.get_running_loop().create_task(self._watch(w), name=f"probe {address}")
+        log.info("%s worker %s added (%s)", w.role_name, address, "static" if static else "registered")
+        return w
+
+    async def _drop(self, w: Worker) -> None:
+        if w.task is not None and w.task is not asyncio.current_task():
+            w.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await w.task
+        await w.channel.close()
+        self.metrics.forget_worker(w.role_name, w.address)
+
+    def register(self, role: int, address: str) -> Worker:
+        if role not in ROLE_NAME:
+            raise RequestError.invalid("role is unset; register as WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE")
+        try:
+            check_address(address)
+        except ValueError as exc:
+            raise RequestError.invalid(f"address: {exc}; give the address the router should dial") from None
+        w = self._workers.get(address)
+        if w is not None and w.role != role:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"{address} is already registered as a {w.role_name} worker; one role per "
+                               "address (restart the router to change it, or use another port)")
+        if w is None:
+            return self._add(role, address, static=False)
+        w.last_heartbeat = self._clock()
+        return w
+
+    def heartbeat(self, role: int, address: str) -> bool:
+        w = self._workers.get(address)
+        if w is None or w.role != role:
+            return False
+        w.last_heartbeat = self._clock()
+        return True
+
+    def workers(self) -> list[Worker]:
+        return sorted(self._workers.values(), key=lambda w: (w.role, w.address))
+
+    def get(self, address: str) -> Worker | None:
+        return self._workers.get(address)
+
+    def healthy(self, role: int) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role and w.healthy]
+
+    # ---- choosing ------------------------------------------------------------------------------
+    def choose(self, role: int, policy: Policy, prompt: Sequence[int], exclude: Sequence[str] = (),
+               compat_hash: str = "") -> Worker:
+        """A healthy worker of `role` (not in `exclude`; serving the same model when
+        `compat_hash` is given) picked by `policy`; UNAVAILABLE when there is none."""
+        name = ROLE_NAME[role]
+        pool = [w for w in self.healthy(role) if w.address not in exclude]
+        if not pool:
+            known = [w for w in self._workers.values() if w.role == role]
+            why = "; ".join(f"{w.address}: {w.why}" for w in known if not w.healthy) or f"no {name} worker is known"
+            raise RequestError.unavailable(
+                f"no healthy {name} worker{' besides ' + ', '.join(exclude) if exclude else ''} ({why}); "
+                f"start one, list it with --{name}, or let it RegisterWorker, then retry")
+        if compat_hash:
+            same = [w for w in pool if not w.load.model_compat_hash or w.load.model_compat_hash == compat_hash]
+            if not same:
+                raise RequestError.unavailable(
+                    f"no healthy {name} worker serves the model of the prefill worker (compat hash {compat_hash}); "
+                    "run prefill and decode workers on the same checkpoint, dtype and block size")
+            pool = same
+        by_address = {w.address: w for w in pool}
+        return by_address[policy.choose([w.view() for w in pool], prompt).address]
+
+    def report_failure(self, w: Worker, why: str) -> None:
+        """A request saw the worker UNAVAILABLE: evict it until a probe succeeds again."""
+        w.probe_ok = False
+        self._set_healthy(w, False, why)
+
+    # ---- probing -------------------------------------------------------------------------------
+    async def _watch(self, w: Worker) -> None:
+        while not self._closed:
+            ok, why = await self.probe(w)
+            w.probe_ok = ok
+            if not w.static:
+                silent = self._clock() - w.last_heartbeat
+                if silent > self.rc.forget_after_s:
+                    log.warning("%s worker %s silent for %.0fs: removed", w.role_name, w.address, silent)
+                    self._set_healthy(w, False, "removed")
+                    if self._workers.get(w.address) is w:
+                        del self._workers[w.address]
+                    await self._drop(w)
+                    return
+                if ok and silent > self.rc.heartbeat_timeout_s:
+                    ok, why = False, f"no heartbeat for {silent:.1f}s"
+            self._set_healthy(w, ok, why)
+            await asyncio.sleep(self.rc.poll_interval_s)
+
+    async def probe(self, w: Worker) -> tuple[bool, str]:
+        """One health Check + GetLoad; (ok, why not)."""
+        t = self.rc.probe_timeout_s
+        n = self._prefix_hashes if w.role == PREFILL else 0
+        try:
+            health, load = await asyncio.gather(
+                w.health.Check(health_pb2.HealthCheckRequest(service=SERVICE[w.role]), timeout=t),
+                w.stub.GetLoad(worker_pb2.GetLoadRequest(max_prefix_hashes=n), timeout=t))
+        except grpc.aio.AioRpcError as err:
+            return False, f"probe failed: {err.code().name} ({err.details()})"
+        except Exception as exc:  # noqa: BLE001 - a probe must never end the watch loop
+            log.debug("probe of %s failed", w.address, exc_info=exc)
+            return False, f"probe failed: {type(exc).__name__}: {exc}"
+        if health.status != health_pb2.HealthCheckResponse.SERVING:
+            return False, f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}"
+        if load.role != w.role:
+            return False, (f"it answers as a {ROLE_NAME.get(load.role, 'unknown')} worker, not {w.role_name}; "
+                           "fix the router's worker lists")
+        w.load = load
+        w.prefix_hashes = frozenset(load.prefix_cache.block_hashes)
+        self.metrics.worker_queue.labels(w.role_name, w.address).set(load.num_running + load.num_waiting)
+        self.metrics.worker_free_blocks.labels(w.role_name, w.address).set(load.free_blocks)
+        return True, ""
+
+    def _set_healthy(self, w: Worker, healthy: bool, why: str) -> None:
+        w.why = "" if healthy else why
+        if healthy == w.healthy:
+            return
+        w.healthy = healthy
+        if why != "removed":
+            self.metrics.worker_healthy.labels(w.role_name, w.address).set(int(healthy))
+        if healthy:
+            log.info("%s worker %s is healthy: receiving requests", w.role_name, w.address)
+        else:
+            self.metrics.worker_evictions.labels(w.role_name, w.address).inc()
+            log.warning("%s worker %s evicted: %s", w.role_name, w.address, why)
+        if self._on_change is not None:
+            self._on_change()

@@ -1,0 +1,105 @@
+"""A whole router process: gRPC server (GenerateService + RouterControl, health, reflection),
+worker registry, metrics, drain.
+
+    start():  load tokenizer + config.json -> bind -> probe workers
+              health of GenerateService (and ''): SERVING while at least one prefill and one
+              decode worker are healthy; RouterControl: SERVING from the start
+    stop():   NOT_SERVING, refuse new calls, in-flight streams get the grace period (then
+              they are cancelled, releasing their leases), background releases finish,
+              probes stop
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from splitserve.engine.grpc_service import NOT_SERVING, SERVING, GrpcServer, service_name
+from splitserve.protos import generate_pb2, generate_pb2_grpc, router_pb2, router_pb2_grpc
+from splitserve.router.config import RouterConfig
+from splitserve.router.context import RouterContext
+from splitserve.router.intake import ModelInfo
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.registry import DECODE, PREFILL, WorkerRegistry
+from splitserve.router.servicer import GenerateServicer, RouterControlServicer
+
+log = logging.getLogger("splitserve.router")
+
+SERVICE_NAME = service_name(generate_pb2.DESCRIPTOR, "GenerateService")
+CONTROL_NAME = service_name(router_pb2.DESCRIPTOR, "RouterControl")
+
+
+class Router:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        self.registry = WorkerRegistry(cfg, self.metrics, on_change=self._health_changed)
+        self.ctx = RouterContext(cfg, ModelInfo.load(cfg), self.registry, self.metrics)
+        self.server = GrpcServer(cfg.server, self.metrics.registry)
+        self.generate = GenerateServicer(self.ctx)
+        self.server.add(generate_pb2_grpc.add_GenerateServiceServicer_to_server, self.generate, SERVICE_NAME)
+        self.server.add(router_pb2_grpc.add_RouterControlServicer_to_server, RouterControlServicer(self.ctx),
+                        CONTROL_NAME)
+        self._health_tasks: set[asyncio.Task] = set()
+        self._stopped = False
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.registry.healthy(PREFILL)) and bool(self.registry.healthy(DECODE))
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.server.health.set(CONTROL_NAME, SERVING)
+        self.registry.start()
+
+    def _health_changed(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._set_health())
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _set_health(self) -> None:
+        status = SERVING if self.ready and not self._stopped else NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.server.health.set(name, status)
+
+    async def _shutdown(self) -> None:
+        await self.ctx.background.drain(self.cfg.worker_call_timeout_s)
+        await self.registry.close()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Idempotent."""
+        self._stopped = True
+        await self.server.drain(grace_s)
+        await self._shutdown()
+
+    async def serve_until_signal(self) -> int:
+        signum = await self.server.serve_until_signal()
+        self._stopped = True
+        await self._shutdown()
+        return signum
+
+    def describe(self) -> str:
+        m = self.ctx.model
+        r = self.cfg.routing
+        metrics = f", metrics on :{self.server.metrics_port}" if self.server.metrics_port is not None else ""
+        return (f"router serving {SERVICE_NAME} on {self.address}: model {m.name} (vocab {m.vocab_size}, "
+                f"max_model_len {m.max_model_len}), prefill {list(self.cfg.workers.prefill)} by {r.prefill_policy}, "
+                f"decode {list(self.cfg.workers.decode)} by {r.decode_policy}{metrics}")
+
+
+async def run_router(cfg: RouterConfig) -> int:
+    """Serves until SIGTERM/SIGINT, then drains; the CLI's entry point."""
+    router = Router(cfg)
+    try:
+        await router.start()
+    except BaseException:
+        await router.stop(0)
+        raise
+    log.info(router.describe())
+    await router.serve_until_signal()
+    log.info("router stopped")
+    return 0
