@@ -4,9 +4,11 @@ For every kernel and shape it prints the time (CUDA events around a CUDA-graph r
 flushed before each run), the achieved bandwidth (bytes read + written) as a fraction of the
 device copy bandwidth measured in the same run, and the speed-up over the torch path on the
 same inputs: eager torch reference ops (graphed too) for the elementwise kernels, gather +
-SDPA / dense SDPA for attention. Writes everything to a JSON file (--out).
+SDPA / dense SDPA for attention, the unfused norm / activation kernel + cuBLAS F.linear for the
+small-M fused linear kernels (kernels_linear.py). Writes everything to a JSON file (--out).
 
     python benchmarks/kernels.py --out results/kernels.json
+    python benchmarks/kernels.py --only small_m_linear --sweep-linear --linear-m 1,4
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernels_linear, also when imported
+from kernels_linear import add_linear_cases, check_linear_cases, sweep_linear  # noqa: E402
 
 
 # Shapes (Llama-3.2-1B: hidden 2048, intermediate 8192, 32 q heads, 8 kv heads, head_dim 64, 16 layers).
@@ -41,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-check", action="store_true", help="skip the output check against the reference")
     p.add_argument("--sweep", action="store_true",
                    help="also time decode-attention tile variants (BLOCK_N x num_stages x num_warps) per shape")
+    p.add_argument("--sweep-linear", action="store_true",
+                   help="also time small-M linear tile variants (BLOCK_N x BLOCK_K x num_warps x num_stages) per shape")
+    p.add_argument("--linear-m", default="1", help="comma-separated token counts for the small-M linear cases")
     return p.parse_args(argv)
 
 
@@ -239,10 +248,14 @@ def main(argv=None) -> int:
             ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale).transpose(1, 2)
             cases[-1][0].results["max_abs_err_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
 
+    # --- small-M linear (decode GEMV) --------------------------------------------------
+    linear_inputs = add_linear_cases(add, Case, rnd, torch, tri, [int(m) for m in args.linear_m.split(",")], el)
+
     if not args.no_check:  # decode: Triton vs gather + SDPA on the benchmark inputs
         for case, fn, ref in cases:
             if case.kernel == "paged_decode_attention":
                 case.results["max_abs_err_vs_sdpa"] = (fn().float() - ref[1]().float()).abs().max().item()
+        check_linear_cases(cases, torch)
 
     rows = []
     header = f"{'case':44s} {'triton us':>10s} {'GB/s':>8s} {'%copy':>6s} {'TFLOP/s':>8s} {'ref':>20s} {'ref us':>10s} {'speedup':>8s}"
@@ -287,10 +300,12 @@ def main(argv=None) -> int:
                 tqdm.write(f"  {case.name:40s} BLOCK_N={bn:3d} stages={st} warps={nw}: {ms * 1e3:8.1f} us "
                            f"{100 * frac:5.1f}% copy bw")
 
+    linear_sweep = sweep_linear(cases, linear_inputs, timer, copy_bw, tqdm) if args.sweep_linear else []
+
     result = dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         python=platform.python_version(), copy_bandwidth_GBps=copy_bw / 1e9, iters=args.iters, cases=rows,
-        decode_sweep=sweep,
+        decode_sweep=sweep, linear_sweep=linear_sweep,
     )
     if args.out:
         import pathlib

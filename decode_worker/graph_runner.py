@@ -6,7 +6,7 @@ One step of n real lanes (`launch`):
           or patch (steady)        ─ pinned slot ─H2D─▶ only the blocks appended this step
     device, one graph replay of the padded size N = dispatch[n] (or the eager body):
           slot_mapping, context_lens  <- positions, block_tables, live     (derive_metadata)
-          logits = model(input_ids, positions, ...)   sampled = argmax(logits)
+          logits = model.logits(input_ids, positions, ...)   sampled = argmax(logits)
           input_ids <- sampled; positions += live                          (advance)
     device ─D2H─▶ pinned slot: sampled[:n]; event recorded   (read later, in `read`)
 
@@ -77,8 +77,7 @@ class GraphRunner:
         b.derive_metadata(n)
         meta = AttentionMetadata(slot_mapping=b.slot_mapping[:n], block_tables=b.block_tables[:n],
                                  context_lens=b.context_lens[:n], is_prefill=False)
-        hidden = r.model(b.input_ids[:n], b.positions[:n], r.kv_cache, r.cos_sin, meta)
-        logits = r.model.compute_logits(hidden)
+        logits = r.model.logits(b.input_ids[:n], b.positions[:n], r.kv_cache, r.cos_sin, meta)
         b.sampled[:n].copy_(logits.argmax(dim=-1))
         b.advance(n)
         return logits

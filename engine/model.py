@@ -3,6 +3,11 @@
 Projections are fused (one qkv matmul, one gate_up matmul) and every other op goes through
 `splitserve.kernels.ops`, so the same forward runs the torch reference on CPU and the Triton
 kernels on CUDA, eagerly or inside a captured CUDA graph (no host syncs in `forward`).
+
+Each norm is fused into the linear layer that follows it (add + norm + qkv, add + norm +
+gate_up, final add + norm + lm_head) and the activation into the down projection: at few
+tokens (decode, <= ops.SMALL_M_MAX) each pair is one Triton GEMV kernel; at more tokens the ops
+compose the norm / activation kernel with a cuBLAS matmul, the same math as unfused.
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ from torch import nn
 from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.engine.config import ModelConfig
 from splitserve.kernels import ops
+
+# Small-M choices the H200 benchmark decides (benchmarks/kernels.py, fused_linear cases):
+GEMV_O_PROJ = False  # o_proj through the Triton GEMV (ops.linear_small_m) instead of cuBLAS
+GEMV_LM_HEAD = True  # final norm fused into a Triton GEMV lm_head instead of norm + cuBLAS
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -39,11 +48,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden, residual, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
         cfg = self.cfg
-        if residual is None:
-            x, residual = ops.rms_norm(hidden, self.input_norm, cfg.rms_norm_eps), hidden
-        else:
-            x, residual = ops.fused_add_rms_norm(hidden, residual, self.input_norm, cfg.rms_norm_eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv, residual = ops.fused_add_rms_norm_linear(hidden, residual, self.input_norm, cfg.rms_norm_eps,
+                                                      self.qkv_weight, self.qkv_bias)
         t = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
@@ -57,10 +63,10 @@ class DecoderLayer(nn.Module):
             )
         else:
             attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
-        hidden = F.linear(attn.reshape(t, cfg.q_size), self.o_weight, self.o_bias)
-        x, residual = ops.fused_add_rms_norm(hidden, residual, self.post_attention_norm, cfg.rms_norm_eps)
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)
-        hidden = F.linear(ops.silu_and_mul(gate_up), self.down_weight, self.down_bias)
+        hidden = ops.linear_small_m(attn.reshape(t, cfg.q_size), self.o_weight, self.o_bias, gemv=GEMV_O_PROJ)
+        gate_up, residual = ops.fused_add_rms_norm_linear(hidden, residual, self.post_attention_norm,
+                                                          cfg.rms_norm_eps, self.gate_up_weight, self.gate_up_bias)
+        hidden = ops.silu_mul_linear(gate_up, self.down_weight, self.down_bias)
         return hidden, residual
 
 
@@ -75,14 +81,31 @@ class CausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
         )
 
-    def forward(self, input_ids, positions, kv_cache: torch.Tensor, cos_sin, meta: AttentionMetadata):
-        """input_ids/positions [T]; kv_cache [L,2,NB,BS,Hkv,D] -> final hidden states [T,H]."""
+    def _layers(self, input_ids, positions, kv_cache, cos_sin, meta):
+        """-> (hidden, residual) after the last layer (num_hidden_layers >= 1: residual is set)."""
         hidden = F.embedding(input_ids, self.embed)
         residual = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, positions, cos_sin, kv_cache[i, 0], kv_cache[i, 1], meta)
-        hidden, _ = ops.fused_add_rms_norm(hidden, residual, self.final_norm, self.cfg.rms_norm_eps)
-        return hidden
+        return hidden, residual
+
+    def forward(self, input_ids, positions, kv_cache: torch.Tensor, cos_sin, meta: AttentionMetadata):
+        """input_ids/positions [T]; kv_cache [L,2,NB,BS,Hkv,D] -> final hidden states [T,H]."""
+        hidden, residual = self._layers(input_ids, positions, kv_cache, cos_sin, meta)
+        return ops.fused_add_rms_norm(hidden, residual, self.final_norm, self.cfg.rms_norm_eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (from `forward`) [R,H] -> fp32 logits [R,V]."""
         return F.linear(hidden, self.lm_head).float()
+
+    def logits(self, input_ids, positions, kv_cache: torch.Tensor, cos_sin, meta: AttentionMetadata,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [R,V] of the token rows `rows` (all T when None), = compute_logits(forward(...)[rows]):
+        the final norm runs on those rows only, fused into the lm_head GEMV at few rows (decode)."""
+        hidden, residual = self._layers(input_ids, positions, kv_cache, cos_sin, meta)
+        if rows is not None:
+            hidden, residual = hidden[rows], residual[rows]
+        eps = self.cfg.rms_norm_eps
+        if GEMV_LM_HEAD:
+            return ops.fused_add_rms_norm_linear(hidden, residual, self.final_norm, eps, self.lm_head)[0].float()
+        return self.compute_logits(ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)[0])

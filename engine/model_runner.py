@@ -148,10 +148,9 @@ class ModelRunner:
             cu_seqlens_q=self._to_device(cu, torch.int32),
             max_query_len=max(len(c.token_ids) for c in chunks),
         )
-        hidden = self.model(self._to_device(ids, torch.int64), self._to_device(pos, torch.int64),
-                            self.kv_cache, self.cos_sin, meta)
         last = self._to_device([c - 1 for c in cu[1:]], torch.int64)
-        return self.model.compute_logits(hidden[last])
+        return self.model.logits(self._to_device(ids, torch.int64), self._to_device(pos, torch.int64),
+                                 self.kv_cache, self.cos_sin, meta, rows=last)
 
     @torch.inference_mode()
     def decode(self, lanes: Sequence[DecodeLane]) -> torch.Tensor:
@@ -165,10 +164,9 @@ class ModelRunner:
             context_lens=self._to_device([l.position + 1 for l in lanes], torch.int32),
             is_prefill=False,
         )
-        hidden = self.model(self._to_device([l.token_id for l in lanes], torch.int64),
-                            self._to_device([l.position for l in lanes], torch.int64),
-                            self.kv_cache, self.cos_sin, meta)
-        return self.model.compute_logits(hidden)
+        return self.model.logits(self._to_device([l.token_id for l in lanes], torch.int64),
+                                 self._to_device([l.position for l in lanes], torch.int64),
+                                 self.kv_cache, self.cos_sin, meta)
 
     def zero_kv(self) -> None:
         """Clears what warm-up wrote so no stale value can be read as context."""

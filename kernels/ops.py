@@ -7,9 +7,14 @@ so that a CPU-only process never compiles a kernel.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from splitserve.kernels import reference
 from splitserve.kernels.dispatch import use_triton
+
+# Token counts up to this take the Triton small-M GEMV kernels (decode at batch 1..4); larger
+# ones compose the norm / activation kernel with a cuBLAS matmul (unchanged prefill path).
+SMALL_M_MAX = 4
 
 
 def _triton():
@@ -68,3 +73,32 @@ def pack_kv_blocks(kv_cache, block_ids, out=None):
 def unpack_kv_blocks(packed, kv_cache, block_ids) -> None:
     impl = _triton() if use_triton(kv_cache) else reference
     impl.unpack_kv_blocks(packed, kv_cache, block_ids)
+
+
+def _small_m(x: torch.Tensor) -> bool:
+    """Few enough tokens for the GEMV kernels (a shape test: safe inside a CUDA graph)."""
+    return use_triton(x) and x.numel() <= SMALL_M_MAX * x.shape[-1]
+
+
+def fused_add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias=None):
+    """(rms_norm(x + residual) @ weight.T + bias, x + residual); residual None: plain norm."""
+    if _small_m(x):
+        return _triton().fused_add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    if residual is None:
+        normed, summed = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), summed
+
+
+def silu_mul_linear(gate_up, weight, bias=None):
+    if _small_m(gate_up):
+        return _triton().silu_mul_linear(gate_up, weight, bias)
+    return F.linear(silu_and_mul(gate_up), weight, bias)
+
+
+def linear_small_m(x, weight, bias=None, gemv: bool = True):
+    """x @ weight.T + bias: the Triton GEMV at small M when `gemv`, else cuBLAS / torch."""
+    if gemv and _small_m(x):
+        return _triton().linear_small_m(x, weight, bias)
+    return F.linear(x, weight, bias)

@@ -159,3 +159,30 @@ def pack_kv_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.T
 def unpack_kv_blocks(packed: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Scatters [L,2,n,BS,Hkv,D] back into kv_cache at block_ids."""
     kv_cache.index_copy_(2, block_ids.long(), packed.to(kv_cache.dtype))
+
+
+def fused_add_rms_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight.T + bias, x + residual); residual None: no add (x is
+    returned as the new residual). x [M,K], weight [N,K] -> out [M,N]."""
+    if residual is None:
+        normed, summed = rms_norm(x, norm_weight, eps), x
+    else:
+        normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return torch.nn.functional.linear(normed, weight, bias), summed
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_and_mul(gate_up) @ weight.T + bias: gate_up [M,2I], weight [N,I] -> [M,N]."""
+    return torch.nn.functional.linear(silu_and_mul(gate_up), weight, bias)
+
+
+def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias (the plain GEMV the kernels offer for few tokens)."""
+    return torch.nn.functional.linear(x, weight, bias)
