@@ -22,7 +22,7 @@ from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.decode_worker.kv_pull import KvPuller
 from splitserve.decode_worker.metrics import DecodeMetrics
 from splitserve.decode_worker.servicer import DecodeWorkerServicer
-from splitserve.engine.grpc_service import GrpcServer, service_name
+from splitserve.engine.grpc_service import GrpcServer, run_service, service_name
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.kvtransfer.client import KvTransferClient
@@ -126,13 +126,4 @@ class DecodeWorker:
 
 async def run_worker(cfg: DecodeWorkerConfig) -> int:
     """Serves until SIGTERM/SIGINT, then drains; the CLI's entry point."""
-    worker = DecodeWorker(cfg)
-    try:
-        await worker.start()
-    except BaseException:
-        await worker.stop(0)
-        raise
-    log.info(worker.describe())
-    await worker.serve_until_signal()
-    log.info("decode worker stopped")
-    return 0
+    return await run_service(DecodeWorker(cfg), "decode worker", log)

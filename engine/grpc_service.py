@@ -20,7 +20,7 @@ import contextlib
 import logging
 import signal
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -98,6 +98,8 @@ class GrpcServer:
         self._names: list[str] = []
         self._metrics_http = None
         self._draining = False
+        # run alongside the gRPC drain with the same grace (the router's HTTP front)
+        self.drain_hooks: list[Callable[[float], Awaitable[None]]] = []
         self.port: int | None = None
         self.metrics_port: int | None = None
 
@@ -147,7 +149,7 @@ class GrpcServer:
         self._draining = True
         await self.health.enter_graceful_shutdown()
         grace = self.cfg.drain_grace_s if grace_s is None else grace_s
-        await self._server.stop(grace)
+        await asyncio.gather(self._server.stop(grace), *(hook(grace) for hook in self.drain_hooks))
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
@@ -173,3 +175,17 @@ class GrpcServer:
             for sig in signals:
                 with contextlib.suppress(ValueError, RuntimeError):
                     loop.remove_signal_handler(sig)
+
+
+async def run_service(service, name: str, log: logging.Logger) -> int:
+    """The CLI entry of every service: start (stop cleanly if starting fails), log what serves,
+    serve until SIGTERM/SIGINT, drain. `service` has start/stop/describe/serve_until_signal."""
+    try:
+        await service.start()
+    except BaseException:
+        await service.stop(0)
+        raise
+    log.info(service.describe())
+    await service.serve_until_signal()
+    log.info("%s stopped", name)
+    return 0

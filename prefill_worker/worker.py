@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from splitserve.engine.grpc_service import GrpcServer, service_name
+from splitserve.engine.grpc_service import GrpcServer, run_service, service_name
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.metrics import KvTransferMetrics
@@ -86,13 +86,4 @@ class PrefillWorker:
 
 async def run_worker(cfg: PrefillWorkerConfig) -> int:
     """Serves until SIGTERM/SIGINT, then drains; the CLI's entry point."""
-    worker = PrefillWorker(cfg)
-    try:
-        await worker.start()
-    except BaseException:
-        await worker.stop(0)
-        raise
-    log.info(worker.describe())
-    await worker.serve_until_signal()
-    log.info("prefill worker stopped")
-    return 0
+    return await run_service(PrefillWorker(cfg), "prefill worker", log)
