@@ -31,7 +31,8 @@ COPY router/ router/
 COPY protos/ protos/
 RUN pip install . && splitserve --help > /dev/null
 
-# 50051 router, 50061 prefill gRPC, 50062 prefill KV (UCX), 50071 decode; 94xx metrics
-EXPOSE 50051 50061 50062 50071 9451 9461 9471
+# 50051 router, 8000 router's OpenAI HTTP API, 50061 prefill gRPC, 50062 prefill KV (UCX), 50071 decode;
+# 94xx metrics
+EXPOSE 50051 8000 50061 50062 50071 9451 9461 9471
 ENTRYPOINT ["splitserve"]
 CMD ["serve", "--host", "0.0.0.0"]

@@ -8,13 +8,17 @@ Prompts are random token ids of --input-len (or --dataset FILE.jsonl); every req
 --output-len tokens with ignore_eos, so outputs have that length. Requests arrive as a Poisson
 process at --request-rate (inf: all at once), at most --max-concurrency in flight. The summary
 gives request and token throughput, TTFT / TPOT / ITL / E2E latency (mean, median, p90, p99)
-and goodput under --slo. Also runnable alone: `python -m splitserve.cli.bench_cmd ...`.
+and goodput under --slo. `--backend openai` sends the same requests as streamed /v1/completions
+to an OpenAI-compatible HTTP API (`--base-url`, default $OPENAI_BASE_URL, else
+http://127.0.0.1:8000/v1: `splitserve serve`'s), timed the same way. Also runnable alone:
+`python -m splitserve.cli.bench_cmd ...`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from splitserve.cli import client
@@ -35,9 +39,16 @@ def _rate(text: str) -> float:
     return value
 
 
+DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
+                   help="grpc: the router's Generate (default); openai: streamed /v1/completions over HTTP")
     p.add_argument("--address", metavar="HOST:PORT",
                    help=f"router address (default ${client.ADDRESS_ENV}, else 127.0.0.1:{client.DEFAULT_PORT})")
+    p.add_argument("--base-url", metavar="URL",
+                   help=f"--backend openai: the API's base URL (default $OPENAI_BASE_URL, else {DEFAULT_BASE_URL})")
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
     p.add_argument("--dataset", metavar="FILE.jsonl",
                    help='prompts, one JSON object a line: {"prompt": TEXT} or {"prompt_token_ids": [...]}')
@@ -59,46 +70,92 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-async def _bench(args: argparse.Namespace) -> int:
-    import grpc
-    from tqdm import tqdm
+def _announce(cfg, model: str, workers: dict[str, int]) -> None:
+    print(f"bench: {cfg.num_prompts} requests to {cfg.address} over {cfg.backend} ({model}; "
+          f"{workers.get('prefill', 0)} prefill + {workers.get('decode', 0)} decode healthy), rate "
+          f"{cfg.request_rate:g}/s, max concurrency {cfg.max_concurrency or 'none'}", file=sys.stderr, flush=True)
 
-    from splitserve.cli.bench import metrics, report, runner
-    from splitserve.cli.bench.workload import BenchConfig, arrival_offsets, make_prompts
+
+async def _run_grpc(cfg, progress) -> tuple[dict, list, float]:
+    import grpc
+
+    from splitserve.cli.bench import runner
+    from splitserve.cli.bench.workload import arrival_offsets, make_prompts
     from splitserve.engine.grpc_service import channel_options
     from splitserve.protos import generate_pb2_grpc
 
-    address = args.address or client.default_address()
-    cfg = BenchConfig.from_args(args, address)
-    if args.plot:
-        from splitserve.cli.bench.plot import require_matplotlib
-        require_matplotlib()
-    async with grpc.aio.insecure_channel(address, options=channel_options()) as channel:
+    async with grpc.aio.insecure_channel(cfg.address, options=channel_options()) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
-        info = await runner.server_info(stub, address)
+        info = await runner.server_info(stub, cfg.address)
         prompts = make_prompts(cfg, info.vocab_size)
         runner.check_lengths(prompts, info.max_model_len)
         offsets = arrival_offsets(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)
         workers = {"prefill": 0, "decode": 0}
         for w in info.workers:
             workers["prefill" if w.role == 1 else "decode"] += int(w.healthy)
-        print(f"bench: {cfg.num_prompts} requests to {address} ({info.model_name}; {workers['prefill']} prefill + "
-              f"{workers['decode']} decode healthy), rate {cfg.request_rate:g}/s, "
-              f"max concurrency {cfg.max_concurrency or 'none'}", file=sys.stderr, flush=True)
+        _announce(cfg, info.model_name, workers)
         await runner.warm_up(stub, cfg, prompts)
-        with tqdm(total=cfg.num_prompts, desc="requests", unit="req", file=sys.stderr,
-                  disable=args.no_progress or None) as bar:
+        with progress() as bar:
             results, duration = await runner.run_requests(stub, cfg, prompts, offsets, on_done=lambda r: bar.update(1))
-    summary = metrics.summarize(results, duration, cfg.slo)
-    report.print_summary(sys.stdout, summary, cfg, info.model_name)
-    server = {"address": address, "model_name": info.model_name, "max_model_len": info.max_model_len,
+    server = {"address": cfg.address, "model_name": info.model_name, "max_model_len": info.max_model_len,
               "block_size": info.block_size, "healthy_workers": workers}
+    return server, results, duration
+
+
+async def _run_openai(cfg, progress) -> tuple[dict, list, float]:
+    from splitserve.cli.bench import openai_runner, runner
+    from splitserve.cli.bench.workload import arrival_offsets, make_prompts
+
+    api = await openai_runner.OpenAIClient.connect(cfg.address)
+    try:
+        if api.vocab_size is None and cfg.dataset is None:
+            raise runner.BenchError(f"{cfg.address}/models does not give vocab_size, which random prompts need; "
+                                    "pass --dataset FILE.jsonl")
+        prompts = make_prompts(cfg, api.vocab_size or 0)
+        if api.max_model_len:
+            runner.check_lengths(prompts, api.max_model_len)
+        offsets = arrival_offsets(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)
+        _announce(cfg, api.model, api.workers)
+        await runner.warm_up(api, cfg, prompts, send=openai_runner.send_one)
+        with progress() as bar:
+            results, duration = await runner.run_requests(api, cfg, prompts, offsets, on_done=lambda r: bar.update(1),
+                                                          send=openai_runner.send_one)
+    finally:
+        await api.close()
+    server = {"address": cfg.address, "model_name": api.model, "max_model_len": api.max_model_len,
+              "healthy_workers": api.workers}
+    return server, results, duration
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from splitserve.cli.bench import metrics, report
+    from splitserve.cli.bench.workload import BenchConfig
+
+    if args.backend == "openai":
+        address = args.base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL
+    else:
+        address = args.address or client.default_address()
+    cfg = BenchConfig.from_args(args, address)
+    if args.plot:
+        from splitserve.cli.bench.plot import require_matplotlib
+        require_matplotlib()
+
+    def progress():
+        return tqdm(total=cfg.num_prompts, desc="requests", unit="req", file=sys.stderr,
+                    disable=args.no_progress or None)
+    run = _run_openai if cfg.backend == "openai" else _run_grpc
+    server, results, duration = await run(cfg, progress)
+    model_name = server["model_name"]
+    summary = metrics.summarize(results, duration, cfg.slo)
+    report.print_summary(sys.stdout, summary, cfg, model_name)
     if args.json_out:
         report.write_json(args.json_out, summary, cfg, server, metrics.per_request(results))
         print(f"wrote {args.json_out}", file=sys.stderr)
     if args.plot:
         from splitserve.cli.bench.plot import plot_cdfs
-        plot_cdfs(args.plot, metrics.latency_samples(results), f"splitserve bench: {info.model_name}, "
+        plot_cdfs(args.plot, metrics.latency_samples(results), f"splitserve bench: {model_name}, "
                   f"{cfg.num_prompts} req, rate {cfg.request_rate:g}/s")
         print(f"wrote {args.plot}", file=sys.stderr)
     if summary["completed"] == 0:

@@ -1,5 +1,6 @@
 """`splitserve router --model DIR --prefill ADDR --decode ADDR`: serve the public GenerateService
-(and RouterControl for worker registration) until SIGTERM.
+(and RouterControl for worker registration) until SIGTERM. `--colocated --decode ADDR`: no
+prefill workers; each decode worker computes the prompt itself (the comparison mode).
 
 Settings come from --config YAML (see router/config.py), then the flags below on top.
 Also runnable alone: `python -m splitserve.cli.router_cmd --model DIR ...`.
@@ -21,9 +22,11 @@ _OVERRIDES = {
     "port": "server.port",
     "advertise_host": "server.advertise_host",
     "metrics_port": "server.metrics_port",
+    "http_port": "http.port",
     "drain_grace_s": "server.drain_grace_s",
     "prefill": "workers.prefill",
     "decode": "workers.decode",
+    "colocated": "routing.colocated",
     "prefill_policy": "routing.prefill_policy",
     "decode_policy": "routing.decode_policy",
     "poll_interval_s": "registry.poll_interval_s",
@@ -54,10 +57,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="gRPC port (default 0: a free one, printed at start)")
     p.add_argument("--advertise-host", help="host that clients and workers use to reach this one")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API (/v1/completions, "
+                                                 "/v1/chat/completions, ...) on this port (0: a free one; "
+                                                 "default: off)")
     p.add_argument("--drain-grace-s", type=float, help="seconds in-flight streams get to finish on SIGTERM")
     p.add_argument("--prefill", action="append", metavar="HOST:PORT",
                    help="a prefill worker (repeat for several; more may register over RouterControl)")
     p.add_argument("--decode", action="append", metavar="HOST:PORT", help="a decode worker (repeat for several)")
+    p.add_argument("--colocated", action="store_true", default=None,
+                   help="no prefill workers: decode workers compute the prompt and decode in one batch loop "
+                        "(to compare against disaggregated serving); refused together with --prefill")
     p.add_argument("--prefill-policy", type=_policy, metavar="POLICY",
                    help="prefix-aware (default), least-loaded or round-robin")
     p.add_argument("--decode-policy", type=_policy, metavar="POLICY", help="least-loaded (default) or round-robin")

@@ -6,7 +6,9 @@
     splitserve serve --colocated              # one decode worker that also prefills (no KV hand-off)
 
 Each child gets a free port and a log file (--log-dir); `serve` waits until every child's
-grpc.health.v1 says SERVING, prints `ready: router on HOST:PORT ...` on stdout, and on
+grpc.health.v1 says SERVING, prints `ready: router on HOST:PORT (...); OpenAI API on
+http://HOST:HTTP_PORT/v1` on stdout (the router's OpenAI-compatible HTTP front: --http-port,
+default 8000, a free one with --port 0, off with --no-http or --prompt), and on
 Ctrl-C / SIGTERM stops the router (it drains its streams), then the workers, killing any
 straggler. A child that fails to start ends `serve` with one line naming it and its last log
 lines. Also runnable alone: `python -m splitserve.cli.serve_cmd ...`.
@@ -28,6 +30,7 @@ from pathlib import Path
 from splitserve.cli import client
 from splitserve.cli.launcher import Launcher, StartError, free_port
 
+DEFAULT_HTTP_PORT = 8000
 SERVICES = {"prefill-worker": "splitserve.v1.PrefillWorker", "decode-worker": "splitserve.v1.DecodeWorker",
             "router": "splitserve.v1.GenerateService"}
 
@@ -47,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address every service binds (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=client.DEFAULT_PORT,
                    help=f"router gRPC port (default {client.DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help=f"router's OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}; a free one with --port 0; "
+                        "off with --prompt unless given)")
+    p.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP front")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (the workers' default: auto)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks per worker (default: from free memory)")
@@ -110,8 +117,28 @@ def check_args(args: argparse.Namespace) -> tuple[int, int]:
     return num_prefill, args.num_decode
 
 
+def check_http_port(args: argparse.Namespace) -> int | None:
+    """The router's HTTP port (0: pick a free one), None for no HTTP front."""
+    if args.no_http or (args.prompt is not None and args.http_port is None):
+        return None
+    port = args.http_port if args.http_port is not None else (0 if args.port == 0 else DEFAULT_HTTP_PORT)
+    if port:
+        with socket.socket() as s:
+            try:
+                s.bind((args.host, port))
+            except OSError as exc:
+                raise ValueError(f"cannot use {args.host}:{port} for the OpenAI HTTP API ({exc.strerror}); pass "
+                                 "--http-port 0 for a free port, or --no-http") from None
+    return port
+
+
+def display_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+
+
 # ---- the services ---------------------------------------------------------------------------------
-def build(launcher: Launcher, args: argparse.Namespace, model: Path, num_prefill: int, num_decode: int) -> None:
+def build(launcher: Launcher, args: argparse.Namespace, model: Path, num_prefill: int, num_decode: int,
+          http_port: int | None = None) -> None:
     common = ["--model", str(model), "--log-level", args.log_level]
     engine = [*common]
     if args.host in ("0.0.0.0", "::", "[::]"):  # peers are all on this machine: KV handles name loopback
@@ -134,6 +161,8 @@ def build(launcher: Launcher, args: argparse.Namespace, model: Path, num_prefill
         router_extra += ["--max-model-len", str(args.max_model_len)]
     if args.colocated:
         router_extra.append("--colocated")
+    if http_port is not None:
+        router_extra += ["--http-port", str(http_port)]
 
     def router_args() -> list[str]:  # built at each launch: a relaunched worker has a new address
         return [*router_extra, *(a for w in prefill for a in ("--prefill", w.address)),
@@ -167,11 +196,14 @@ def wait_ready(launcher: Launcher, args: argparse.Namespace, stop: threading.Eve
 
 def run(args: argparse.Namespace) -> int:
     num_prefill, num_decode = check_args(args)
+    http_port = check_http_port(args)
+    if http_port == 0:
+        http_port = free_port(args.host)
     model = resolve_model(args.model)
     auto_logs = args.log_dir is None
     log_dir = Path(tempfile.mkdtemp(prefix="splitserve-serve-")) if auto_logs else Path(args.log_dir)
     launcher = Launcher(log_dir, on_event=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
-    build(launcher, args, model, num_prefill, num_decode)
+    build(launcher, args, model, num_prefill, num_decode, http_port)
     router = launcher.children[-1]
     what = "colocated" if args.colocated else f"{num_prefill} prefill"
     print(f"splitserve serve: {what} + {num_decode} decode worker(s) + router on model {model} "
@@ -197,9 +229,14 @@ def run(args: argparse.Namespace) -> int:
             client.stream_to(sys.stdout, router.address, args.prompt, args)
             interrupt[0] = False
         else:
-            print(f"ready: router on {router.address} ({what}, {num_decode} decode, model {model.name})", flush=True)
+            http = f"http://{display_host(args.host)}:{http_port}/v1" if http_port is not None else None
+            print(f"ready: router on {router.address} ({what}, {num_decode} decode, model {model.name})"
+                  + (f"; OpenAI API on {http}" if http else ""), flush=True)
             print(f"  try: splitserve generate \"Hello\" --address {router.address}   (Ctrl-C stops everything)",
                   file=sys.stderr, flush=True)
+            if http:
+                print(f"       curl {http}/completions -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+                      file=sys.stderr, flush=True)
             while not stop.wait(0.5):
                 launcher.check_alive()
     except (StartError, client.GenerateError) as exc:

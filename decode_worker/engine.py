@@ -4,7 +4,10 @@ Single-threaded (the engine loop thread, or a test, calls it). One step:
 
     1. a still-unread step that needs host sampling is finished first (its tokens feed this one)
     2. schedule: grow / preempt / admit; recompute (local prefill) the KV of admitted
-       sequences that have none (preempted ones, and requests whose KvHandle is empty)
+       sequences that have none (preempted ones, and requests whose KvHandle is empty);
+       a request that had no prefill at all (colocated: no first token) gets its whole prompt
+       computed here and its first token sampled on the host, accepted like any other token,
+       then runs its first decode step in this same step: prefill and decode in one loop
     3. launch the step (graph replay or eager)
     4. read the PREVIOUS step's tokens (overlap: the device already runs this one), sample the
        non-greedy rows on the host, run stop checks, stream outputs, free finished sequences
@@ -19,6 +22,8 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from splitserve.decode_worker.config import DecodeWorkerConfig, capture_sizes
 from splitserve.decode_worker.graph_runner import GraphRunner, StepHandle
@@ -78,7 +83,8 @@ class DecodeEngine:
         if not 0 < len(prompt) < max_len:
             raise RequestError.invalid(f"prompt has {len(prompt)} tokens; it must have 1..{max_len - 1} "
                                        f"(max_model_len {max_len})")
-        bad = [t for t in (*prompt, inp.first_token_id) if not 0 <= t < self.vocab_size]
+        first_ids = () if inp.first_token_id is None else (inp.first_token_id,)
+        bad = [t for t in (*prompt, *first_ids) if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError.invalid(f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size}); "
                                        "tokenize with this model's tokenizer")
@@ -93,7 +99,9 @@ class DecodeEngine:
                 raise RequestError.invalid("stop strings need the worker's tokenizer, and this worker has none; "
                                            "use stop_token_ids or start the worker on a checkpoint with tokenizer.json")
             detok = IncrementalDetokenizer(self.tokenizer, prompt)
-        seq = DecodeSequence(inp.request_id, prompt, inp.params, stop, sink, detok, [inp.first_token_id])
+        seq = DecodeSequence(inp.request_id, prompt, inp.params, stop, sink, detok, list(first_ids))
+        if inp.first_token_id is None:  # colocated: admission computes the prompt, samples out[0]
+            return seq, None
         first = stop.update(inp.first_token_id, detok.add(inp.first_token_id) if detok else "")
         done = StepOutput(inp.request_id, (), (), first.finish_reason, first.stop_reason) if first.finished else None
         return seq, done
@@ -111,6 +119,9 @@ class DecodeEngine:
         """A request whose prompt KV is already in `block_ids` (allocated from `self.allocator`
         by the caller, e.g. the KV-transfer pull); the engine owns the blocks from here on."""
         try:
+            if inp.first_token_id is None:
+                raise RequestError.invalid("a request with KV needs first_token_id; pass the token the prefill "
+                                           "worker returned with the handle")
             seq, done = self._new_sequence(inp, sink)
         except RequestError:
             self.allocator.free(block_ids)
@@ -159,9 +170,11 @@ class DecodeEngine:
                 self.metrics.preemptions.inc(batch.num_preempted)
             if batch.recompute:
                 self._recompute(batch.recompute)
-            handle = self.graphs.launch(batch.seqs, batch.changed, batch.new_blocks)
-            (self.metrics.graph_replays if handle.graph_size else self.metrics.eager_steps).inc()
-            self.metrics.batch_size.observe(len(batch.seqs))
+            seqs = [s for s in batch.seqs if not s.finished]  # a sampled first token may end one
+            if seqs:  # (rows changed whenever something was recomputed: new rows were admitted)
+                handle = self.graphs.launch(seqs, batch.changed, batch.new_blocks)
+                (self.metrics.graph_replays if handle.graph_size else self.metrics.eager_steps).inc()
+                self.metrics.batch_size.observe(len(seqs))
         elif prev is None and self.scheduler.by_id:
             raise RuntimeError("decode scheduler stalled: requests wait but nothing can run or is in flight")
         if prev is not None:
@@ -175,24 +188,47 @@ class DecodeEngine:
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
 
     def _recompute(self, seqs: list[DecodeSequence]) -> None:
-        """Rebuilds the KV of `seqs` with local prefills, at most max_num_batched_tokens a call."""
+        """Rebuilds the KV of `seqs` with local prefills, at most max_num_batched_tokens a call;
+        sequences without a first token then get it from their last prompt position's logits."""
         budget = self.cfg.engine.scheduler.max_num_batched_tokens
         chunks: list[PrefillChunk] = []
+        lasts: list[tuple[int, DecodeSequence]] = []  # (chunk index, seq): a prompt's last chunk
+        firsts: list[DecodeSequence] = []
+        rows: list[torch.Tensor] = []
+
+        def run() -> None:
+            logits = self.runner.prefill(chunks)
+            for i, seq in lasts:
+                firsts.append(seq)
+                rows.append(logits[i])
+
         used = 0
         for seq in seqs:
             tokens = seq.recompute_tokens()
-            self.metrics.recomputed_tokens.inc(len(tokens))
+            (self.metrics.prompt_tokens if seq.needs_first_token else self.metrics.recomputed_tokens).inc(len(tokens))
             start = 0
             while start < len(tokens):
                 take = min(len(tokens) - start, budget - used)
                 chunks.append(PrefillChunk(tokens[start:start + take], start, seq.block_ids))
                 start += take
                 used += take
+                if start == len(tokens) and seq.needs_first_token:
+                    lasts.append((len(chunks) - 1, seq))
                 if used == budget:
-                    self.runner.prefill(chunks)
-                    chunks, used = [], 0
+                    run()
+                    chunks, lasts, used = [], [], 0
         if chunks:
-            self.runner.prefill(chunks)
+            run()
+        if firsts:
+            self._sample_first(firsts, torch.stack(rows))
+
+    def _sample_first(self, seqs: list[DecodeSequence], logits: torch.Tensor) -> None:
+        """Colocated: out[0] of prompts computed here, sampled on the host as the prefill worker
+        does (step 0, same seed rule), then accepted like any token (stops, logprobs, stream)."""
+        out = self.sampler.sample(logits, [SeqSamplingInfo(s.params, s.prompt_token_ids, []) for s in seqs])
+        now = time.monotonic()
+        for seq, tok, lp in zip(seqs, out.token_ids, out.logprobs):
+            self._accept(seq, tok, lp, now)
 
     def _complete(self, handle: StepHandle) -> None:
         tokens = self.graphs.read(handle)
@@ -215,7 +251,8 @@ class DecodeEngine:
         seq.output_token_ids.append(token)
         delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
         result = seq.stop.update(token, delta)
-        self.metrics.itl_seconds.observe(now - seq.last_token_time)
+        if len(seq.output_token_ids) > 1:  # a first token sampled here ends no inter-token gap
+            self.metrics.itl_seconds.observe(now - seq.last_token_time)
         seq.last_token_time = now
         if result.finished:
             self.scheduler.finish(seq)

@@ -33,5 +33,8 @@ class DecodeMetrics:
                                    registry=r)
         self.recomputed_tokens = Counter("splitserve_decode_recomputed_tokens",
                                          "Tokens re-prefilled locally (preemption or no KV handle)", registry=r)
+        self.prompt_tokens = Counter("splitserve_decode_prompt_tokens",
+                                     "Prompt tokens prefilled here for requests that had no prefill (colocated)",
+                                     registry=r)
         self.finished = Counter("splitserve_decode_requests_finished", "Finished requests by reason",
                                 ["reason"], registry=r)

@@ -13,8 +13,11 @@
 Blocks: a sequence admitted through `admit(seq, block_ids)` brings its prompt's KV in blocks
 the caller allocated from `allocator` (the KV-transfer seam: allocate, pull, admit); a
 sequence queued with `add(seq)` has no KV and is recomputed with a local prefill when
-admitted (the engine runs it; `ScheduledBatch.recompute` lists them). Each step a sequence
-crossing a block boundary gets one more block.
+admitted (the engine runs it; `ScheduledBatch.recompute` lists them). A sequence without a
+first token (colocated: no prefill happened) is admitted the same way with blocks up to
+position P; the engine samples its first token after the recompute and drops it from the
+step's rows if that token finishes it. Each step a sequence crossing a block boundary gets
+one more block.
 
 Freed blocks may still be written by a step in flight (overlap); every KV writer of this
 worker (decode steps, the recompute prefill) runs on the one compute stream, so the GPU
@@ -64,8 +67,9 @@ class DecodeScheduler:
         return -(-num_tokens // self.block_size)
 
     def _missing_blocks(self, seq: DecodeSequence) -> int:
-        """Blocks the sequence lacks for its next step (which writes position next_position)."""
-        return self.blocks_for(seq.next_position + 1) - len(seq.block_ids)
+        """Blocks the sequence lacks for its next step (which writes position next_position;
+        P for a sequence whose first token its admission samples)."""
+        return self.blocks_for(seq.admit_position + 1) - len(seq.block_ids)
 
     # ---- entry points ----------------------------------------------------------------------
     def _check_new(self, seq: DecodeSequence) -> None:

@@ -10,6 +10,11 @@ launched steps whose token has not been read yet; the next step's index is
 `len(out) - 1 + in_flight`. Length limits (max_tokens, max_model_len) are decided from that
 count before launching, so a sequence never runs a step past them; only eos / stop tokens /
 stop strings are found after the fact (one wasted lane-step at most).
+
+Colocated (no prefill happened, `first_token_id` None): the sequence starts with empty `out`.
+Its admission computes the whole prompt (the recompute path: positions 0..P-1) and samples
+out[0] on the host from the last prompt position's logits; it then runs step 0 in the same
+engine step, like a handed-off sequence. Until then `needs_first_token` is true.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ class DecodeInput:
 
     request_id: str
     prompt_token_ids: Sequence[int]
-    first_token_id: int
+    first_token_id: int | None  # None: no prefill happened; the engine samples it (colocated)
     params: SamplingParams
 
 
@@ -94,6 +99,16 @@ class DecodeSequence:
         return self.prompt_len + self.next_step
 
     @property
+    def needs_first_token(self) -> bool:
+        """No prefill happened yet: admission computes the prompt and samples out[0]."""
+        return not self.output_token_ids
+
+    @property
+    def admit_position(self) -> int:
+        """The position the first step after admission writes (P when out[0] is still to be sampled)."""
+        return self.prompt_len if self.needs_first_token else self.next_position
+
+    @property
     def kv_len(self) -> int:
         """Positions whose KV the next step needs present (it writes position next_position)."""
         return self.next_position
@@ -110,7 +125,7 @@ class DecodeSequence:
 
     def recompute_tokens(self) -> list[int]:
         """Tokens whose KV a local prefill must rebuild: all but the last known token, which
-        the next decode step feeds."""
+        the next decode step feeds (the whole prompt when out[0] is still to be sampled)."""
         return self.prompt_token_ids + self.output_token_ids[:-1]
 
     def __post_init__(self) -> None:

@@ -5,7 +5,9 @@ dtype, geometry, model hash: a mismatch is FAILED_PRECONDITION before any block 
 allocated), then its KV is pulled over UCX into freshly reserved blocks (kv_pull.py; a
 delivered pull releases the prefill lease) and it joins the batch with the first token from
 the host. A request without a handle, or whose pull failed under the `recompute` policy, is
-served by recomputing the prompt locally.
+served by recomputing the prompt locally. A request without `first_token_id` (colocated mode:
+no prefill happened) has its prompt computed here and its first token sampled and streamed
+by this worker.
 """
 
 from __future__ import annotations
@@ -125,12 +127,16 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise RequestError.invalid("request_id is empty; give every request a unique id")
         params = validate_request(request.prompt_token_ids, request.sampling if request.HasField("sampling") else None,
                                   vocab_size=engine.vocab_size, max_model_len=engine.runner.max_model_len)
-        if request.first_token_id >= engine.vocab_size:
-            raise RequestError.invalid(f"first_token_id {request.first_token_id} is outside the vocabulary "
+        first = request.first_token_id if request.HasField("first_token_id") else None
+        if first is not None and first >= engine.vocab_size:
+            raise RequestError.invalid(f"first_token_id {first} is outside the vocabulary "
                                        f"(size {engine.vocab_size}); pass the token the prefill worker returned")
         if request.HasField("kv") and request.kv.lease_id:
+            if first is None:
+                raise RequestError.invalid("kv is set but first_token_id is not; pass the first token the prefill "
+                                           "worker returned with the handle (omit both for colocated decoding)")
             self._check_handle(request.kv, len(request.prompt_token_ids), engine)
-        return DecodeInput(request.request_id, list(request.prompt_token_ids), request.first_token_id, params)
+        return DecodeInput(request.request_id, list(request.prompt_token_ids), first, params)
 
     @staticmethod
     def _check_handle(kv: kv_pb2.KvHandle, prompt_len: int, engine) -> None:

@@ -8,6 +8,8 @@
                                        health NOT_SERVING (for good), stop accepting,
                                        in-flight RPCs get `drain_grace_s` to finish,
                                        then they are cancelled and the server stops
+      .drain_hooks                   coroutines drain() runs alongside, with the same grace
+                                     (the router's HTTP front)
 
 Health and reflection are the grpc libraries' own servicers; metrics are
 prometheus-client's own HTTP exporter over the service's registry.

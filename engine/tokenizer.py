@@ -11,6 +11,7 @@ tokenizer_config.json only names the bos/eos tokens (and carries the chat templa
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,6 +38,15 @@ def _default_template(value: Any) -> str | None:
     if isinstance(value, list):
         value = next((t.get("template") for t in value if t.get("name") == "default"), None)
     return value if isinstance(value, str) else None
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character that stands for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in keep]
+    chars = [chr(b) for b in keep] + [chr(256 + i) for i in range(len(extra))]
+    return dict(zip(chars, keep + extra))
 
 
 class Tokenizer:
@@ -95,6 +105,23 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprob `bytes`): exact for byte-level BPE
+        (GPT-2 / Llama-3 / Qwen2 style) and for SentencePiece byte-fallback pieces (`<0x0A>`);
+        otherwise the UTF-8 of the token decoded alone."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is not None and token_id not in self.all_special_ids:
+            if isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel):
+                table = _byte_decoder()
+                if all(c in table for c in piece):
+                    return bytes(table[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocab entry (e.g. 'Ġworld' in byte-level form) or None for an unknown id."""

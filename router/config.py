@@ -5,10 +5,12 @@ YAML (every section optional but model_path):
     model_path: /models/llama-3.2-1b      # tokenizer.json + config.json (no weights are read)
     max_model_len: 8192                   # null: the model's max_position_embeddings
     server: {host: 0.0.0.0, port: 50051, metrics_port: 9451}
+    http: {port: 8000}                    # OpenAI-compatible HTTP API (http_server.py); unset: off
     workers:
       prefill: [prefill-0:50061, prefill-1:50061]
       decode: [decode-0:50071]
     routing:
+      colocated: false                    # true: no prefill workers, decode workers do both (comparison)
       prefill_policy: prefix_aware        # round_robin | least_loaded | prefix_aware
       decode_policy: least_loaded         # round_robin | least_loaded
       prefix: {balance_abs_threshold: 4, balance_rel_threshold: 1.5, min_match_blocks: 1}
@@ -23,7 +25,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from splitserve.engine.config_file import load_config
 from splitserve.engine.grpc_service import ServerConfig
@@ -77,6 +79,9 @@ class PrefixPolicyConfig(_Frozen):
 
 
 class RoutingConfig(_Frozen):
+    colocated: bool = Field(False, description="no prefill workers: each request goes to a decode worker alone, "
+                                               "which computes the prompt and decodes in one batch loop (to "
+                                               "compare against disaggregated serving on the same machine)")
     prefill_policy: PolicyName = "prefix_aware"
     decode_policy: PolicyName = "least_loaded"
     prefix: PrefixPolicyConfig = PrefixPolicyConfig()
@@ -112,6 +117,13 @@ class RegistryConfig(_Frozen):
         return self
 
 
+class HttpConfig(_Frozen):
+    """The OpenAI-compatible HTTP front (http_server.py), on the router's event loop."""
+
+    port: int | None = Field(None, ge=0, le=65535, description="HTTP port; None: no HTTP front, 0: a free one")
+    host: str | None = Field(None, min_length=1, description="address to bind; None: server.host")
+
+
 class RouterConfig(_Frozen):
     model_path: str = Field(min_length=1, description="checkpoint folder: tokenizer.json and config.json")
     model_name: str | None = Field(None, min_length=1, description="name in GetServerInfo; None: the folder name")
@@ -120,9 +132,19 @@ class RouterConfig(_Frozen):
     workers: WorkersConfig = WorkersConfig()
     routing: RoutingConfig = RoutingConfig()
     registry: RegistryConfig = RegistryConfig()
+    http: HttpConfig = HttpConfig()
     max_request_bytes: int = Field(8 * 2**20, gt=0, description="largest GenerateRequest taken (serialized)")
     max_request_id_len: int = Field(256, gt=0)
     worker_call_timeout_s: float = Field(5.0, gt=0, description="Abort / ReleaseLease calls to workers")
+
+    @field_validator("routing")
+    @classmethod
+    def _colocated_has_no_prefill(cls, v: RoutingConfig, info: ValidationInfo) -> RoutingConfig:
+        workers = info.data.get("workers")
+        if v.colocated and workers is not None and workers.prefill:
+            raise ValueError(f"colocated mode sends no prefills, but workers.prefill lists {list(workers.prefill)}; "
+                             "drop the prefill workers or routing.colocated")
+        return v
 
     @model_validator(mode="after")
     def _request_fits_transport(self) -> RouterConfig:

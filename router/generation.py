@@ -9,6 +9,10 @@
         │ failure after tokens were sent: UNAVAILABLE, never a silent replay
     last chunk: finish reason, usage
 
+Colocated (routing.colocated, no prefill workers): no Prefill; Decode(prompt, sampling) goes
+out with no kv and no first_token_id, the decode worker computes the prompt and streams the
+first token itself; TTFT is observed at the first decode chunk, no prompt token is cached.
+
 Every exit path (client cancel, deadline, Abort, worker failure) ends the worker calls
 (cancelling a grpc.aio call cancels it on the worker) and releases a lease the decode side
 has not taken, from a background task, so the release happens even while this call is
@@ -104,6 +108,9 @@ class Generation:
         if self.live.aborted:
             await self._finish(self.out.end(None, generate_pb2.FINISH_REASON_ABORT))
             return
+        if self.ctx.cfg.routing.colocated:
+            await self._decode(None)
+            return
         worker, first = await self._prefill()
         if first.HasField("kv") and first.kv.lease_id:
             self.lease = (worker, first.kv.lease_id)
@@ -154,13 +161,20 @@ class Generation:
                 self.live.call = None
 
     # ---- decode ------------------------------------------------------------------------------------
-    async def _decode(self, first: worker_pb2.PrefillResponse) -> None:
-        req, pw = self.req, self.lease[0]
-        w = self.ctx.registry.choose(DECODE, self.ctx.decode_policy, req.prompt,
-                                     compat_hash=first.kv.model_compat_hash or pw.load.model_compat_hash)
-        call = w.stub.Decode(worker_pb2.DecodeRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt, first_token_id=first.first_token_id,
-            sampling=req.sampling, kv=first.kv), timeout=self._timeout())
+    async def _decode(self, first: worker_pb2.PrefillResponse | None) -> None:
+        """Streams the decode side; `first` None: colocated, the decode worker makes the first token."""
+        req = self.req
+        if first is None:
+            w = self.ctx.registry.choose(DECODE, self.ctx.decode_policy, req.prompt)
+            decode_req = worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
+                                                  sampling=req.sampling)
+        else:
+            w = self.ctx.registry.choose(DECODE, self.ctx.decode_policy, req.prompt,
+                                         compat_hash=first.kv.model_compat_hash or self.lease[0].load.model_compat_hash)
+            decode_req = worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
+                                                  first_token_id=first.first_token_id, sampling=req.sampling,
+                                                  kv=first.kv)
+        call = w.stub.Decode(decode_req, timeout=self._timeout())
         self.live.call = call
         w.in_flight += 1
         try:
@@ -169,6 +183,8 @@ class Generation:
                     self.decode_took_lease = True
                     if self.ctx.cfg.routing.release_lease_after_decode:
                         self._release_lease("decode_started")
+                if first is None and resp.token_ids and not self.out.num_tokens:
+                    self.ctx.metrics.ttft_seconds.observe(time.monotonic() - self.arrival)
                 chunk = self.out.add(resp.token_ids, resp.logprobs)
                 if not self.out.finished and resp.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
                     self.out.end(chunk, resp.finish_reason,

@@ -37,6 +37,9 @@ class RouterMetrics:
                                   ["role", "address"], registry=r)
         self.worker_free_blocks = Gauge("splitserve_router_worker_free_blocks", "free KV blocks (last GetLoad)",
                                         ["role", "address"], registry=r)
+        self.http_requests = Counter("splitserve_router_http_requests",
+                                     "OpenAI HTTP API requests by route and status code (499: client gone)",
+                                     ["route", "status"], registry=r)
         self.worker_evictions = Counter("splitserve_router_worker_evictions",
                                         "healthy -> evicted transitions", ["role", "address"], registry=r)
 

@@ -119,6 +119,10 @@ class WorkerRegistry:
             check_address(address)
         except ValueError as exc:
             raise RequestError.invalid(f"address: {exc}; give the address the router should dial") from None
+        if role == PREFILL and self.cfg.routing.colocated:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "this router runs colocated (routing.colocated) and sends no prefills; register "
+                               "decode workers only, or restart the router without --colocated")
         w = self._workers.get(address)
         if w is not None and w.role != role:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,

@@ -1,10 +1,12 @@
 """A whole router process: gRPC server (GenerateService + RouterControl, health, reflection),
 worker registry, metrics, drain.
 
-    start():  load tokenizer + config.json -> bind -> probe workers
+    start():  load tokenizer + config.json -> bind (gRPC, then the OpenAI HTTP front when
+              http.port is set: http_server.py) -> probe workers
               health of GenerateService (and ''): SERVING while at least one prefill and one
-              decode worker are healthy; RouterControl: SERVING from the start
-    stop():   NOT_SERVING, refuse new calls, in-flight streams get the grace period (then
+              decode worker are healthy (colocated: one decode worker); RouterControl: SERVING
+              from the start
+    stop():   NOT_SERVING, refuse new calls (gRPC and HTTP), in-flight streams get the grace period (then
               they are cancelled, releasing their leases), background releases finish,
               probes stop
 """
@@ -18,6 +20,7 @@ from splitserve.engine.grpc_service import NOT_SERVING, SERVING, GrpcServer, ser
 from splitserve.protos import generate_pb2, generate_pb2_grpc, router_pb2, router_pb2_grpc
 from splitserve.router.config import RouterConfig
 from splitserve.router.context import RouterContext
+from splitserve.router.frontend import Frontend
 from splitserve.router.intake import ModelInfo
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.registry import DECODE, PREFILL, WorkerRegistry
@@ -36,12 +39,19 @@ class Router:
         self.registry = WorkerRegistry(cfg, self.metrics, on_change=self._health_changed)
         self.ctx = RouterContext(cfg, ModelInfo.load(cfg), self.registry, self.metrics)
         self.server = GrpcServer(cfg.server, self.metrics.registry)
-        self.generate = GenerateServicer(self.ctx)
+        self.frontend = Frontend(self.ctx)  # the one request path, shared by gRPC and HTTP
+        self.generate = GenerateServicer(self.ctx, self.frontend)
         self.server.add(generate_pb2_grpc.add_GenerateServiceServicer_to_server, self.generate, SERVICE_NAME)
         self.server.add(router_pb2_grpc.add_RouterControlServicer_to_server, RouterControlServicer(self.ctx),
                         CONTROL_NAME)
         self._health_tasks: set[asyncio.Task] = set()
         self._stopped = False
+        self.http = None
+        if cfg.http.port is not None:
+            from splitserve.router.http_server import OpenAIServer
+
+            self.http = OpenAIServer(self.ctx, self.frontend, ready=lambda: self.ready and not self._stopped)
+            self.server.drain_hooks.append(self.http.drain)
 
     @property
     def address(self) -> str:
@@ -49,10 +59,13 @@ class Router:
 
     @property
     def ready(self) -> bool:
-        return bool(self.registry.healthy(PREFILL)) and bool(self.registry.healthy(DECODE))
+        has_prefill = self.cfg.routing.colocated or bool(self.registry.healthy(PREFILL))
+        return has_prefill and bool(self.registry.healthy(DECODE))
 
     async def start(self) -> None:
         await self.server.start()
+        if self.http is not None:
+            await self.http.start()
         await self.server.health.set(CONTROL_NAME, SERVING)
         self.registry.start()
 
@@ -86,8 +99,12 @@ class Router:
         m = self.ctx.model
         r = self.cfg.routing
         metrics = f", metrics on :{self.server.metrics_port}" if self.server.metrics_port is not None else ""
+        if self.http is not None:
+            metrics += f", OpenAI HTTP API on http://{self.http.address}/v1"
+        prefill = "colocated (no prefill workers)" if r.colocated else \
+            f"prefill {list(self.cfg.workers.prefill)} by {r.prefill_policy}"
         return (f"router serving {SERVICE_NAME} on {self.address}: model {m.name} (vocab {m.vocab_size}, "
-                f"max_model_len {m.max_model_len}), prefill {list(self.cfg.workers.prefill)} by {r.prefill_policy}, "
+                f"max_model_len {m.max_model_len}), {prefill}, "
                 f"decode {list(self.cfg.workers.decode)} by {r.decode_policy}{metrics}")
 
 

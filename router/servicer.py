@@ -3,11 +3,11 @@
 Generate streams with `context.write` rather than an async generator, so a client cancel or
 an expired deadline raises inside the handler at once and its cleanup (cancelling worker
 calls, releasing a lease) runs right then, not when a suspended generator is collected.
+The request itself runs through `Frontend` (frontend.py), the path the HTTP front shares.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 
 import grpc
@@ -15,51 +15,23 @@ import grpc
 from splitserve.engine.errors import RequestError
 from splitserve.protos import generate_pb2, generate_pb2_grpc, router_pb2, router_pb2_grpc
 from splitserve.router.context import RouterContext
-from splitserve.router.generation import Generation, LiveRequest
-from splitserve.router.intake import prepare
-
-log = logging.getLogger(__name__)
+from splitserve.router.frontend import Frontend
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self, ctx: RouterContext) -> None:
+    def __init__(self, ctx: RouterContext, frontend: Frontend | None = None) -> None:
         self.ctx = ctx
-        self.live: dict[str, LiveRequest] = {}
+        self.frontend = frontend or Frontend(ctx)
+        self.live = self.frontend.live  # in-flight requests of every transport
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        arrival = time.monotonic()
-        m = self.ctx.metrics
         try:
-            req = await prepare(request, self.ctx.model, self.ctx.cfg)
-            if req.request_id in self.live:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                                   f"request_id {req.request_id!r} is already in flight on this router; give every "
-                                   "request a unique id, or leave it empty for the router to assign one")
+            await self.frontend.generate(request, context, time.monotonic())
         except RequestError as err:
-            m.requests.labels(err.code.name.lower()).inc()
             await err.abort(context)
-        live = self.live[req.request_id] = LiveRequest(req.request_id)
-        gen = Generation(self.ctx, req, live, context, arrival)
-        m.in_flight.inc()
-        m.prompt_tokens.inc(len(req.prompt))
-        try:
-            await gen.run()
-        except RequestError as err:
-            gen.outcome = err.code.name.lower()
-            log.info("%s ended: %s: %s", req.request_id, err.code.name, err.message)
-            await err.abort(context)
-        finally:
-            if self.live.get(req.request_id) is live:
-                del self.live[req.request_id]
-            m.in_flight.dec()
-            m.requests.labels(gen.outcome).inc()
 
     async def Abort(self, request: generate_pb2.AbortRequest, context) -> generate_pb2.AbortResponse:
-        live = self.live.get(request.request_id)
-        if live is None or live.aborted:
-            return generate_pb2.AbortResponse(found=False)
-        live.abort()
-        return generate_pb2.AbortResponse(found=True)
+        return generate_pb2.AbortResponse(found=self.frontend.abort(request.request_id))
 
     async def GetServerInfo(self, request, context) -> generate_pb2.ServerInfo:
         model = self.ctx.model

@@ -54,7 +54,8 @@ def print_summary(out: TextIO, summary: dict, cfg: BenchConfig, model: str) -> N
 def write_json(path: str | Path, summary: dict, cfg: BenchConfig, server: dict, requests: list[dict]) -> None:
     config = cfg.model_dump()
     config["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate  # JSON has no inf
-    doc = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "backend": "splitserve", "server": server,
+    backend = "splitserve" if cfg.backend == "grpc" else cfg.backend
+    doc = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "backend": backend, "server": server,
            "config": config, **summary, "requests": requests}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -99,9 +99,12 @@ async def send_one(stub, cfg: BenchConfig, prompt: BenchPrompt, index: int, t0: 
 
 
 async def run_requests(stub, cfg: BenchConfig, prompts: list[BenchPrompt], offsets,
-                       on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
+                       on_done: Callable[[RequestResult], None] | None = None,
+                       send=None) -> tuple[list[RequestResult], float]:
     """All requests at their offsets (and under --max-concurrency); returns results in send
-    order and the wall time from the first send to the last finish."""
+    order and the wall time from the first send to the last finish. `send` is `send_one` of a
+    backend (this module's for gRPC, openai_runner's for HTTP), `stub` its client."""
+    send = send or send_one
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     t0 = time.perf_counter()
 
@@ -110,7 +113,7 @@ async def run_requests(stub, cfg: BenchConfig, prompts: list[BenchPrompt], offse
         if delay > 0:
             await asyncio.sleep(delay)
         async with sem if sem is not None else contextlib.nullcontext():
-            res = await send_one(stub, cfg, prompt, i, t0)
+            res = await send(stub, cfg, prompt, i, t0)
         if on_done is not None:
             on_done(res)
         return res
@@ -119,9 +122,10 @@ async def run_requests(stub, cfg: BenchConfig, prompts: list[BenchPrompt], offse
     return list(results), time.perf_counter() - t0
 
 
-async def warm_up(stub, cfg: BenchConfig, prompts: list[BenchPrompt]) -> None:
+async def warm_up(stub, cfg: BenchConfig, prompts: list[BenchPrompt], send=None) -> None:
     """`num_warmups` requests (not measured); the first failure is a BenchError."""
+    send = send or send_one
     for i in range(cfg.num_warmups):
-        res = await send_one(stub, cfg, prompts[i % len(prompts)], i, time.perf_counter(), tag="warmup")
+        res = await send(stub, cfg, prompts[i % len(prompts)], i, time.perf_counter(), tag="warmup")
         if not res.ok:
             raise BenchError(f"warm-up request failed: {res.error}")

@@ -47,7 +47,8 @@ def parse_slo(text: str) -> dict[str, float]:
 class BenchConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    address: str = Field(min_length=1)
+    address: str = Field(min_length=1, description="router host:port (grpc) or base URL (openai)")
+    backend: Literal["grpc", "openai"] = "grpc"
     num_prompts: int = Field(100, ge=1)
     dataset: str | None = Field(None, description="JSONL file; None: random token ids")
     input_len: int = Field(128, ge=1)
@@ -71,9 +72,9 @@ class BenchConfig(BaseModel):
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, address: str) -> BenchConfig:
-        values = {"address": address, "num_prompts": args.num_prompts, "dataset": args.dataset,
-                  "input_len": args.input_len, "output_len": args.output_len, "request_rate": args.request_rate,
-                  "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+        values = {"address": address, "backend": getattr(args, "backend", "grpc"), "num_prompts": args.num_prompts,
+                  "dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
+                  "request_rate": args.request_rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
                   "ignore_eos": not args.no_ignore_eos, "temperature": args.temperature, "seed": args.seed,
                   "num_warmups": args.num_warmups, "timeout_s": args.timeout, "slo": args.slo or {}}
         try:

@@ -4,6 +4,7 @@ steps and collects what each stream received."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -100,3 +101,22 @@ async def collect_stream(call) -> tuple[list[int], list]:
         tokens.extend(chunk.token_ids)
         chunks.append(chunk)
     return tokens, chunks
+
+
+@contextlib.asynccontextmanager
+async def serving(model, **kw):
+    """A DecodeWorker on a free loopback port, and a stub to it: (worker, stub, channel)."""
+    import grpc
+
+    from splitserve.decode_worker.worker import DecodeWorker
+    from splitserve.engine.grpc_service import channel_options
+    from splitserve.protos import worker_pb2_grpc
+
+    worker = DecodeWorker(worker_config(model, **kw))
+    await worker.start()
+    channel = grpc.aio.insecure_channel(worker.address, options=channel_options())
+    try:
+        yield worker, worker_pb2_grpc.DecodeWorkerStub(channel), channel
+    finally:
+        await channel.close()
+        await worker.stop(grace_s=1.0)

@@ -4,33 +4,18 @@ validation errors are INVALID_ARGUMENT, cancel and Abort free blocks, drain ends
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 import grpc
 import pytest
-from decode_helpers import assert_all_free, collect_stream, decode_request, worker_config
+from decode_helpers import assert_all_free, collect_stream, decode_request, serving
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.decode_worker.worker import DecodeWorker
-from splitserve.engine.grpc_service import channel_options
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
-from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.protos import generate_pb2, kv_pb2, worker_pb2
 
 PROMPTS = [[1, 17, 99, 230, 41], [1, 300, 301, 7, 8, 9, 10, 11, 12], [1, 450]]
-
-
-@contextlib.asynccontextmanager
-async def serving(model, **kw):
-    worker = DecodeWorker(worker_config(model, **kw))
-    await worker.start()
-    channel = grpc.aio.insecure_channel(worker.address, options=channel_options())
-    try:
-        yield worker, worker_pb2_grpc.DecodeWorkerStub(channel), channel
-    finally:
-        await channel.close()
-        await worker.stop(grace_s=1.0)
 
 
 async def _wait_until(pred, timeout=5.0):

@@ -1,5 +1,6 @@
 """`splitserve serve` as a subprocess on the tiny model: concurrent generate calls give the
-single-process engine's greedy tokens, `generate` and `bench` work as CLIs against it, and
+single-process engine's greedy tokens, `generate` and `bench` work as CLIs against it, the
+router's OpenAI HTTP front is on (a free port with --port 0) and printed on the ready line, and
 SIGTERM to the launcher stops every child (no orphans). The tests run in file order; the last
 one shuts the stack down."""
 
@@ -112,6 +113,20 @@ def test_every_service_exports_metrics(stack):
     for name, metric in want.items():
         text = urllib.request.urlopen(f"http://127.0.0.1:{ports[name]}/metrics", timeout=10).read().decode()
         assert re.search(rf"^{metric}(\{{.*\}})? [1-9]", text, re.M), (name, metric)
+
+
+def test_openai_http_api_is_on_by_default_and_printed(stack, oracle):
+    ready = next(line for line in stack.stdout_lines if line.startswith("ready: router on"))
+    m = re.search(r"; OpenAI API on (http://127\.0\.0\.1:\d+/v1)$", ready)
+    assert m, ready
+    with urllib.request.urlopen(m[1].removesuffix("/v1") + "/health", timeout=10) as resp:
+        assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+    text, n = PROMPTS[1]
+    req = urllib.request.Request(m[1] + "/completions", data=json.dumps(
+        {"prompt": text, "max_tokens": n, "temperature": 0}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        doc = json.loads(resp.read())
+    assert doc["choices"][0]["text"] == oracle(text, n).text and doc["usage"]["completion_tokens"] == n
 
 
 def test_sigterm_stops_every_child(stack):

@@ -1,5 +1,6 @@
-"""`splitserve serve` start-and-stop paths: `--prompt` answers once and exits 0; a bad --model,
-a child that cannot start, and --colocated without router support each end with one line."""
+"""`splitserve serve` start-and-stop paths: `--prompt` answers once and exits 0, disaggregated
+and --colocated (one decode worker that computes its prompts, no prefill worker); a bad
+--model and a child that cannot start each end with one line."""
 
 from __future__ import annotations
 
@@ -50,17 +51,15 @@ def test_child_failing_to_start_is_one_line_with_its_log(tiny_llama, tmp_path):
 
 
 def test_colocated(tiny_llama, tmp_path):
-    if router_supports_colocated():
-        res = run_cli("serve", "--colocated", "--model", str(tiny_llama), "--port", "0", *ENGINE_FLAGS,
-                      "--log-dir", str(tmp_path), "--prompt", "Hello, splitserve", "--max-tokens", "10", timeout=240)
-        assert res.returncode == 0, res.stderr
-        assert res.stdout == make_oracle(tiny_llama)("Hello, splitserve", 10).text + "\n"
-        assert len(_started_pids(res.stderr)) == 2  # one decode worker + the router
-        return
-    res = run_cli("serve", "--colocated", "--model", str(tiny_llama), "--port", "0", timeout=60)
-    lines = res.stderr.strip().splitlines()
-    assert res.returncode != 0 and len(lines) == 1 and "router --colocated" in lines[0], res.stderr
-    pytest.skip("the router has no --colocated mode yet (change request in the issue-8 report)")
+    assert router_supports_colocated()  # `serve --colocated` relies on `router --colocated`
+    res = run_cli("serve", "--colocated", "--model", str(tiny_llama), "--port", "0", *ENGINE_FLAGS,
+                  "--log-dir", str(tmp_path), "--prompt", "Hello, splitserve", "--max-tokens", "10", timeout=240)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == make_oracle(tiny_llama)("Hello, splitserve", 10).text + "\n"
+    assert "finish_reason=length" in res.stderr and "colocated + 1 decode worker(s)" in res.stderr
+    pids = _started_pids(res.stderr)
+    assert len(pids) == 2 and not [p for p in pids if pid_alive(p)]  # one decode worker + the router
+    assert "colocated (no prefill workers)" in (tmp_path / "router.log").read_text()
 
 
 def test_colocated_refuses_prefill_workers():
