@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from splitserve.engine.grpc_service import NOT_SERVING, SERVING, GrpcServer, service_name
+from splitserve.engine.grpc_service import GrpcServer, NOT_SERVING, SERVING, run_service, service_name
 from splitserve.protos import generate_pb2, generate_pb2_grpc, router_pb2, router_pb2_grpc
 from splitserve.router.config import RouterConfig
 from splitserve.router.context import RouterContext
@@ -110,13 +110,4 @@ class Router:
 
 async def run_router(cfg: RouterConfig) -> int:
     """Serves until SIGTERM/SIGINT, then drains; the CLI's entry point."""
-    router = Router(cfg)
-    try:
-        await router.start()
-    except BaseException:
-        await router.stop(0)
-        raise
-    log.info(router.describe())
-    await router.serve_until_signal()
-    log.info("router stopped")
-    return 0
+    return await run_service(Router(cfg), "router", log)
