@@ -6,6 +6,8 @@ Also runnable alone: `python -m splitserve.cli.decode_worker_cmd --model DIR ...
 
 from __future__ import annotations
 
+from splitserve.cli.arg_types import port
+
 import argparse
 import asyncio
 import logging
@@ -49,9 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="checkpoint folder (or engine.model_path in --config)")
     p.add_argument("--config", metavar="YAML", help="DecodeWorkerConfig file; flags override it")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, help="gRPC port (default 0: a free one, printed at start)")
+    p.add_argument("--port", type=port, help="gRPC port (default 0: a free one, printed at start)")
     p.add_argument("--advertise-host", help="host that the router uses to reach this one (default --host)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics on this port")
     p.add_argument("--max-batch-size", type=int, help="sequences decoded per step (default 256)")
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default: from free memory)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (power of two; as the prefill workers)")

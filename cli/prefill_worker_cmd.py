@@ -5,6 +5,8 @@ Settings come from --config YAML (see prefill_worker/config.py), then the flags 
 
 from __future__ import annotations
 
+from splitserve.cli.arg_types import port
+
 import argparse
 import asyncio
 import logging
@@ -30,9 +32,9 @@ def register(sub) -> None:
     p.add_argument("--model", metavar="DIR", help="checkpoint folder (or engine.model_path in --config)")
     p.add_argument("--config", metavar="YAML", help="PrefillWorkerConfig file; flags override it")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, help="gRPC port (default 0: a free one, printed at start)")
+    p.add_argument("--port", type=port, help="gRPC port (default 0: a free one, printed at start)")
     p.add_argument("--advertise-host", help="host that decode workers use to reach this one (default --host)")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics on this port")
     p.add_argument("--block-size", type=int, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default: from free memory)")
     p.add_argument("--max-num-batched-tokens", type=int, help="prompt tokens per step (longer prompts are chunked)")

@@ -8,6 +8,8 @@ Also runnable alone: `python -m splitserve.cli.router_cmd --model DIR ...`.
 
 from __future__ import annotations
 
+from splitserve.cli.arg_types import port
+
 import argparse
 import asyncio
 import logging
@@ -54,10 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's); "
                                                      "as the workers'")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
-    p.add_argument("--port", type=int, help="gRPC port (default 0: a free one, printed at start)")
+    p.add_argument("--port", type=port, help="gRPC port (default 0: a free one, printed at start)")
     p.add_argument("--advertise-host", help="host that clients and workers use to reach this one")
-    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
-    p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API (/v1/completions, "
+    p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics on this port")
+    p.add_argument("--http-port", type=port, help="serve the OpenAI-compatible HTTP API (/v1/completions, "
                                                  "/v1/chat/completions, ...) on this port (0: a free one; "
                                                  "default: off)")
     p.add_argument("--drain-grace-s", type=float, help="seconds in-flight streams get to finish on SIGTERM")

@@ -16,6 +16,8 @@ lines. Also runnable alone: `python -m splitserve.cli.serve_cmd ...`.
 
 from __future__ import annotations
 
+from splitserve.cli.arg_types import port
+
 import argparse
 import contextlib
 import shutil
@@ -48,9 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", action="store_true",
                    help="no prefill workers: each decode worker prefills its own prompts in its batch")
     p.add_argument("--host", default="127.0.0.1", help="address every service binds (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=client.DEFAULT_PORT,
+    p.add_argument("--port", type=port, default=client.DEFAULT_PORT,
                    help=f"router gRPC port (default {client.DEFAULT_PORT}; 0 picks a free one)")
-    p.add_argument("--http-port", type=int, default=None,
+    p.add_argument("--http-port", type=port, default=None,
                    help=f"router's OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}; a free one with --port 0; "
                         "off with --prompt unless given)")
     p.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP front")

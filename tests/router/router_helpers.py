@@ -39,9 +39,20 @@ class Cluster:
     prefill: str
     decode: str
     procs: ProcessGroup
+    decode_metrics_port: int | None = None
 
     async def assert_free(self, timeout: float = 10.0) -> None:
         await assert_workers_free([self.prefill], [self.decode], timeout)
+
+    def decode_finished(self, reason: str) -> float:
+        """The decode worker's count of requests it ended with `reason` (from its /metrics)."""
+        import re
+        import urllib.request
+
+        url = f"http://127.0.0.1:{self.decode_metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        m = re.search(rf'splitserve_decode_requests_finished_total{{reason="{reason}"}} ([0-9.e+]+)', text)
+        return float(m.group(1)) if m else 0.0
 
 
 def router_config(model, prefill=(), decode=(), **kw: Any) -> RouterConfig:

@@ -21,16 +21,20 @@ def _outcome(router, name: str) -> float:
 def test_client_cancel_mid_stream_frees_every_worker(cluster):
     async def body():
         async with running_router(router_config(cluster.model, [cluster.prefill], [cluster.decode])) as (r, stub):
+            aborted_before = cluster.decode_finished("abort")
             call = stub.Generate(ids_request(PROMPT, LONG, request_id="cancel-me"), timeout=60)
             got = [await call.read() for _ in range(3)]
             call.cancel()
             code = await call.code()
             await wait_until(lambda: not r.generate.live, 5, "router dropped the request")
             await cluster.assert_free()
-            return got, code, _outcome(r, "cancelled"), r.metrics.in_flight._value.get()
+            # the decode worker ended the stream as cancelled, not by finishing its 249 tokens
+            aborted = cluster.decode_finished("abort") - aborted_before
+            return got, code, _outcome(r, "cancelled"), r.metrics.in_flight._value.get(), aborted
 
-    got, code, cancelled, in_flight = asyncio.run(body())
+    got, code, cancelled, in_flight, aborted = asyncio.run(body())
     assert code == grpc.StatusCode.CANCELLED
+    assert aborted == 1
     assert len(got[0].token_ids) == 1 and sum(len(c.token_ids) for c in got) < 249
     assert cancelled == 1 and in_flight == 0
 
