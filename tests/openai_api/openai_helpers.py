@@ -60,6 +60,15 @@ class Stack:
     grpc_address: str
     base_url: str  # http://127.0.0.1:PORT
     procs: ProcessGroup
+    decode_metrics_port: int | None = None
+
+    def decode_aborted(self) -> float:
+        """Requests the decode worker ended as aborted (a cancel reached it), from its /metrics."""
+        page = http("GET", f"http://127.0.0.1:{self.decode_metrics_port}/metrics")[1]
+        for line in page.splitlines():
+            if line.startswith('splitserve_decode_requests_finished_total{reason="abort"}'):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
 
     def get(self, path: str) -> tuple[int, Any, dict[str, str]]:
         return http("GET", self.base_url + path)

@@ -120,6 +120,7 @@ def _outcome(stack, name: str) -> float:
 
 def test_disconnect_mid_stream_frees_every_block_on_every_worker(stack, client, oracle):
     cancelled = _outcome(stack, "cancelled")
+    aborted = stack.decode_aborted()
     gone = stack.metric('splitserve_router_http_requests_total{route="/v1/completions",status="499"}')
     tokens_before = stack.metric("splitserve_router_completion_tokens_total")
     prompt = [1, 44, 45, 46, 200, 201, 202]
@@ -133,6 +134,7 @@ def test_disconnect_mid_stream_frees_every_block_on_every_worker(stack, client, 
         assert time.monotonic() < deadline, "the router did not see the disconnect"
         time.sleep(0.05)
     stack.assert_free()
+    assert stack.decode_aborted() == aborted + 1  # the disconnect reached the decode worker as a cancel
     assert all(c.choices[0].finish_reason is None for c in got)
     assert stack.metric("splitserve_router_completion_tokens_total") - tokens_before < n
     assert stack.metric('splitserve_router_http_requests_total{route="/v1/completions",status="499"}') == gone + 1
