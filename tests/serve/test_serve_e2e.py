@@ -45,7 +45,22 @@ def test_ready_output_names_every_child(stack):
     assert err.count("/metrics") == 3, err
 
 
-def test_concurrent_generate_matches_offline_engine(stack, oracle):
+@pytest.fixture(scope="module")
+def transformers_greedy(tiny_llama):
+    """(prompt ids, n) -> transformers' greedy continuation on the same checkpoint folder."""
+    import torch
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+    def greedy(prompt_ids, n):
+        out = model.generate(torch.tensor([list(prompt_ids)]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        return out[0, len(prompt_ids):].tolist()
+
+    return greedy
+
+
+def test_concurrent_generate_matches_offline_engine(stack, oracle, transformers_greedy):
     def one(case):
         text, n = case
         sp = generate_pb2.SamplingParams(temperature=0.0, max_tokens=n)
@@ -55,7 +70,7 @@ def test_concurrent_generate_matches_offline_engine(stack, oracle):
         results = list(pool.map(one, PROMPTS))
     for (text, n), got in zip(PROMPTS, results):
         want = oracle(text, n)
-        assert got.token_ids == want.token_ids, text
+        assert got.token_ids == want.token_ids == transformers_greedy(want.prompt_token_ids, n), text
         assert got.text == want.text, text
         assert got.finish_reason == want.finish_reason == "length"
         assert got.usage["completion_tokens"] == n
