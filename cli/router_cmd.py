@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (until `splitserve router` is registered in cli/main.py)."""
+    """Stand-alone entry: `python -m splitserve.cli.router_cmd` (the launcher starts children this way)."""
     parser = argparse.ArgumentParser(prog="splitserve router", description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -90,14 +90,6 @@ def resolve_model(model: str | None) -> Path:
     return path.resolve()
 
 
-def router_supports_colocated() -> bool:
-    from splitserve.cli import router_cmd
-
-    p = argparse.ArgumentParser()
-    router_cmd.add_arguments(p)
-    return "--colocated" in p._option_string_actions
-
-
 def check_args(args: argparse.Namespace) -> tuple[int, int]:
     num_prefill = (0 if args.colocated else 1) if args.num_prefill is None else args.num_prefill
     if args.colocated and num_prefill:
@@ -106,9 +98,6 @@ def check_args(args: argparse.Namespace) -> tuple[int, int]:
         raise ValueError(f"--num-prefill must be >= 1, got {num_prefill} (or use --colocated)")
     if args.num_decode < 1:
         raise ValueError(f"--num-decode must be >= 1, got {args.num_decode}")
-    if args.colocated and not router_supports_colocated():
-        raise ValueError("--colocated needs the router's decode-only mode (`splitserve router --colocated`), "
-                         "which this build does not have yet; run without --colocated")
     if args.port:
         with socket.socket() as s:
             try:

@@ -12,9 +12,6 @@ import torch
 
 from splitserve.engine.config import CacheConfig, ModelConfig
 
-KV_LAYOUT = "layer_kv_block_token_head_dim"
-
-
 @dataclass(frozen=True)
 class KVGeometry:
     num_layers: int

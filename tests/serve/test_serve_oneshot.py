@@ -10,7 +10,6 @@ import re
 import pytest
 from serve_helpers import ENGINE_FLAGS, make_oracle, pid_alive, run_cli
 
-from splitserve.cli.serve_cmd import router_supports_colocated
 
 
 def _started_pids(stderr: str) -> list[int]:
@@ -51,7 +50,6 @@ def test_child_failing_to_start_is_one_line_with_its_log(tiny_llama, tmp_path):
 
 
 def test_colocated(tiny_llama, tmp_path):
-    assert router_supports_colocated()  # `serve --colocated` relies on `router --colocated`
     res = run_cli("serve", "--colocated", "--model", str(tiny_llama), "--port", "0", *ENGINE_FLAGS,
                   "--log-dir", str(tmp_path), "--prompt", "Hello, splitserve", "--max-tokens", "10", timeout=240)
     assert res.returncode == 0, res.stderr
