@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 
 import grpc
 
@@ -93,19 +94,33 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except RequestError as err:
             await err.abort(context)
         block_ids = None
+        transfer_s = 0.0
         if request.HasField("kv") and request.kv.lease_id and self.puller is not None:
+            start = time.perf_counter()
             try:
                 block_ids = await self.puller.pull(request.kv, loop)
             except RequestError as err:
                 await err.abort(context)
+            transfer_s = time.perf_counter() - start
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         if self._outbox is None:
             self._outbox = _Outbox(asyncio.get_running_loop())
+        submitted = time.perf_counter()
         loop.submit(inp, self._outbox.sink(queue), block_ids)
         done = False
+        first = True  # TTFT components go on the first chunk only
+
+        def timed(resp: worker_pb2.DecodeResponse) -> worker_pb2.DecodeResponse:
+            nonlocal first
+            if first:
+                first = False
+                resp.transfer_time_ms = transfer_s * 1000
+                resp.queue_time_ms = (first_out_at - submitted) * 1000
+            return resp
         try:
             while not done:
                 outs = [await queue.get()]
+                first_out_at = time.perf_counter()
                 while not queue.empty():  # the client fell behind: one chunk for all of it
                     outs.append(queue.get_nowait())
                 done = outs[-1].finished
@@ -114,9 +129,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     if not isinstance(err, RequestError):
                         err = RequestError.unavailable(f"decode failed: {err!r}")
                     if len(outs) > 1:
-                        yield _merge(outs[:-1], inp.params.logprobs is not None)
+                        yield timed(_merge(outs[:-1], inp.params.logprobs is not None))
                     await err.abort(context)
-                yield _merge(outs, inp.params.logprobs is not None)
+                yield timed(_merge(outs, inp.params.logprobs is not None))
         finally:
             if not done:  # cancelled by the client, deadline passed, or the server stopping
                 loop.abort(request.request_id)

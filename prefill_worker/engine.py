@@ -210,12 +210,14 @@ class PrefillEngine:
             lease = self.leases.grant(seq.request_id, tuple(table), len(seq.prompt), seq.lease_ttl_s)
         m = self.metrics
         now = time.perf_counter()
+        admitted = seq.admitted_at or now
         m.ttft_seconds.observe(now - seq.arrival)
-        m.queue_seconds.observe((seq.admitted_at or now) - seq.arrival)
+        m.queue_seconds.observe(admitted - seq.arrival)
         m.count_prompt(len(seq.prompt), seq.num_cached)
         m.requests.labels("finished" if lease is None else "leased").inc()
         seq.future.set_result(PrefillResult(seq.request_id, token_id, logprob, stop.finish_reason, stop.stop_reason,
-                                            len(seq.prompt), seq.num_cached, lease))
+                                            len(seq.prompt), seq.num_cached, lease,
+                                            queue_time_s=admitted - seq.arrival, compute_time_s=now - admitted))
 
     # ---- freeing -------------------------------------------------------------------------------
     def _abort_seq(self, seq: PrefillSeq, error: RequestError | None, outcome: str) -> None:

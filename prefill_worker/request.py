@@ -48,3 +48,5 @@ class PrefillResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     lease: Lease | None  # None exactly when finish_reason is set
+    queue_time_s: float = 0.0  # arrival to admission
+    compute_time_s: float = 0.0  # admission to the first token

@@ -92,7 +92,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def _response(self, r: PrefillResult) -> worker_pb2.PrefillResponse:
         resp = worker_pb2.PrefillResponse(
             request_id=r.request_id, first_token_id=r.first_token_id,
-            finish_reason=finish_reason_to_proto(r.finish_reason), cached_prompt_tokens=r.num_cached_tokens)
+            finish_reason=finish_reason_to_proto(r.finish_reason), cached_prompt_tokens=r.num_cached_tokens,
+            queue_time_ms=r.queue_time_s * 1000, compute_time_ms=r.compute_time_s * 1000)
         if r.logprob is not None:
             resp.first_token_logprob.CopyFrom(logprob_to_proto(r.logprob))
         stop = stop_reason_to_proto(r.stop_reason)

@@ -26,7 +26,7 @@ from splitserve.protos import generate_pb2 as splitserve_dot_protos_dot_generate
 from splitserve.protos import kv_pb2 as splitserve_dot_protos_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/protos/worker.proto\x12\rsplitserve.v1\x1a splitserve/protos/generate.proto\x1a\x1asplitserve/protos/kv.proto\"\x85\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"\x9e\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x38\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x19.splitserve.v1.StopReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12#\n\x02kv\x18\x07 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\";\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xc3\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KvHandleB\x11\n\x0f_first_token_id\"\xb6\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.StopReason\"+\n\x0eGetLoadRequest\x12\x19\n\x11max_prefix_hashes\x18\x01 \x01(\r\"E\n\x12PrefixCacheSummary\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\"\x87\x02\n\nWorkerLoad\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x37\n\x0cprefix_cache\x18\x07 \x01(\x0b\x32!.splitserve.v1.PrefixCacheSummary\x12\x13\n\x0bleases_held\x18\x08 \x01(\r\x12\x19\n\x11model_compat_hash\x18\t \x01(\t2\xbb\x02\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12W\n\x0cReleaseLease\x12\".splitserve.v1.ReleaseLeaseRequest\x1a#.splitserve.v1.ReleaseLeaseResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoad2\xe0\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/protos/worker.proto\x12\rsplitserve.v1\x1a splitserve/protos/generate.proto\x1a\x1asplitserve/protos/kv.proto\"\x85\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"\xce\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x38\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x19.splitserve.v1.StopReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12#\n\x02kv\x18\x07 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x15\n\rqueue_time_ms\x18\x08 \x01(\x02\x12\x17\n\x0f\x63ompute_time_ms\x18\t \x01(\x02\";\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xc3\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KvHandleB\x11\n\x0f_first_token_id\"\xe7\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.StopReason\x12\x18\n\x10transfer_time_ms\x18\x05 \x01(\x02\x12\x15\n\rqueue_time_ms\x18\x06 \x01(\x02\"+\n\x0eGetLoadRequest\x12\x19\n\x11max_prefix_hashes\x18\x01 \x01(\r\"E\n\x12PrefixCacheSummary\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\"\x87\x02\n\nWorkerLoad\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x37\n\x0cprefix_cache\x18\x07 \x01(\x0b\x32!.splitserve.v1.PrefixCacheSummary\x12\x13\n\x0bleases_held\x18\x08 \x01(\r\x12\x19\n\x11model_compat_hash\x18\t \x01(\t2\xbb\x02\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12W\n\x0cReleaseLease\x12\".splitserve.v1.ReleaseLeaseRequest\x1a#.splitserve.v1.ReleaseLeaseResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoad2\xe0\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,23 +36,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=112
   _globals['_PREFILLREQUEST']._serialized_end=245
   _globals['_PREFILLRESPONSE']._serialized_start=248
-  _globals['_PREFILLRESPONSE']._serialized_end=534
-  _globals['_RELEASELEASEREQUEST']._serialized_start=536
-  _globals['_RELEASELEASEREQUEST']._serialized_end=595
-  _globals['_RELEASELEASERESPONSE']._serialized_start=597
-  _globals['_RELEASELEASERESPONSE']._serialized_end=637
-  _globals['_DECODEREQUEST']._serialized_start=640
-  _globals['_DECODEREQUEST']._serialized_end=835
-  _globals['_DECODERESPONSE']._serialized_start=838
-  _globals['_DECODERESPONSE']._serialized_end=1020
-  _globals['_GETLOADREQUEST']._serialized_start=1022
-  _globals['_GETLOADREQUEST']._serialized_end=1065
-  _globals['_PREFIXCACHESUMMARY']._serialized_start=1067
-  _globals['_PREFIXCACHESUMMARY']._serialized_end=1136
-  _globals['_WORKERLOAD']._serialized_start=1139
-  _globals['_WORKERLOAD']._serialized_end=1402
-  _globals['_PREFILLWORKER']._serialized_start=1405
-  _globals['_PREFILLWORKER']._serialized_end=1720
-  _globals['_DECODEWORKER']._serialized_start=1723
-  _globals['_DECODEWORKER']._serialized_end=1947
+  _globals['_PREFILLRESPONSE']._serialized_end=582
+  _globals['_RELEASELEASEREQUEST']._serialized_start=584
+  _globals['_RELEASELEASEREQUEST']._serialized_end=643
+  _globals['_RELEASELEASERESPONSE']._serialized_start=645
+  _globals['_RELEASELEASERESPONSE']._serialized_end=685
+  _globals['_DECODEREQUEST']._serialized_start=688
+  _globals['_DECODEREQUEST']._serialized_end=883
+  _globals['_DECODERESPONSE']._serialized_start=886
+  _globals['_DECODERESPONSE']._serialized_end=1117
+  _globals['_GETLOADREQUEST']._serialized_start=1119
+  _globals['_GETLOADREQUEST']._serialized_end=1162
+  _globals['_PREFIXCACHESUMMARY']._serialized_start=1164
+  _globals['_PREFIXCACHESUMMARY']._serialized_end=1233
+  _globals['_WORKERLOAD']._serialized_start=1236
+  _globals['_WORKERLOAD']._serialized_end=1499
+  _globals['_PREFILLWORKER']._serialized_start=1502
+  _globals['_PREFILLWORKER']._serialized_end=1817
+  _globals['_DECODEWORKER']._serialized_start=1820
+  _globals['_DECODEWORKER']._serialized_end=2044
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_token_logprob", "finish_reason", "stop_reason", "cached_prompt_tokens", "kv")
+    __slots__ = ("request_id", "first_token_id", "first_token_logprob", "finish_reason", "stop_reason", "cached_prompt_tokens", "kv", "queue_time_ms", "compute_time_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,8 @@ class PrefillResponse(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_token_logprob: _generate_pb2.TokenLogprob
@@ -36,7 +38,9 @@ class PrefillResponse(_message.Message):
     stop_reason: _generate_pb2.StopReason
     cached_prompt_tokens: int
     kv: _kv_pb2.KvHandle
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., kv: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ...) -> None: ...
+    queue_time_ms: float
+    compute_time_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., kv: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., queue_time_ms: _Optional[float] = ..., compute_time_ms: _Optional[float] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "request_id")
@@ -67,16 +71,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "transfer_time_ms", "queue_time_ms")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     finish_reason: _generate_pb2.FinishReason
     stop_reason: _generate_pb2.StopReason
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ...) -> None: ...
+    transfer_time_ms: float
+    queue_time_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ..., transfer_time_ms: _Optional[float] = ..., queue_time_ms: _Optional[float] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ("max_prefix_hashes",)

@@ -119,6 +119,7 @@ class Generation:
         if not self.out.finished and first.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             self.out.end(chunk, first.finish_reason, first.stop_reason if first.HasField("stop_reason") else None)
         self.ctx.metrics.ttft_seconds.observe(time.monotonic() - self.arrival)
+        self._observe_components(prefill_queue=first.queue_time_ms, prefill_compute=first.compute_time_ms)
         if self.out.finished:
             await self._finish(chunk)
             return
@@ -181,6 +182,10 @@ class Generation:
             async for resp in call:
                 if not self.decode_took_lease:  # the KV is pulled once tokens come
                     self.decode_took_lease = True
+                    if first is None:  # colocated: no transfer
+                        self._observe_components(decode_queue=resp.queue_time_ms)
+                    else:
+                        self._observe_components(transfer=resp.transfer_time_ms, decode_queue=resp.queue_time_ms)
                     if self.ctx.cfg.routing.release_lease_after_decode:
                         self._release_lease("decode_started")
                 if first is None and resp.token_ids and not self.out.num_tokens:
@@ -206,6 +211,11 @@ class Generation:
             self.live.call = None
             if not call.done():
                 call.cancel()
+
+    def _observe_components(self, **ms: float) -> None:
+        hist = self.ctx.metrics.ttft_component_seconds
+        for component, value in ms.items():
+            hist.labels(component).observe(max(0.0, value) / 1000)
 
     # ---- writing -----------------------------------------------------------------------------------
     async def _write(self, chunk: generate_pb2.GenerateResponse) -> None:

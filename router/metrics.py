@@ -15,6 +15,12 @@ class RouterMetrics:
         self.ttft_seconds = Histogram("splitserve_router_ttft_seconds",
                                       "arrival to the first token's chunk (the prefill path)", buckets=_LATENCY,
                                       registry=r)
+        self.ttft_component_seconds = Histogram(
+            "splitserve_router_ttft_component_seconds",
+            "TTFT broken down as the workers report it: prefill_queue (arrival to admission on the prefill "
+            "worker), prefill_compute (admission to first token), transfer (the decode worker's KV pull), "
+            "decode_queue (decode admission request to its first token)",
+            ["component"], buckets=_LATENCY, registry=r)
         self.itl_seconds = Histogram("splitserve_router_itl_seconds", "time between streamed token chunks",
                                      buckets=_LATENCY, registry=r)
         self.e2e_seconds = Histogram("splitserve_router_e2e_seconds", "arrival to the last chunk of a finished "

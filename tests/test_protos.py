@@ -177,11 +177,11 @@ WIRE = {
     "ServerInfo": "model_name max_model_len vocab_size block_size workers",
     "PrefillRequest": "request_id prompt_token_ids sampling lease_ttl_ms",
     "PrefillResponse": "request_id first_token_id first_token_logprob finish_reason "
-    "stop_reason cached_prompt_tokens kv",
+    "stop_reason cached_prompt_tokens kv queue_time_ms compute_time_ms",
     "ReleaseLeaseRequest": "lease_id request_id",
     "ReleaseLeaseResponse": "released",
     "DecodeRequest": "request_id prompt_token_ids first_token_id sampling kv",
-    "DecodeResponse": "token_ids logprobs finish_reason stop_reason",
+    "DecodeResponse": "token_ids logprobs finish_reason stop_reason transfer_time_ms queue_time_ms",
     "GetLoadRequest": "max_prefix_hashes",
     "PrefixCacheSummary": "block_hashes num_cached_blocks",
     "WorkerLoad": "role num_running num_waiting free_blocks total_blocks block_size "

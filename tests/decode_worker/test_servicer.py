@@ -45,6 +45,9 @@ def test_streams_match_isolated_generation(tiny_llama, oracle):
                 assert chunks[-1].finish_reason == (generate_pb2.FINISH_REASON_LENGTH if ref.finish_reason == "length"
                                                     else generate_pb2.FINISH_REASON_STOP)
                 assert all(not c.finish_reason for c in chunks[:-1])
+                # the TTFT parts ride on the first chunk only; only s2 had a pull (failed, then recomputed)
+                assert chunks[0].queue_time_ms > 0 and (chunks[0].transfer_time_ms > 0) == (i == 2)
+                assert all(c.queue_time_ms == c.transfer_time_ms == 0 for c in chunks[1:])
                 n_lp = sum(len(c.logprobs) for c in chunks)
                 assert n_lp == (len(tokens) if i == 1 else 0)
             load = await stub.GetLoad(worker_pb2.GetLoadRequest())

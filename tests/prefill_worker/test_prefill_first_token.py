@@ -62,6 +62,7 @@ async def _prefill_and_check(worker, stub, oracle, folder, recompute, prompts, t
         assert resp.first_token_id == oracle(folder, prompt)
         assert resp.finish_reason == generate_pb2.FINISH_REASON_UNSPECIFIED
         assert resp.kv.num_tokens == len(prompt) and resp.kv.num_blocks == -(-len(prompt) // BS)
+        assert resp.queue_time_ms >= 0 and resp.compute_time_ms > 0  # the prefill parts of TTFT
         lease = worker.engine.leases.get(resp.kv.lease_id)
         torch.testing.assert_close(_kv(worker.engine.runner, lease.block_ids, len(prompt)), recompute.kv(prompt),
                                    atol=1e-5, rtol=1e-5)

@@ -163,3 +163,26 @@ def test_server_info_health_reflection_and_metrics(cluster):
                  "splitserve_router_completion_tokens_total 3.0"):
         assert line in page, line
     assert "splitserve_router_itl_seconds_count 0.0" not in page  # decode chunks came after the first
+
+
+def test_ttft_components_are_observed_per_request(cluster):
+    """The workers report the parts of TTFT (prefill queue and compute on PrefillResponse, KV
+    transfer and decode queue on the first DecodeResponse); the router observes each once."""
+    components = ("prefill_queue", "prefill_compute", "transfer", "decode_queue")
+
+    async def body():
+        async with running_router(router_config(cluster.model, [cluster.prefill], [cluster.decode])) as (r, stub):
+            res = await generate(stub, ids_request(ID_PROMPTS[1], greedy(5)))
+            await cluster.assert_free()
+        reg = r.metrics.registry
+        got = {c: (reg.get_sample_value("splitserve_router_ttft_component_seconds_count", {"component": c}),
+                   reg.get_sample_value("splitserve_router_ttft_component_seconds_sum", {"component": c}))
+               for c in components}
+        return res, got, reg.get_sample_value("splitserve_router_e2e_seconds_sum")
+
+    res, got, e2e = asyncio.run(body())
+    assert len(res.tokens) == 5
+    for component, (count, total) in got.items():
+        assert count == 1.0 and total is not None and total >= 0.0, (component, count, total)
+    assert got["prefill_compute"][1] > 0.0  # a real forward pass ran
+    assert sum(total for _, total in got.values()) <= e2e
