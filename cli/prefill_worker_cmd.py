@@ -5,11 +5,11 @@ Settings come from --config YAML (see prefill_worker/config.py), then the flags 
 
 from __future__ import annotations
 
-from splitserve.cli.arg_types import port
-
 import argparse
 import asyncio
 import logging
+
+from splitserve.cli.arg_types import port
 
 # flag dest -> dotted config field
 _OVERRIDES = {

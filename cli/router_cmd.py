@@ -8,12 +8,12 @@ Also runnable alone: `python -m splitserve.cli.router_cmd --model DIR ...`.
 
 from __future__ import annotations
 
-from splitserve.cli.arg_types import port
-
 import argparse
 import asyncio
 import logging
 import sys
+
+from splitserve.cli.arg_types import port
 
 # flag dest -> dotted config field
 _OVERRIDES = {
@@ -88,17 +88,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry: `python -m splitserve.cli.router_cmd` (the launcher starts children this way)."""
-    parser = argparse.ArgumentParser(prog="splitserve router", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except KeyboardInterrupt:
-        return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        print(f"splitserve router: error: {exc}", file=sys.stderr)
-        return 2
+    """Stand-alone entry (the launcher starts children this way)."""
+    from splitserve.cli.standalone import standalone_main
+
+    return standalone_main("router", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

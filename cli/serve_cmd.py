@@ -16,8 +16,6 @@ lines. Also runnable alone: `python -m splitserve.cli.serve_cmd ...`.
 
 from __future__ import annotations
 
-from splitserve.cli.arg_types import port
-
 import argparse
 import contextlib
 import shutil
@@ -30,6 +28,7 @@ import time
 from pathlib import Path
 
 from splitserve.cli import client
+from splitserve.cli.arg_types import port
 from splitserve.cli.launcher import Launcher, StartError, free_port
 
 DEFAULT_HTTP_PORT = 8000

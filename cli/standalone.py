@@ -1,5 +1,5 @@
 """Runs one subcommand module on its own (`python -m splitserve.cli.serve_cmd ...`), with the
-same one-line errors as cli/main.py; for commands that cli/main.py does not register yet."""
+same one-line errors as cli/main.py; `splitserve serve` starts its children this way."""
 
 from __future__ import annotations
 
