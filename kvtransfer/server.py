@@ -74,7 +74,7 @@ class KvTransferServer:
         self.metrics = metrics or KvTransferMetrics()
         self.stream = TransferStream(kv_cache.device)
         self._listener = None
-        self._handlers: set[asyncio.Task] = set()
+        self._handlers: dict[asyncio.Task, object] = {}  # handler task -> its accepted endpoint
 
     @property
     def port(self) -> int:
@@ -90,7 +90,7 @@ class KvTransferServer:
 
     async def _on_connect(self, ep) -> None:
         task = asyncio.current_task()
-        self._handlers.add(task)
+        self._handlers[task] = ep
         try:
             while not ep.closed:
                 raw = await ep.recv_obj()
@@ -99,7 +99,7 @@ class KvTransferServer:
         except Exception as exc:  # the peer closed or died: nothing to clean but the endpoint
             log.debug("KV endpoint closed: %s", exc)
         finally:
-            self._handlers.discard(task)
+            self._handlers.pop(task, None)
             if not ep.closed:
                 ep.abort()
 
@@ -159,9 +159,15 @@ class KvTransferServer:
             pieces[-1][pieces[-1].numel() // 2 :] = 0  # same length on the wire, half the bytes lost
         return pieces
 
-    async def close(self) -> None:
-        for task in list(self._handlers):
+    async def close_connections(self) -> None:
+        """Drops every accepted endpoint (their peers see a dead connection); keeps listening."""
+        for task, ep in list(self._handlers.items()):
+            if not ep.closed:
+                ep.abort()  # the peer's endpoint errors out: it must reconnect
             task.cancel()
+
+    async def close(self) -> None:
+        await self.close_connections()
         if self._listener is not None:
             self._listener.close()
             self._listener = None

@@ -85,23 +85,18 @@ def test_payload_that_is_not_a_multiple_of_the_message_limit():
     assert torch.equal(dst[:, :, dest], src[:, :, list(blocks)])
 
 
-def test_cached_endpoint_is_reused_and_recreated_after_the_peer_restarts():
+def test_cached_endpoint_is_reused_and_recreated_after_the_peer_drops_it():
     cfg = KvTransferConfig(data_timeout_s=3, lease_request_timeout_s=3, connect_timeout_s=2)
 
     async def main():
         src, spec, dst, dspec = _pools()
         leases = Leases()
         client = KvTransferClient(dst, dspec, cfg)
-        port = None
+        server = KvTransferServer(src, spec, leases, cfg)
+        port = await server.start()
+        seen = []
         try:
             for round_ in range(3):
-                server = KvTransferServer(src, spec, leases, cfg.model_copy(update={"listen_port": port or 0}))
-                for _attempt in range(50):  # the old listener's port frees up a moment after close
-                    try:
-                        port = await server.start()
-                        break
-                    except Exception:
-                        await asyncio.sleep(0.1)
                 for i in range(2):
                     lease = f"L{round_}-{i}"
                     leases.table[lease] = [3, 4]
@@ -110,10 +105,15 @@ def test_cached_endpoint_is_reused_and_recreated_after_the_peer_restarts():
                     assert torch.equal(dst[:, :, [5, 6]], src[:, :, [3, 4]])
                     dst.zero_()
                 assert len(client.pool.idle[("127.0.0.1", port)]) == 1  # one endpoint served both pulls
-                await server.close()  # the peer goes away; the cached endpoint is now stale
+                seen.append(client.pool.idle[("127.0.0.1", port)][0])
+                # the peer drops the connection (a restart, as the client sees it): the cached
+                # endpoint is stale, and the next round's first pull must retry on a fresh one
+                await server.close_connections()
                 await asyncio.sleep(0.2)
+            assert len({id(ep) for ep in seen}) == 3  # a new endpoint after each drop
         finally:
             client.close()
+            await server.close()
 
     asyncio.run(main())
 
