@@ -100,11 +100,14 @@ class EngineLoop:
         fut: Future[list[int] | None] = Future()
 
         def cmd() -> None:
+            if not fut.set_running_or_notify_cancel():  # the caller gave up (cancelled) first
+                return
             got = self.engine.allocator.allocate(num_blocks)
             fut.set_result(None if got is None else list(got.block_ids))
 
         if not self._post(cmd):
-            fut.set_result(None)
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(None)
         return fut
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
@@ -116,10 +119,13 @@ class EngineLoop:
         fut: Future[bool] = Future()
 
         def cmd() -> None:
-            fut.set_result(self.engine.abort(request_id))
+            found = self.engine.abort(request_id)
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(found)
 
         if not self._post(cmd):
-            fut.set_result(False)
+            if fut.set_running_or_notify_cancel():
+                fut.set_result(False)
         return fut
 
     # ---- the thread ------------------------------------------------------------------------------

@@ -32,7 +32,14 @@ class KvPuller:
 
     async def pull(self, kv: kv_pb2.KvHandle, loop: EngineLoop) -> list[int] | None:
         """Block ids now holding the prompt's KV, or None: recompute it."""
-        ids = await asyncio.wrap_future(loop.reserve_blocks(kv.num_blocks))
+        reserved = loop.reserve_blocks(kv.num_blocks)
+        try:
+            ids = await asyncio.shield(asyncio.wrap_future(reserved))
+        except asyncio.CancelledError:
+            # cancelled while the engine thread reserves: blocks it already took go back
+            if not reserved.cancel():
+                reserved.add_done_callback(lambda f: f.result() and loop.release_blocks(f.result()))
+            raise
         if ids is None:
             self.client.metrics.failures.labels("pool_full").inc()
             log.info("%s: no room for %d blocks now; recomputing once blocks free up", kv.request_id, kv.num_blocks)
