@@ -21,6 +21,7 @@ _OVERRIDES = {
     "num_blocks": "engine.cache.num_blocks",
     "max_batch_size": "engine.scheduler.max_batch_size",
     "max_model_len": "engine.scheduler.max_model_len",
+    "tensor_parallel_size": "engine.parallel.tensor_parallel_size",
     "host": "server.host",
     "port": "server.port",
     "advertise_host": "server.advertise_host",
@@ -52,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="YAML", help="DecodeWorkerConfig file; flags override it")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=port, help="gRPC port (default 0: a free one, printed at start)")
-    p.add_argument("--advertise-host", help="host that the router uses to reach this one (default --host)")
+    p.add_argument("--advertise-host", help="host the router dials (default: --host; bound to 0.0.0.0, this "
+                                                  "machine's routable IP)")
     p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics on this port")
     p.add_argument("--max-batch-size", type=int, help="sequences decoded per step (default 256)")
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default: from free memory)")
@@ -64,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="batch sizes to capture (default 1,2,4,8, then steps of 8 up to --max-batch-size)")
     p.add_argument("--drain-grace-s", type=float, help="seconds in-flight streams get to finish on SIGTERM")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                   help="split the model over N ranks (processes; GPUs device..device+N-1), spawned by this one")
     p.add_argument("--kv-failure-policy", choices=["recompute", "fail"],
                    help="a failed KV pull: recompute the prompt here (default) or end with UNAVAILABLE")
     p.add_argument("--kv-connect-timeout-s", type=float, help="UCX connect timeout (default 5)")

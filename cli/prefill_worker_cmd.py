@@ -19,6 +19,7 @@ _OVERRIDES = {
     "num_blocks": "engine.cache.num_blocks",
     "max_num_batched_tokens": "engine.scheduler.max_num_batched_tokens",
     "max_model_len": "engine.scheduler.max_model_len",
+    "tensor_parallel_size": "engine.parallel.tensor_parallel_size",
     "host": "server.host",
     "port": "server.port",
     "advertise_host": "server.advertise_host",
@@ -33,7 +34,8 @@ def register(sub) -> None:
     p.add_argument("--config", metavar="YAML", help="PrefillWorkerConfig file; flags override it")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=port, help="gRPC port (default 0: a free one, printed at start)")
-    p.add_argument("--advertise-host", help="host that decode workers use to reach this one (default --host)")
+    p.add_argument("--advertise-host", help="host the router and decode workers dial, also for the KV (UCX) "
+                                                  "listener (default: --host; bound to 0.0.0.0, the routable IP)")
     p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics on this port")
     p.add_argument("--block-size", type=int, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default: from free memory)")
@@ -41,6 +43,8 @@ def register(sub) -> None:
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
     p.add_argument("--lease-ttl-s", type=float, help="seconds finished KV stays pinned for the decode side")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                   help="split the model over N ranks (processes; GPUs device..device+N-1), spawned by this one")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run)
 

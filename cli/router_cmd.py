@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                      "as the workers'")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=port, help="gRPC port (default 0: a free one, printed at start)")
-    p.add_argument("--advertise-host", help="host that clients and workers use to reach this one")
+    p.add_argument("--advertise-host", help="host that clients and workers use to reach this one (default: "
+                                                  "--host; bound to 0.0.0.0, this machine's routable IP)")
     p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics on this port")
     p.add_argument("--http-port", type=port, help="serve the OpenAI-compatible HTTP API (/v1/completions, "
                                                  "/v1/chat/completions, ...) on this port (0: a free one; "

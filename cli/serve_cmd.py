@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "off with --prompt unless given)")
     p.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP front")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (the workers' default: auto)")
+    p.add_argument("--tensor-parallel-size", type=int, metavar="N",
+                   help="ranks per worker (each worker spawns its N-1 followers; on CUDA every worker's ranks "
+                        "start at --device)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks per worker (default: from free memory)")
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
@@ -134,7 +137,8 @@ def build(launcher: Launcher, args: argparse.Namespace, model: Path, num_prefill
     if args.host in ("0.0.0.0", "::", "[::]"):  # peers are all on this machine: KV handles name loopback
         engine += ["--advertise-host", "127.0.0.1"]
     for flag, value in (("--device", args.device), ("--block-size", args.block_size),
-                        ("--num-blocks", args.num_blocks), ("--max-model-len", args.max_model_len)):
+                        ("--num-blocks", args.num_blocks), ("--max-model-len", args.max_model_len),
+                        ("--tensor-parallel-size", args.tensor_parallel_size)):
         if value is not None:
             engine += [flag, str(value)]
 

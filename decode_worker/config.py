@@ -38,6 +38,21 @@ from splitserve.kvtransfer.config import KvTransferConfig
 GRAPH_STEP = 8  # capture sizes go 1, 2, 4, 8, then in steps of this
 
 
+class DecodeFaults(BaseModel):
+    """For tests only (tests/faults): delays on purpose, so a test can land a cancel or a kill
+    between a request's arrival and its admission. Off by default."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    delay_before_pull_s: float = Field(0.0, ge=0, description="test only: a handed-off request waits this long "
+                                                              "with its blocks reserved before the KV pull")
+    request_id_prefix: str = Field("", description="test only: the delay hits request ids with this prefix "
+                                                   "(empty: every request)")
+
+    def pull_delay(self, request_id: str) -> float:
+        return self.delay_before_pull_s if request_id.startswith(self.request_id_prefix) else 0.0
+
+
 class DecodeWorkerConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -49,6 +64,7 @@ class DecodeWorkerConfig(BaseModel):
         None, description="batch sizes to capture; None: 1, 2, 4, 8, then steps of 8 up to max_batch_size")
     overlap: bool = Field(True, description="enqueue step N+1 before reading step N's tokens")
     warmup_steps: int = Field(2, ge=1, le=16, description="eager runs of each graph size before capture")
+    faults: DecodeFaults = DecodeFaults()
 
     @field_validator("cuda_graph_sizes")
     @classmethod

@@ -115,6 +115,24 @@ class EngineLoop:
         if not self._post(lambda: self.engine.allocator.free(block_ids)):
             log.debug("engine stopped; %d reserved blocks die with the pool", len(block_ids))
 
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Runs `fn` on the engine thread between steps (ordered with them); its result or
+        exception in the future (a stopped engine: RuntimeError)."""
+        fut: Future = Future()
+
+        def cmd() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(exc)
+
+        if not self._post(cmd):
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the decode engine is not running"))
+        return fut
+
     def abort(self, request_id: str) -> Future[bool]:
         fut: Future[bool] = Future()
 

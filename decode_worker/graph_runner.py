@@ -19,6 +19,13 @@ Capture (`capture`, once at start-up, before serving): every size is warmed up e
 side stream, then captured largest first into one shared memory pool; the KV that warm-up
 wrote (padding lanes only ever touch block 0) is zeroed afterwards. `dispatch` (the one table
 saying which graph serves a batch of n, 0 = eager) is built from the captured graphs alone.
+
+Tensor parallel: rank 0 publishes (`runner.mirror`) each step's device-side work, i.e. the
+padded size, the graph to replay and the prepare / patch data, and every host-sampled token
+write and capture; followers (tp_follower.py) apply the same to their own buffers with
+`run_step`, so every rank replays the same graph with the same padding. The sampled tokens
+are broadcast from rank 0 inside the step (captured with NCCL), so all ranks feed rank 0's
+choice to the next step.
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class GraphRunner:
                                  context_lens=b.context_lens[:n], is_prefill=False)
         logits = r.model.logits(b.input_ids[:n], b.positions[:n], r.kv_cache, r.cos_sin, meta)
         b.sampled[:n].copy_(logits.argmax(dim=-1))
+        r.tp.broadcast_(b.sampled[:n])  # rank 0's choice everywhere (a no-op without TP)
         b.advance(n)
         return logits
 
@@ -88,6 +96,8 @@ class GraphRunner:
         """Warms up and captures `sizes` (CUDA only; a no-op elsewhere or with no sizes)."""
         if self.device.type != "cuda" or not sizes:
             return
+        if self.runner.mirror is not None:
+            self.runner.mirror(("capture", list(sizes), warmup_steps))
         self.release()
         sizes = sorted(set(sizes), reverse=True)
         if sizes[0] > self.max_batch_size:
@@ -156,25 +166,21 @@ class GraphRunner:
             raise ValueError(f"batch of {n} outside 1..{self.max_batch_size}")
         graph_size = self.dispatch[n]
         size = graph_size or n
-        slot = self.bufs.ring.acquire()
+        prep = None
         if changed or not self._rows:
             lost = [s.request_id for s in seqs if s.in_flight and s.uid not in self._rows]
             if lost:  # its next token exists only on the device, in a row we no longer know
                 raise RuntimeError(f"sequences {lost} have a token in flight but were not in the last step")
-            self.bufs.prepare(
-                slot, size, [s.block_ids for s in seqs], [s.next_position for s in seqs],
-                [s.output_token_ids[-1] if s.in_flight == 0 else 0 for s in seqs],
-                [self._rows.get(s.uid, -1) if s.in_flight else -1 for s in seqs])
+            prep = ("prepare", size, [list(s.block_ids) for s in seqs], [s.next_position for s in seqs],
+                    [s.output_token_ids[-1] if s.in_flight == 0 else 0 for s in seqs],
+                    [self._rows.get(s.uid, -1) if s.in_flight else -1 for s in seqs])
             self._rows = {s.uid: i for i, s in enumerate(seqs)}
         elif new_blocks:
-            self.bufs.patch_tables(slot, [(self._rows[s.uid], col, blk) for s, col, blk in new_blocks])
-        if graph_size:
-            self._graphs[graph_size].replay()
-            logits = self._graph_logits[graph_size]
-            self.num_replays += 1
-        else:
-            logits = self._body(n)
-            self.num_eager += 1
+            prep = ("patch", [(self._rows[s.uid], col, blk) for s, col, blk in new_blocks])
+        if self.runner.mirror is not None:
+            self.runner.mirror(("graph_step", n, graph_size, prep))
+        slot = self.bufs.ring.acquire()
+        logits = self.run_step(slot, n, graph_size, prep)
         handle = StepHandle(list(seqs), slot, graph_size)
         handle.sampler_rows = [i for i, s in enumerate(seqs) if s.uses_sampler]
         if handle.sampler_rows:  # clone before the next replay overwrites the graph's output
@@ -186,6 +192,21 @@ class GraphRunner:
             s.in_flight += 1
         return handle
 
+    @torch.inference_mode()
+    def run_step(self, slot: StagingSlot, n: int, graph_size: int, prep: tuple | None) -> torch.Tensor:
+        """The device side of one step: fill the inputs (`prep`: a full prepare, a table patch or
+        nothing), then replay graph `graph_size` (0: eager body). Followers call it directly."""
+        if prep is not None and prep[0] == "prepare":
+            self.bufs.prepare(slot, *prep[1:])
+        elif prep is not None:
+            self.bufs.patch_tables(slot, prep[1])
+        if graph_size:
+            self._graphs[graph_size].replay()
+            self.num_replays += 1
+            return self._graph_logits[graph_size]
+        self.num_eager += 1
+        return self._body(n)
+
     def read(self, handle: StepHandle) -> list[int]:
         """The step's argmax tokens, row order (waits for the step to finish)."""
         handle.slot.wait()
@@ -194,4 +215,6 @@ class GraphRunner:
     @torch.inference_mode()
     def write_tokens(self, handle: StepHandle, tokens: Sequence[int]) -> None:
         """Host-sampled tokens of `handle.sampler_rows` become those rows' next inputs."""
+        if self.runner.mirror is not None:
+            self.runner.mirror(("write_tokens", list(handle.sampler_rows), list(tokens)))
         self.bufs.write_tokens(handle.sampler_rows, tokens)

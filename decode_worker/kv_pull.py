@@ -17,6 +17,7 @@ import logging
 
 import grpc
 
+from splitserve.decode_worker.config import DecodeFaults
 from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.engine.errors import RequestError
 from splitserve.kvtransfer.client import KvTransferClient, KvTransferError
@@ -26,9 +27,10 @@ log = logging.getLogger(__name__)
 
 
 class KvPuller:
-    def __init__(self, client: KvTransferClient, policy: str) -> None:
+    def __init__(self, client: KvTransferClient, policy: str, faults: DecodeFaults | None = None) -> None:
         self.client = client
         self.policy = policy
+        self.faults = faults or DecodeFaults()
 
     async def pull(self, kv: kv_pb2.KvHandle, loop: EngineLoop) -> list[int] | None:
         """Block ids now holding the prompt's KV, or None: recompute it."""
@@ -44,6 +46,12 @@ class KvPuller:
             self.client.metrics.failures.labels("pool_full").inc()
             log.info("%s: no room for %d blocks now; recomputing once blocks free up", kv.request_id, kv.num_blocks)
             return None
+        if delay := self.faults.pull_delay(kv.request_id):  # tests only: a window before the pull
+            try:
+                await asyncio.sleep(delay)
+            except BaseException:
+                loop.release_blocks(ids)
+                raise
         # The pull runs as its own task and a cancelled caller does not cancel it: UCX may still
         # write into the pull's staging buffer, which must outlive every posted receive. The
         # pull ends on its own timeouts; only then do its blocks go back.

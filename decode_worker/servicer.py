@@ -30,6 +30,7 @@ from splitserve.engine.proto_convert import (
     validate_request,
 )
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
+from splitserve.kvtransfer.shards import shard_sources
 from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         (FAILED_PRECONDITION), caught before any block is allocated."""
         runner = engine.runner
         try:
-            check_compatible(kv, PoolSpec.of(runner.kv_cache, runner.compat_hash))
+            check_compatible(kv, PoolSpec.of(runner.kv_cache, runner.compat_hash,
+                                             runner.model_config.num_key_value_heads))
         except KvIncompatibleError as exc:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"kv: {exc} (GetLoad.model_compat_hash tells compatible workers)") from None
@@ -173,6 +175,10 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if not kv.address.host or not kv.address.port:
             raise RequestError.invalid("kv.address needs the prefill worker's UCX host and port; "
                                        "pass the handle the prefill worker returned, unchanged")
+        try:
+            shard_sources(kv)  # a tensor-parallel prefill's shard map must cover every head once
+        except ValueError as exc:
+            raise RequestError.invalid(str(exc)) from None
 
     async def Abort(self, request: generate_pb2.AbortRequest, context) -> generate_pb2.AbortResponse:
         if self.loop is None:

@@ -55,13 +55,21 @@ class DecodeWorker:
         self.engine: DecodeEngine | None = None
         self.loop: EngineLoop | None = None
         self._watchdog: asyncio.Task | None = None
+        self.ranks = None  # tp_control.RankSet when this process spawned the runner's ranks
 
     @property
     def address(self) -> str:
         return self.server.address
 
+    def _start_ranks(self) -> ModelRunner:
+        from splitserve.decode_worker.tp_follower import decode_follower_main
+        from splitserve.engine.tp_control import start_ranks
+
+        self.ranks = start_ranks(self.cfg.engine, decode_follower_main, self.cfg)
+        return self.ranks.runner
+
     def _build(self) -> DecodeEngine:
-        runner = self._runner or ModelRunner(self.cfg.engine)
+        runner = self._runner or self._start_ranks()
         engine = DecodeEngine(self.cfg, runner, _load_tokenizer(self.cfg.engine.model_path), self.metrics)
         engine.warm_up()
         return engine
@@ -75,12 +83,25 @@ class DecodeWorker:
         # UCX starts only now, after every graph was captured (DESIGN.md "CUDA graphs").
         runner = self.engine.runner
         kv_metrics = KvTransferMetrics(self.metrics.registry)
-        client = KvTransferClient(runner.kv_cache, PoolSpec.of(runner.kv_cache, runner.compat_hash),
-                                  self.cfg.kv_transfer, kv_metrics)
-        self.servicer.puller = KvPuller(client, self.cfg.kv_transfer.failure_policy)
+        install = None
+        if runner.tp.enabled:  # rank 0 pulls every head and spreads them over the ranks
+            from splitserve.decode_worker.tp_follower import TPKvInstaller
+            from splitserve.engine.tp_control import watch_followers
+
+            install = TPKvInstaller(self.loop, runner)
+            aio = asyncio.get_running_loop()
+            if self.ranks is not None:
+                watch_followers(self.ranks.procs, lambda code: aio.call_soon_threadsafe(self._rank_died, code))
+        spec = PoolSpec.of(runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads)
+        client = KvTransferClient(runner.kv_cache, spec, self.cfg.kv_transfer, kv_metrics, install=install)
+        self.servicer.puller = KvPuller(client, self.cfg.kv_transfer.failure_policy, self.cfg.faults)
         kv_metrics.log_transports()
         await self.server.set_serving(True)
         self._watchdog = asyncio.create_task(self._watch(), name="decode-watchdog")
+
+    def _rank_died(self, code) -> None:
+        log.error("a tensor-parallel rank exited with %s; health NOT_SERVING", code)
+        asyncio.ensure_future(self.server.set_serving(False))
 
     async def _watch(self) -> None:
         """NOT_SERVING when the loop died or a step has not returned for STALL_S."""
@@ -105,6 +126,9 @@ class DecodeWorker:
             await asyncio.to_thread(self.loop.stop)
         elif self.engine is not None:
             self.engine.close()
+        if self.ranks is not None:  # after the loop: its last commands reach the followers first
+            await asyncio.to_thread(self.ranks.close)
+            self.ranks = None
 
     async def serve_until_signal(self) -> int:
         signum = await self.server.serve_until_signal()
@@ -121,7 +145,8 @@ class DecodeWorker:
         return (f"decode worker serving {SERVICE_NAME} on {self.address}: model {self.cfg.engine.model_path} "
                 f"({r.device}, {str(r.dtype).removeprefix('torch.')}), {e.allocator.num_usable} KV blocks x "
                 f"{r.block_size} tokens, max batch {e.max_batch_size}, "
-                f"CUDA graphs {graphs if graphs else 'off'}{metrics}")
+                f"CUDA graphs {graphs if graphs else 'off'}"
+                f"{f', tensor parallel {r.tp.size}' if r.tp.enabled else ''}{metrics}")
 
 
 async def run_worker(cfg: DecodeWorkerConfig) -> int:

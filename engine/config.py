@@ -72,6 +72,13 @@ class ModelConfig(_Frozen):
             )
         return self
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raises ValueError (one line naming the field) when the model cannot split over `tp` ranks."""
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if getattr(self, name) % tp:
+                raise ValueError(f"parallel.tensor_parallel_size {tp} does not divide the model's {name} "
+                                 f"({getattr(self, name)}); pick a tensor_parallel_size that divides it")
+
     @property
     def q_size(self) -> int:
         return self.num_attention_heads * self.head_dim
@@ -104,6 +111,14 @@ class SchedulerConfig(_Frozen):
     max_queue_len: int = Field(1024, gt=0, description="waiting requests before RESOURCE_EXHAUSTED")
 
 
+class ParallelConfig(_Frozen):
+    """Tensor parallelism inside one worker: heads and MLP columns split over ranks (one process
+    per rank, NCCL on CUDA, gloo on CPU). The model's num_attention_heads, num_key_value_heads and
+    intermediate_size must divide by it (checked at load; KV heads are not replicated)."""
+
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="ranks (processes, one GPU each) per worker")
+
+
 class EngineConfig(_Frozen):
     model_path: str
     device: str = "auto"
@@ -111,3 +126,4 @@ class EngineConfig(_Frozen):
     seed: int = 0
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()

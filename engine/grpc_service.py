@@ -21,14 +21,16 @@ import asyncio
 import contextlib
 import logging
 import signal
-import socket
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from splitserve.engine.grpc_guard import RejectMalformed
+from splitserve.engine.net import advertised_host, is_wildcard
 
 log = logging.getLogger(__name__)
 
@@ -44,20 +46,32 @@ class ServerConfig(BaseModel):
     host: str = Field("127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 for all interfaces")
     port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
     advertise_host: str | None = Field(None, min_length=1, description="host peers use to reach this one; "
-                                                                       "None: `host`")
+                                                                       "None: `host`, or this machine's "
+                                                                       "routable IP when `host` is 0.0.0.0")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; None: off")
     drain_grace_s: float = Field(30.0, ge=0, description="time in-flight RPCs get to finish on SIGTERM")
     max_message_mb: int = Field(64, gt=0, le=2047)
-    keepalive_time_s: float = Field(30.0, gt=0)
-    keepalive_timeout_s: float = Field(10.0, gt=0)
+    # a peer whose host vanished (link down, node lost) shows only through keepalive: 10 s + 5 s
+    # bounds how long an open stream to it hangs (gRPC's 2 h default is far too long here)
+    keepalive_time_s: float = Field(10.0, gt=0, description="ping an idle connection after this long")
+    keepalive_timeout_s: float = Field(5.0, gt=0, description="a ping unanswered this long closes the connection")
+    max_reconnect_backoff_s: float = Field(5.0, gt=0, description="longest wait between reconnect tries to a "
+                                                                   "peer that was gone (gRPC's default: 120 s)")
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _dialable(cls, v: str | None) -> str | None:
+        if v is not None and is_wildcard(v):
+            raise ValueError(f"{v} is no address a peer can dial; give this host's IP or DNS name as other hosts "
+                             "reach it, or leave it unset (the bound IP, or the routable IP when bound to all)")
+        return v
 
     @property
     def public_host(self) -> str:
-        """The host peers should dial: advertise_host, else host (this machine's name when bound
-        to all interfaces)."""
-        if self.advertise_host:
-            return self.advertise_host
-        return socket.gethostname() if self.host in ("0.0.0.0", "::", "[::]") else self.host
+        """The host peers should dial: advertise_host, else the bound IP; bound to every interface,
+        the routable IP (default route's, else the first non-loopback one: engine/net.py), never
+        the host name, which peers often cannot resolve."""
+        return advertised_host(self.host, self.advertise_host)
 
 
 def _common_options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -82,8 +96,10 @@ def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
 
 
 def channel_options(cfg: ServerConfig | None = None) -> list[tuple[str, int]]:
-    """Options for a client channel to a splitserve service (same message size and keepalive)."""
-    return _common_options(cfg or ServerConfig())
+    """Options for a client channel to a splitserve service (same message size and keepalive;
+    a peer back after an outage is dialled again within max_reconnect_backoff_s)."""
+    cfg = cfg or ServerConfig()
+    return _common_options(cfg) + [("grpc.max_reconnect_backoff_ms", int(cfg.max_reconnect_backoff_s * 1000))]
 
 
 def service_name(file_descriptor, service: str) -> str:
@@ -107,10 +123,12 @@ class GrpcServer:
 
     @property
     def address(self) -> str:
-        return f"{self.cfg.public_host}:{self.port}"
+        host = self.cfg.public_host
+        bare_v6 = ":" in host and not host.startswith("[")
+        return f"[{host}]:{self.port}" if bare_v6 else f"{host}:{self.port}"
 
     def add(self, add_to_server: Callable, servicer, name: str) -> None:
-        add_to_server(servicer, self._server)
+        add_to_server(servicer, RejectMalformed(self._server))  # undecodable bytes: INVALID_ARGUMENT
         self._names.append(name)
 
     async def start(self) -> None:

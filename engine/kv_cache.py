@@ -26,8 +26,10 @@ class KVGeometry:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def kv_geometry(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype) -> KVGeometry:
-    return KVGeometry(model.num_hidden_layers, model.num_key_value_heads, model.head_dim, cache.block_size, dtype)
+def kv_geometry(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, tp_size: int = 1) -> KVGeometry:
+    """The pool of one rank: under tensor parallelism it holds only its num_kv_heads / tp heads."""
+    return KVGeometry(model.num_hidden_layers, model.num_key_value_heads // tp_size, model.head_dim,
+                      cache.block_size, dtype)
 
 
 def choose_num_blocks(geom: KVGeometry, cache: CacheConfig, device: torch.device, reserve_bytes: int) -> int:

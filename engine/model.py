@@ -18,6 +18,7 @@ from torch import nn
 
 from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.engine.config import ModelConfig
+from splitserve.engine.parallel import SINGLE, TPGroup
 from splitserve.kernels import ops
 
 # Small-M choices the H200 benchmark decides (benchmarks/kernels.py, fused_linear cases):
@@ -30,31 +31,41 @@ def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        h, qkv = cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size
-        self.cfg = cfg
+        self.cfg, self.tp = cfg, tp
+        self.num_heads = cfg.num_attention_heads // tp.size  # this rank's share
+        self.num_kv_heads = cfg.num_key_value_heads // tp.size
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size // tp.size
+        h, qkv = cfg.hidden_size, self.q_size + 2 * self.kv_size
         self.input_norm = _param(h, dtype=dtype, device=device)
         self.post_attention_norm = _param(h, dtype=dtype, device=device)
         self.qkv_weight = _param(qkv, h, dtype=dtype, device=device)
         self.qkv_bias = _param(qkv, dtype=dtype, device=device) if cfg.qkv_bias else None
-        self.o_weight = _param(h, cfg.q_size, dtype=dtype, device=device)
+        self.o_weight = _param(h, self.q_size, dtype=dtype, device=device)
         self.o_bias = _param(h, dtype=dtype, device=device) if cfg.o_proj_bias else None
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, h, dtype=dtype, device=device)
-        self.gate_up_bias = _param(2 * cfg.intermediate_size, dtype=dtype, device=device) if cfg.mlp_bias else None
-        self.down_weight = _param(h, cfg.intermediate_size, dtype=dtype, device=device)
+        self.gate_up_weight = _param(2 * inter, h, dtype=dtype, device=device)
+        self.gate_up_bias = _param(2 * inter, dtype=dtype, device=device) if cfg.mlp_bias else None
+        self.down_weight = _param(h, inter, dtype=dtype, device=device)
         self.down_bias = _param(h, dtype=dtype, device=device) if cfg.mlp_bias else None
         self.scale = cfg.head_dim**-0.5
 
+    def _row_parallel(self, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The partial sums of a row-parallel linear (computed without bias) summed over ranks,
+        then the bias once."""
+        out = self.tp.all_reduce(out)
+        return out if bias is None else out + bias
+
     def forward(self, hidden, residual, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
-        cfg = self.cfg
+        cfg, tp = self.cfg, self.tp.enabled
         qkv, residual = ops.fused_add_rms_norm_linear(hidden, residual, self.input_norm, cfg.rms_norm_eps,
                                                       self.qkv_weight, self.qkv_bias)
         t = qkv.shape[0]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(t, cfg.num_attention_heads, cfg.head_dim)
-        k = k.view(t, cfg.num_key_value_heads, cfg.head_dim)
-        v = v.view(t, cfg.num_key_value_heads, cfg.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, cfg.head_dim)
+        k = k.view(t, self.num_kv_heads, cfg.head_dim)
+        v = v.view(t, self.num_kv_heads, cfg.head_dim)
         q = ops.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             attn = ops.prefill_attention(
@@ -63,19 +74,25 @@ class DecoderLayer(nn.Module):
             )
         else:
             attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
-        hidden = ops.linear_small_m(attn.reshape(t, cfg.q_size), self.o_weight, self.o_bias, gemv=GEMV_O_PROJ)
+        hidden = ops.linear_small_m(attn.reshape(t, self.q_size), self.o_weight, None if tp else self.o_bias,
+                                    gemv=GEMV_O_PROJ)
+        if tp:
+            hidden = self._row_parallel(hidden, self.o_bias)
         gate_up, residual = ops.fused_add_rms_norm_linear(hidden, residual, self.post_attention_norm,
                                                           cfg.rms_norm_eps, self.gate_up_weight, self.gate_up_bias)
-        hidden = ops.silu_mul_linear(gate_up, self.down_weight, self.down_bias)
+        hidden = ops.silu_mul_linear(gate_up, self.down_weight, None if tp else self.down_bias)
+        if tp:
+            hidden = self._row_parallel(hidden, self.down_bias)
         return hidden, residual
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.cfg = cfg
+        cfg.check_tensor_parallel(tp.size)
+        self.cfg, self.tp = cfg, tp
         self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_hidden_layers))
         self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device

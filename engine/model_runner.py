@@ -21,6 +21,7 @@ from splitserve.engine.config import EngineConfig, ModelConfig
 from splitserve.engine.hf_config import load_model_config
 from splitserve.engine.kv_cache import KVGeometry, allocate_kv_pool, choose_num_blocks, kv_geometry
 from splitserve.engine.model import CausalLM
+from splitserve.engine.parallel import SINGLE, TPGroup, rank_device
 from splitserve.engine.rope import cos_sin_cache
 from splitserve.engine.weights import load_weights
 
@@ -82,10 +83,24 @@ def model_compat_hash(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtyp
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig) -> None:
+    """`tp`: this process's rank of a tensor-parallel worker (engine/parallel.py); its model holds
+    the rank's slices and its pool the rank's KV heads. `mirror`, set on rank 0 of such a worker,
+    receives every call that runs the model or writes the pool, before it runs here, so the
+    followers run the same (decode_worker / prefill_worker tp_follower.py)."""
+
+    def __init__(self, cfg: EngineConfig, tp: TPGroup = SINGLE) -> None:
         self.engine_config = cfg
         self.model_config = load_model_config(cfg.model_path)
+        self.model_config.check_tensor_parallel(cfg.parallel.tensor_parallel_size)
+        if cfg.parallel.tensor_parallel_size != tp.size:
+            raise ValueError(f"parallel.tensor_parallel_size is {cfg.parallel.tensor_parallel_size} but this "
+                             f"process group has {tp.size} ranks; start tensor-parallel runners through a worker "
+                             "(--tensor-parallel-size), which spawns every rank")
+        self.tp = tp
+        self.mirror = None  # Callable[[tuple], None] on rank 0 of a tensor-parallel worker
         self.device = resolve_device(cfg.device)
+        if tp.enabled:
+            self.device = rank_device(self.device, tp.rank)
         self.dtype = resolve_dtype(cfg.dtype, self.model_config, self.device)
         mc = self.model_config
         self.max_model_len = cfg.scheduler.max_model_len or mc.max_position_embeddings
@@ -95,17 +110,28 @@ class ModelRunner:
                 f"max_position_embeddings {mc.max_position_embeddings}; lower it"
             )
         torch.manual_seed(cfg.seed)
-        self.model = CausalLM(mc, self.dtype, self.device)
+        self.model = CausalLM(mc, self.dtype, self.device, tp)
         load_weights(self.model, cfg.model_path)
         self.model.eval()
-        self.geometry: KVGeometry = kv_geometry(mc, cfg.cache, self.dtype)
+        self.geometry: KVGeometry = kv_geometry(mc, cfg.cache, self.dtype, tp.size)
         self.block_size = cfg.cache.block_size
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         reserve = 2**30 if self.device.type == "cuda" else 0  # activations and graphs
         self.num_blocks = choose_num_blocks(self.geometry, cfg.cache, self.device, reserve)
+        if tp.enabled:  # block ids mean the same on every rank: all pools get the smallest size
+            n = torch.tensor([self.num_blocks])
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN, group=tp.cpu_group)
+            self.num_blocks = int(n)
         self.kv_cache = allocate_kv_pool(self.geometry, self.num_blocks, self.device)
         self.cos_sin = cos_sin_cache(mc, self.max_model_len, self.device)
+        # the same on every rank and for every tensor_parallel_size: the handle's shard map says
+        # which heads sit where, so a TP2 prefill can hand over to a TP1 decode worker
         self.compat_hash = model_compat_hash(cfg.model_path, mc, self.dtype, self.block_size)
+
+    @property
+    def kv_head_range(self) -> tuple[int, int]:
+        """[start, end) of the model's KV heads that this rank's pool holds."""
+        return self.tp.shard(self.model_config.num_key_value_heads)
 
     # ---- host -> device -------------------------------------------------------------------
     def _to_device(self, data, dtype: torch.dtype) -> torch.Tensor:
@@ -140,6 +166,9 @@ class ModelRunner:
             cu.append(cu[-1] + len(c.token_ids))
             lens.append(end)
         width = max(len(c.block_table) for c in chunks)
+        if self.mirror is not None:  # after validation: a refused call must not run on one rank only
+            self.mirror(("prefill", [PrefillChunk(list(c.token_ids), c.num_computed, tuple(c.block_table))
+                                     for c in chunks]))  # snapshots: the caller's lists may grow
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slots, torch.int64),
             block_tables=self._block_tables([c.block_table for c in chunks], width),
@@ -157,6 +186,8 @@ class ModelRunner:
         """One token per sequence; returns [B, V] logits."""
         for lane in lanes:
             self._check_table(lane.block_table, lane.position + 1)
+        if self.mirror is not None:
+            self.mirror(("decode", [DecodeLane(l.token_id, l.position, tuple(l.block_table)) for l in lanes]))
         meta = AttentionMetadata(
             slot_mapping=self._to_device([self._slots(l.block_table, l.position, l.position + 1)[0] for l in lanes],
                                          torch.int64),
@@ -170,4 +201,6 @@ class ModelRunner:
 
     def zero_kv(self) -> None:
         """Clears what warm-up wrote so no stale value can be read as context."""
+        if self.mirror is not None:
+            self.mirror(("zero_kv",))
         self.kv_cache.zero_()

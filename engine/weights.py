@@ -2,7 +2,8 @@
 
 Tensors are read lazily with `safe_open`, cast to the serving dtype and copied straight into
 the model's fused parameters (q/k/v -> qkv, gate/up -> gate_up), one tensor at a time, so peak
-host memory stays near one tensor.
+host memory stays near one tensor. Under tensor parallelism each rank reads only its slices
+(`get_slice`): its heads of q/k/v, its columns of gate/up, its input columns of o_proj/down.
 """
 
 from __future__ import annotations
@@ -36,36 +37,57 @@ def _shard_map(model_dir: Path) -> dict[str, Path]:
     return names
 
 
-def _targets(model: CausalLM) -> dict[str, tuple[torch.Tensor, int]]:
-    """HF tensor name -> (destination parameter, row offset inside a fused parameter)."""
+# A target: (destination parameter, row offset inside a fused parameter, dim split over the
+# tensor-parallel ranks or None for a replicated tensor).
+Target = tuple[torch.Tensor, int, int | None]
+
+
+def _targets(model: CausalLM) -> dict[str, Target]:
+    """HF tensor name -> where this rank's part of it goes (model.tp picks the slice)."""
     cfg = model.cfg
-    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    out: dict[str, tuple[torch.Tensor, int]] = {
-        "model.embed_tokens.weight": (model.embed, 0),
-        "model.norm.weight": (model.final_norm, 0),
+    layer0 = model.layers[0]
+    q, kv, inter = layer0.q_size, layer0.kv_size, layer0.gate_up_weight.shape[0] // 2  # this rank's sizes
+    out: dict[str, Target] = {
+        "model.embed_tokens.weight": (model.embed, 0, None),
+        "model.norm.weight": (model.final_norm, 0, None),
     }
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (model.lm_head, 0)
+        out["lm_head.weight"] = (model.lm_head, 0, None)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (layer.input_norm, 0)
-        out[p + "post_attention_layernorm.weight"] = (layer.post_attention_norm, 0)
+        out[p + "input_layernorm.weight"] = (layer.input_norm, 0, None)
+        out[p + "post_attention_layernorm.weight"] = (layer.post_attention_norm, 0, None)
         for suffix, param in (("weight", layer.qkv_weight), ("bias", layer.qkv_bias)):
-            if param is not None:
-                out[p + f"self_attn.q_proj.{suffix}"] = (param, 0)
-                out[p + f"self_attn.k_proj.{suffix}"] = (param, q)
-                out[p + f"self_attn.v_proj.{suffix}"] = (param, q + kv)
-        for suffix, param in (("weight", layer.o_weight), ("bias", layer.o_bias)):
-            if param is not None:
-                out[p + f"self_attn.o_proj.{suffix}"] = (param, 0)
+            if param is not None:  # column-parallel: this rank's heads of q, k and v
+                out[p + f"self_attn.q_proj.{suffix}"] = (param, 0, 0)
+                out[p + f"self_attn.k_proj.{suffix}"] = (param, q, 0)
+                out[p + f"self_attn.v_proj.{suffix}"] = (param, q + kv, 0)
+        if layer.o_weight is not None:  # row-parallel: this rank's input columns; bias whole
+            out[p + "self_attn.o_proj.weight"] = (layer.o_weight, 0, 1)
+        if layer.o_bias is not None:
+            out[p + "self_attn.o_proj.bias"] = (layer.o_bias, 0, None)
         for suffix, param in (("weight", layer.gate_up_weight), ("bias", layer.gate_up_bias)):
             if param is not None:
-                out[p + f"mlp.gate_proj.{suffix}"] = (param, 0)
-                out[p + f"mlp.up_proj.{suffix}"] = (param, inter)
-        for suffix, param in (("weight", layer.down_weight), ("bias", layer.down_bias)):
-            if param is not None:
-                out[p + f"mlp.down_proj.{suffix}"] = (param, 0)
+                out[p + f"mlp.gate_proj.{suffix}"] = (param, 0, 0)
+                out[p + f"mlp.up_proj.{suffix}"] = (param, inter, 0)
+        out[p + "mlp.down_proj.weight"] = (layer.down_weight, 0, 1)
+        if layer.down_bias is not None:
+            out[p + "mlp.down_proj.bias"] = (layer.down_bias, 0, None)
     return out
+
+
+def _read(handle, name: str, split: int | None, rank: int, size: int) -> torch.Tensor:
+    """The whole tensor, or this rank's 1/size of it along `split` (read lazily: only the slice)."""
+    if split is None or size == 1:
+        return handle.get_tensor(name)
+    sl = handle.get_slice(name)
+    shape = sl.get_shape()
+    if shape[split] % size:
+        raise CheckpointError(f"tensor {name} has {shape[split]} rows/columns along dim {split}, "
+                              f"which {size} tensor-parallel ranks cannot split evenly")
+    part = shape[split] // size
+    lo, hi = rank * part, (rank + 1) * part
+    return sl[lo:hi] if split == 0 else sl[:, lo:hi]
 
 
 def load_weights(model: CausalLM, model_dir: str | Path) -> None:
@@ -76,16 +98,18 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise CheckpointError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:3])}{more}")
+    rank, size = model.tp.rank, model.tp.size
     with ExitStack() as stack, torch.no_grad():
         handles = {
             f: stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(set(shards[n] for n in targets))
         }
-        for name, (param, offset) in targets.items():
-            tensor = handles[shards[name]].get_tensor(name)
+        for name, (param, offset, split) in targets.items():
+            tensor = _read(handles[shards[name]], name, split, rank, size)
             rows = tensor.shape[0]
             dest = param.data[offset : offset + rows]
             if dest.shape != tensor.shape:
+                what = f" (rank {rank} of {size})" if size > 1 else ""
                 raise CheckpointError(
-                    f"tensor {name} has shape {tuple(tensor.shape)}, config.json implies {tuple(dest.shape)}"
+                    f"tensor {name}{what} has shape {tuple(tensor.shape)}, config.json implies {tuple(dest.shape)}"
                 )
             dest.copy_(tensor.to(dest.dtype))

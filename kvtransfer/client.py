@@ -1,6 +1,10 @@
 """Decode side of the KV pull (protocol diagram in server.py): connect, ask for the lease,
 receive the packed payload into staging, verify, unpack into the destination blocks, confirm.
 
+A handle with a tensor-parallel shard map is pulled shard by shard (shards.py: other ranks
+concurrently, rank 0 last); each shard's heads land in their slice of the pool, or go to
+`install` (a tensor-parallel decode worker's rank 0 spreads them over its ranks).
+
 Every wait has a timeout; a failure raises `KvTransferError` with a reason label, and the
 endpoint involved is aborted instead of being returned to the pool (re-created next time).
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -21,7 +26,12 @@ from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
 from splitserve.kvtransfer.metrics import KvTransferMetrics
+from splitserve.kvtransfer.shards import ShardSource, shard_sources
 from splitserve.protos import kv_pb2
+
+# install(staging [L,2,n,BS,heads,D], dest_blocks, head_start, head_end): places a verified
+# shard somewhere other than this client's own pool
+Installer = Callable[[torch.Tensor, list[int], int, int], Awaitable[None]]
 
 _STATUS_REASON = {
     kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN: "lease_unknown",
@@ -86,11 +96,16 @@ class _EndpointPool:
 
 class KvTransferClient:
     def __init__(self, kv_cache: torch.Tensor, spec: PoolSpec, config: KvTransferConfig,
-                 metrics: KvTransferMetrics | None = None) -> None:
+                 metrics: KvTransferMetrics | None = None, head_range: tuple[int, int] | None = None,
+                 install: Installer | None = None) -> None:
+        """`head_range`: the model's KV heads that `kv_cache` holds (default all: spec.num_kv_heads);
+        `install`: where verified shards go instead of `kv_cache` (None: unpacked into it)."""
         self.kv_cache = kv_cache
         self.metrics = metrics or KvTransferMetrics()
         self.spec = spec
         self.config = config
+        self.head_range = head_range or (0, spec.num_kv_heads)
+        self.install = install
         self.stream = TransferStream(kv_cache.device)
         self.pool = _EndpointPool(config.connect_timeout_s)
 
@@ -109,11 +124,30 @@ class KvTransferClient:
         if len(dest_blocks) != handle.num_blocks:
             raise KvTransferError("invalid", f"{len(dest_blocks)} destination blocks for a handle of "
                                   f"{handle.num_blocks}", grpc.StatusCode.INVALID_ARGUMENT)
-        host, port = handle.address.host, handle.address.port
+        try:
+            sources = shard_sources(handle)
+        except ValueError as exc:
+            raise KvTransferError("invalid", str(exc), grpc.StatusCode.INVALID_ARGUMENT) from exc
         start = time.perf_counter()
+        # every shard but rank 0's at once; each writes its own heads, so all must end before the
+        # blocks can go back on a failure (no exception leaves while a sibling still writes)
+        results = await asyncio.gather(*(self._pull_source(handle, src, dest_blocks) for src in sources[:-1]),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise failed[0]
+        nbytes = sum(results) + await self._pull_source(handle, sources[-1], dest_blocks)
+        stats = PullStats(nbytes, time.perf_counter() - start)
+        self.metrics.seconds.observe(stats.seconds)
+        self.metrics.bytes.labels("received").inc(nbytes)
+        self.metrics.gbps.set(stats.gbps)
+        return stats
+
+    async def _pull_source(self, handle: kv_pb2.KvHandle, src: ShardSource, dest_blocks: list[int]) -> int:
+        host, port = src.host, src.port
         ep, reused = await self.pool.acquire(host, port)
         try:
-            nbytes = await self._exchange(ep, handle, dest_blocks)
+            nbytes = await self._exchange(ep, handle, src, dest_blocks)
         except KvTransferError as exc:
             ep.abort()  # a half-used endpoint may hold stray messages: never reuse it
             if not (reused and exc.reason == "peer_failed" and not exc.payload_started):
@@ -121,7 +155,7 @@ class KvTransferClient:
             # a cached endpoint whose peer restarted: one retry on a fresh connection
             ep, _ = await self.pool.acquire(host, port, fresh=True)
             try:
-                nbytes = await self._exchange(ep, handle, dest_blocks)
+                nbytes = await self._exchange(ep, handle, src, dest_blocks)
             except BaseException:
                 ep.abort()
                 raise
@@ -129,13 +163,16 @@ class KvTransferClient:
             ep.abort()
             raise
         self.pool.release(host, port, ep)
-        stats = PullStats(nbytes, time.perf_counter() - start)
-        self.metrics.seconds.observe(stats.seconds)
-        self.metrics.bytes.labels("received").inc(nbytes)
-        self.metrics.gbps.set(stats.gbps)
-        return stats
+        return nbytes
 
-    async def _exchange(self, ep, handle: kv_pb2.KvHandle, dest_blocks: list[int]) -> int:
+    def _unpack_local(self, staging: torch.Tensor, ids: torch.Tensor, src: ShardSource) -> None:
+        h0, h1 = self.head_range
+        if (src.head_start, src.head_end) == (h0, h1):
+            ops.unpack_kv_blocks(staging, self.kv_cache, ids)
+        else:  # one shard of a tensor-parallel prefill: its heads' slice of this pool
+            self.kv_cache[:, :, :, :, src.head_start - h0:src.head_end - h0].index_copy_(2, ids, staging)
+
+    async def _exchange(self, ep, handle: kv_pb2.KvHandle, src: ShardSource, dest_blocks: list[int]) -> int:
         cfg = self.config
         request = kv_pb2.KvPullRequest(lease_id=handle.lease_id, request_id=handle.request_id,
                                        max_message_bytes=cfg.max_message_bytes, **self.spec.fields())
@@ -152,7 +189,10 @@ class KvTransferClient:
             reason = _STATUS_REASON.get(reply.status, "rejected")
             status = grpc.StatusCode.FAILED_PRECONDITION if reason == "incompatible" else grpc.StatusCode.UNAVAILABLE
             raise KvTransferError(reason, reply.message or f"pull rejected ({reason})", status)
-        shape = (self.spec.num_layers, 2, len(dest_blocks), *self.kv_cache.shape[3:])
+        if self.install is None and not (self.head_range[0] <= src.head_start and src.head_end <= self.head_range[1]):
+            raise KvTransferError("invalid", f"shard heads [{src.head_start}, {src.head_end}) are not in this "
+                                  f"pool's heads {list(self.head_range)}", grpc.StatusCode.INVALID_ARGUMENT)
+        shape = (self.spec.num_layers, 2, len(dest_blocks), self.spec.block_size, src.num_heads, self.spec.head_dim)
         staging = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
         payload = staging.reshape(-1).view(torch.uint8)
         if reply.payload_bytes != payload.numel() or reply.num_messages < 1:
@@ -171,13 +211,16 @@ class KvTransferClient:
         self.stream.after_engine()
         with self.stream.context():
             checksum = payload_checksum_async(staging) if cfg.verify_checksum else None
-            ids = torch.tensor(dest_blocks, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
-            ops.unpack_kv_blocks(staging, self.kv_cache, ids)
+            if self.install is None:
+                ids = torch.tensor(dest_blocks, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
+                self._unpack_local(staging, ids, src)
         await self.stream.wait()
         if checksum is not None and to_u64(checksum) != reply.checksum:
             await ep.send_obj(kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=False).SerializeToString())
             raise KvTransferError("checksum", "KV payload failed its checksum (corrupted or truncated); "
                                   "it was discarded")
+        if self.install is not None:  # verified first: garbage never reaches another rank
+            await self.install(staging, list(dest_blocks), src.head_start, src.head_end)
         await ep.send_obj(kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=True).SerializeToString())
         return payload.numel()
 

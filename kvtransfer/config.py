@@ -1,4 +1,5 @@
-"""Transfer settings: every wait has a timeout; a failed pull follows a stated policy."""
+"""Transfer settings: every wait has a timeout; a failed pull follows a stated policy. Also
+the listener's fault-injection seam (TransferFaults), for tests only."""
 
 from __future__ import annotations
 
@@ -20,3 +21,19 @@ class KvTransferConfig(BaseModel):
     verify_checksum: bool = True
     # ucxx listeners bind every interface; peers dial the worker's advertised host.
     listen_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+
+
+class TransferFaults(BaseModel):
+    """For tests only (tests/faults, tests/kvtransfer): what the prefill side's listener does
+    wrong on purpose. Every field off by default; never set in production."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    corrupt_payload: bool = Field(False, description="test only: flip bytes of the payload sent")
+    truncate_payload: bool = Field(False, description="test only: zero the last half of the last message")
+    stall_before_payload_s: float = Field(0.0, ge=0, description="test only: sleep between reply and payload")
+    request_id_prefix: str = Field("", description="test only: faults hit pulls of request ids with this "
+                                                   "prefix (empty: every pull)")
+
+    def hits(self, request_id: str) -> bool:
+        return request_id.startswith(self.request_id_prefix)

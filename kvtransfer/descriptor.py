@@ -31,10 +31,12 @@ class PoolSpec:
     model_compat_hash: str
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor, compat_hash: str) -> PoolSpec:
+    def of(cls, kv_cache: torch.Tensor, compat_hash: str, num_kv_heads: int | None = None) -> PoolSpec:
+        """`num_kv_heads`: the model's KV heads, when the pool of a tensor-parallel rank holds
+        only a slice of them (the spec always describes the whole model)."""
         layers, two, _blocks, block_size, heads, head_dim = kv_cache.shape
         assert two == 2, "kv_cache must be [L, 2, NB, BS, Hkv, D]"
-        return cls(layers, heads, head_dim, block_size, kv_cache.dtype, compat_hash)
+        return cls(layers, num_kv_heads or heads, head_dim, block_size, kv_cache.dtype, compat_hash)
 
     def block_bytes(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -47,12 +49,22 @@ class PoolSpec:
 
 
 def make_handle(spec: PoolSpec, *, host: str, port: int, lease_id: str, request_id: str,
-                num_blocks: int, num_tokens: int, ttl_s: float) -> kv_pb2.KvHandle:
-    return kv_pb2.KvHandle(
+                num_blocks: int, num_tokens: int, ttl_s: float,
+                shard_ports: list[int] | None = None) -> kv_pb2.KvHandle:
+    """`shard_ports`: the UCX port of each tensor-parallel rank (rank r holds the r-th equal
+    slice of the KV heads); None or one port: no shard map (tp_size 1)."""
+    handle = kv_pb2.KvHandle(
         address=kv_pb2.UcxAddress(host=host, port=port), lease_id=lease_id, request_id=request_id,
         num_blocks=num_blocks, num_tokens=num_tokens, ttl_ms=int(ttl_s * 1000),
         expires_at_unix_ms=int((time.time() + ttl_s) * 1000), **spec.fields(),
     )
+    if shard_ports and len(shard_ports) > 1:
+        size, part = len(shard_ports), spec.num_kv_heads // len(shard_ports)
+        handle.shards.extend(
+            kv_pb2.KvShard(tp_rank=r, tp_size=size, kv_head_start=r * part, kv_head_end=(r + 1) * part,
+                           address=kv_pb2.UcxAddress(host=host, port=p))
+            for r, p in enumerate(shard_ports))
+    return handle
 
 
 def check_compatible(remote, local: PoolSpec) -> None:

@@ -19,8 +19,8 @@ serves pulls one after another until the peer closes it.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -28,7 +28,7 @@ import torch
 from splitserve.kernels import ops
 from splitserve.kvtransfer.buffers import TransferStream, ucx_view
 from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
-from splitserve.kvtransfer.config import KvTransferConfig
+from splitserve.kvtransfer.config import KvTransferConfig, TransferFaults
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import kv_pb2
@@ -47,19 +47,10 @@ class LeaseSource(Protocol):
 
     def begin_pull(self, lease_id: str, request_id: str) -> list[int]:
         """Pins the lease's blocks for the pull (an expiry meanwhile cannot free them) and
-        returns their ids in table order; raises LeaseLookupError."""
+        returns their ids in table order (or an awaitable of them); raises LeaseLookupError."""
 
     def end_pull(self, lease_id: str, delivered: bool) -> None:
         """Unpins; when delivered, the decode side has the data and the lease is released."""
-
-
-@dataclass(frozen=True)
-class TransferFaults:
-    """Fault-injection seam for tests: what the listener does wrong on purpose."""
-
-    corrupt_payload: bool = False
-    truncate_payload: bool = False
-    stall_before_payload_s: float = 0.0
 
 
 class KvTransferServer:
@@ -110,6 +101,8 @@ class KvTransferServer:
         try:
             check_compatible(req, self.spec)
             blocks = self.leases.begin_pull(req.lease_id, req.request_id)
+            if inspect.isawaitable(blocks):  # a tensor-parallel follower may wait for rank 0's grant
+                blocks = await blocks
         except KvIncompatibleError as exc:
             await ep.send_obj(self._reply_error(kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, str(exc)).SerializeToString())
             return
@@ -141,8 +134,8 @@ class KvTransferServer:
                                    num_messages=len(pieces), num_blocks=len(blocks), checksum=checksum)
         timeout = self.config.data_timeout_s  # a hung peer must not pin the blocks past this
         await asyncio.wait_for(ep.send_obj(reply.SerializeToString()), timeout)
-        pieces = self._apply_faults(pieces)
-        if self.faults.stall_before_payload_s:
+        if self.faults.hits(req.request_id):
+            pieces = self._apply_faults(pieces)
             await asyncio.sleep(self.faults.stall_before_payload_s)
         # pipelined, tag-ordered
         await asyncio.wait_for(asyncio.gather(*(ep.send(ucx_view(piece)) for piece in pieces)), timeout)

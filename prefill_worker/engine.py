@@ -163,17 +163,22 @@ class PrefillEngine:
         rows = [i for i, c in enumerate(batch) if c.is_last]
         infos = [SeqSamplingInfo(batch[i].seq.params, batch[i].seq.prompt, ()) for i in rows]
         self._in_step = {c.seq for c in batch}
-        start = time.perf_counter()
+        delay = self.cfg.faults.slow_last_chunk([batch[i].seq.request_id for i in rows]) if rows else 0.0
+        start, loop = time.perf_counter(), asyncio.get_running_loop()
         try:
-            sampled = await asyncio.get_running_loop().run_in_executor(self._executor, self._step, chunks, rows, infos)
+            sampled = await loop.run_in_executor(self._executor, self._step, chunks, rows, infos, delay)
         finally:
             self._in_step = set()
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.batch_tokens.observe(sum(c.end - c.start for c in batch))
         self._after_step(batch, sampled)
 
-    def _step(self, chunks: list[PrefillChunk], rows: list[int], infos: list[SeqSamplingInfo]) -> SampleOutput | None:
-        """Runs in the step thread: the model, then the first tokens of the prompts it finished."""
+    def _step(self, chunks: list[PrefillChunk], rows: list[int], infos: list[SeqSamplingInfo],
+              delay_s: float = 0.0) -> SampleOutput | None:
+        """Runs in the step thread: the model, then the first tokens of the prompts it finished
+        (after `delay_s`: the faults config's slow last chunk, tests only)."""
+        if delay_s:
+            time.sleep(delay_s)
         logits = self.runner.prefill(chunks)
         return self.sampler.sample(logits[rows], infos) if rows else None
 

@@ -6,6 +6,8 @@ never sees an invalid request (validation runs before any allocation).
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from splitserve.engine.errors import RequestError
@@ -28,6 +30,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.cfg = cfg
         self.engine: PrefillEngine | None = None  # set once the model is loaded and warm
         self.kv_port = 0  # the UCX listener's port, set when it starts
+        self.shard_ports: list[int] | None = None  # tensor parallel: every rank's UCX port, by rank
 
     def _engine(self) -> PrefillEngine:
         if self.engine is None:
@@ -45,6 +48,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
             result = await engine.prefill(request.request_id, request.prompt_token_ids, params,
                                           self._lease_ttl_s(request.lease_ttl_ms))
+            if delay := self.cfg.faults.reply_delay(request.request_id):  # tests only
+                await asyncio.sleep(delay)
         except RequestError as err:
             if self.engine is not None and err.code != grpc.StatusCode.CANCELLED:
                 self.engine.metrics.requests.labels(err.code.name.lower()).inc()
@@ -77,6 +82,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         load.prefix_cache.num_cached_blocks = engine.cache.num_cached_blocks
         load.leases_held = len(engine.leases)
         load.model_compat_hash = engine.runner.compat_hash
+        if self.kv_port:  # the router dials it once: an unreachable advertised host fails at registration
+            load.kv_address.CopyFrom(kv_pb2.UcxAddress(host=self.cfg.server.public_host, port=self.kv_port))
         return load
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -105,9 +112,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def kv_handle(self, lease: Lease) -> kv_pb2.KvHandle:
         runner = self._engine().runner
-        spec = PoolSpec.of(runner.kv_cache, runner.compat_hash)
+        spec = PoolSpec.of(runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads)
         handle = make_handle(spec, host=self.cfg.server.public_host, port=self.kv_port, lease_id=lease.lease_id,
                              request_id=lease.request_id, num_blocks=len(lease.block_ids),
-                             num_tokens=lease.num_tokens, ttl_s=lease.ttl_s)
+                             num_tokens=lease.num_tokens, ttl_s=lease.ttl_s, shard_ports=self.shard_ports)
         handle.expires_at_unix_ms = lease.expires_at_unix_ms
         return handle

@@ -4,6 +4,10 @@
               -> warm up -> health SERVING
     stop():   health NOT_SERVING, refuse new calls, in-flight ones get the grace period,
               then the engine stops (queued leftovers UNAVAILABLE, leases dropped)
+
+With engine.parallel.tensor_parallel_size N > 1 this process is rank 0: it spawns ranks
+1..N-1 (tp_follower.py), which run every forward on their slices and serve their KV heads
+over UCX listeners of their own; handles carry the shard map (KvHandle.shards).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from splitserve.prefill_worker.engine import PrefillEngine
 from splitserve.prefill_worker.kv_source import EngineLeaseSource
 from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.prefill_worker.servicer import PrefillWorkerServicer
+from splitserve.prefill_worker.tp_follower import MirroredLeaseTable, exchange_ports, prefill_follower_main
 from splitserve.protos import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("splitserve.prefill_worker")
@@ -39,6 +44,17 @@ class PrefillWorker:
         self.engine: PrefillEngine | None = None
         self.kv_server: KvTransferServer | None = None
         self._health_task: asyncio.Task | None = None
+        self.ranks = None  # tp_control.RankSet when this process spawned the runner's ranks
+        self._follower_ports: list[int] = []
+
+    def _start_ranks(self):
+        from splitserve.engine.tp_control import start_ranks
+
+        self.ranks = start_ranks(self.cfg.engine, prefill_follower_main, self.cfg)
+        runner = self.ranks.runner
+        if runner.tp.enabled:  # before any command: the control group carries one thing at a time
+            self._follower_ports = exchange_ports(runner.tp, 0)[1:]
+        return runner
 
     @property
     def address(self) -> str:
@@ -46,17 +62,28 @@ class PrefillWorker:
 
     async def start(self) -> None:
         await self.server.start()
-        runner = self._runner or await asyncio.to_thread(ModelRunner, self.cfg.engine)
+        runner = self._runner or await asyncio.to_thread(self._start_ranks)
         self.engine = PrefillEngine(self.cfg, runner, self.metrics, on_fatal=self._on_fatal)
+        if runner.tp.enabled:
+            from splitserve.engine.tp_control import watch_followers
+
+            self.engine.leases = MirroredLeaseTable(runner.mirror)
+            aio = asyncio.get_running_loop()
+            watch_followers(self.ranks.procs if self.ranks else [], lambda code: aio.call_soon_threadsafe(
+                self._on_fatal, RuntimeError(f"a tensor-parallel rank exited with {code}")))
         await self.engine.start()
-        self.kv_server = KvTransferServer(runner.kv_cache, PoolSpec.of(runner.kv_cache, runner.compat_hash),
-                                          EngineLeaseSource(self.engine), self.cfg.kv_transfer,
+        spec = PoolSpec.of(runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads)
+        self.kv_server = KvTransferServer(runner.kv_cache, spec, EngineLeaseSource(self.engine), self.cfg.kv_transfer,
+                                          faults=self.cfg.faults.transfer,
                                           metrics=KvTransferMetrics(self.metrics.registry))
         self.servicer.kv_port = await self.kv_server.start()
+        if runner.tp.enabled:
+            self.servicer.shard_ports = [self.servicer.kv_port, *self._follower_ports]
         self.servicer.engine = self.engine
         await self.server.set_serving(True)
 
     def _on_fatal(self, exc: BaseException) -> None:
+        log.error("prefill worker stops serving: %s", exc)
         self._health_task = asyncio.get_running_loop().create_task(self.server.set_serving(False))
 
     async def _stop_engine(self) -> None:
@@ -65,6 +92,9 @@ class PrefillWorker:
             self.kv_server = None
         if self.engine is not None:
             await self.engine.stop()
+        if self.ranks is not None:
+            await asyncio.to_thread(self.ranks.close)
+            self.ranks = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.server.drain(grace_s)
@@ -81,6 +111,8 @@ class PrefillWorker:
                 f"{r.num_blocks - 1} KV blocks x {r.block_size} tokens, max_model_len {r.max_model_len}") if r else ""
         metrics = f", metrics on :{self.server.metrics_port}" if self.server.metrics_port is not None else ""
         kv = f", KV over UCX on :{self.kv_server.port}" if self.kv_server is not None else ""
+        if r is not None and r.tp.enabled:
+            kv += f", tensor parallel {r.tp.size} (rank UCX ports {self.servicer.shard_ports})"
         return f"prefill worker serving {SERVICE_NAME} on {self.address}: {what}{kv}{metrics}"
 
 

@@ -60,8 +60,11 @@ class RouterControlServicer:
     def RegisterWorker(self, request, context):
         """Adds a worker to the registry, or refreshes it when the address is
         already registered.
-        Deadline: short; answered from the registry, never waits on the worker
-        (the first probe runs in the background).
+        Deadline: a few seconds: a new address is dialed first (health Check, and
+        for a prefill worker a TCP connect to its advertised KV listener, each
+        within the router's probe timeout); one the router cannot reach is
+        FAILED_PRECONDITION naming --advertise-host. Health and load probes then
+        run in the background.
         Idempotency: idempotent; registering the same role and address again only
         refreshes the heartbeat. The same address under another role is
         FAILED_PRECONDITION.

@@ -101,7 +101,7 @@ class PrefixCacheSummary(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "free_blocks", "total_blocks", "block_size", "prefix_cache", "leases_held", "model_compat_hash")
+    __slots__ = ("role", "num_running", "num_waiting", "free_blocks", "total_blocks", "block_size", "prefix_cache", "leases_held", "model_compat_hash", "kv_address")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class WorkerLoad(_message.Message):
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
     MODEL_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     role: _generate_pb2.WorkerRole
     num_running: int
     num_waiting: int
@@ -120,4 +121,5 @@ class WorkerLoad(_message.Message):
     prefix_cache: PrefixCacheSummary
     leases_held: int
     model_compat_hash: str
-    def __init__(self, role: _Optional[_Union[_generate_pb2.WorkerRole, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., leases_held: _Optional[int] = ..., model_compat_hash: _Optional[str] = ...) -> None: ...
+    kv_address: _kv_pb2.UcxAddress
+    def __init__(self, role: _Optional[_Union[_generate_pb2.WorkerRole, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., leases_held: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., kv_address: _Optional[_Union[_kv_pb2.UcxAddress, _Mapping]] = ...) -> None: ...

@@ -86,6 +86,8 @@ class RoutingConfig(_Frozen):
     decode_policy: PolicyName = "least_loaded"
     prefix: PrefixPolicyConfig = PrefixPolicyConfig()
     prefill_retry: bool = Field(True, description="retry a prefill that failed UNAVAILABLE once, on another worker")
+    decode_retry: bool = Field(True, description="retry a Decode that failed UNAVAILABLE before its first chunk "
+                                                 "(a worker gone or draining) once, on another decode worker")
     release_lease_after_decode: bool = Field(
         True, description="release the prefill lease once the decode stream has started (the decode worker "
                           "normally does after its pull; this is the safety net); a request that ends before "
@@ -106,6 +108,11 @@ class RegistryConfig(_Frozen):
     heartbeat_timeout_s: float = Field(3.0, gt=0, description="silence after which a registered worker is evicted")
     forget_after_s: float = Field(60.0, gt=0, description="silence after which it is removed from the registry")
     max_prefix_hashes: int = Field(4096, ge=0, description="block hashes asked of prefill workers per poll")
+    verify_addresses: bool = Field(
+        True, description="refuse a RegisterWorker whose address the router cannot dial (health Check within "
+                          "probe_timeout_s), and keep a prefill worker whose advertised KV (UCX) listener it "
+                          "cannot open a TCP connection to out of rotation; false only where a firewall lets the "
+                          "decode workers, not the router, reach the KV listeners")
 
     @model_validator(mode="after")
     def _order(self) -> RegistryConfig:

@@ -2,9 +2,11 @@
 
     choose prefill worker ──Prefill(timeout = time left)──▶ first token + KvHandle (lease)
         │ UNAVAILABLE before a reply: evict it, Abort there (best effort), retry once elsewhere
+        │ cancelled or past its deadline: Abort there too (a reply with a lease may be on the wire)
     write the first chunk at once (TTFT does not wait for the decode side)
         │ finished already (eos, stop token, stop string, max_tokens)? release the lease, done
     choose decode worker (same model compat hash) ──Decode(timeout = time left)──▶ token chunks
+        │ UNAVAILABLE before its first chunk: evict it, retry once on another decode worker
         │ first decode chunk: the KV is pulled; release the lease (safety net, idempotent)
         │ failure after tokens were sent: UNAVAILABLE, never a silent replay
     last chunk: finish reason, usage
@@ -44,6 +46,16 @@ _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHA
 DEADLINE_SLACK_S = 0.25
 _OUTCOME = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",
             generate_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+class _DecodeRefused(Exception):
+    """A Decode that failed UNAVAILABLE before its first chunk; `error` is what the client gets
+    when no retry happens."""
+
+    def __init__(self, error: RequestError, why: str) -> None:
+        super().__init__(why)
+        self.error = error
+        self.why = why
 
 
 class LiveRequest:
@@ -146,8 +158,13 @@ class Generation:
             w.in_flight += 1
             try:
                 return w, await call
+            except asyncio.CancelledError:
+                self._abort_on(w)  # its reply, and the lease in it, may be on the wire: drop them there
+                raise
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                        self._abort_on(w)  # as above
                     raise worker_error("prefill", w, err) from None
                 reg.report_failure(w, f"Prefill failed: UNAVAILABLE ({err.details()})")
                 self._abort_on(w)  # in case the request got through before the failure
@@ -163,18 +180,35 @@ class Generation:
 
     # ---- decode ------------------------------------------------------------------------------------
     async def _decode(self, first: worker_pb2.PrefillResponse | None) -> None:
-        """Streams the decode side; `first` None: colocated, the decode worker makes the first token."""
+        """Streams the decode side; `first` None: colocated, the decode worker makes the first token.
+        A Decode refused UNAVAILABLE before its first chunk (the worker died or is draining; the
+        lease is still ours) is retried once on another decode worker: nothing of it was sent."""
         req = self.req
         if first is None:
-            w = self.ctx.registry.choose(DECODE, self.ctx.decode_policy, req.prompt)
+            compat = ""
             decode_req = worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
                                                   sampling=req.sampling)
         else:
-            w = self.ctx.registry.choose(DECODE, self.ctx.decode_policy, req.prompt,
-                                         compat_hash=first.kv.model_compat_hash or self.lease[0].load.model_compat_hash)
+            compat = first.kv.model_compat_hash or self.lease[0].load.model_compat_hash
             decode_req = worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
                                                   first_token_id=first.first_token_id, sampling=req.sampling,
                                                   kv=first.kv)
+        tried: list[str] = []
+        while True:
+            w = self.ctx.registry.choose(DECODE, self.ctx.decode_policy, req.prompt, exclude=tried, compat_hash=compat)
+            tried.append(w.address)
+            try:
+                await self._decode_on(w, decode_req, first)
+                return
+            except _DecodeRefused as refused:
+                others = [x for x in self.ctx.registry.healthy(DECODE) if x.address not in tried]
+                if not (self.ctx.cfg.routing.decode_retry and len(tried) < 2 and others):
+                    raise refused.error from None
+                log.warning("%s: decode on %s UNAVAILABLE before its first chunk (%s); retrying on another worker",
+                            req.request_id, w.address, refused.why)
+
+    async def _decode_on(self, w: Worker, decode_req: worker_pb2.DecodeRequest,
+                         first: worker_pb2.PrefillResponse | None) -> None:
         call = w.stub.Decode(decode_req, timeout=self._timeout())
         self.live.call = call
         w.in_flight += 1
@@ -203,9 +237,12 @@ class Generation:
                 f"decode worker {w.address} ended the stream without a finish reason after "
                 f"{self.out.num_tokens} tokens; the stream cannot be resumed, send the request again")
         except grpc.aio.AioRpcError as err:
+            error = worker_error("decode", w, err, tokens_sent=self.out.num_tokens)
             if err.code() == grpc.StatusCode.UNAVAILABLE:
                 self.ctx.registry.report_failure(w, f"Decode failed: UNAVAILABLE ({err.details()})")
-            raise worker_error("decode", w, err, tokens_sent=self.out.num_tokens) from None
+                if not self.decode_took_lease:
+                    raise _DecodeRefused(error, err.details()) from None
+            raise error from None
         finally:
             w.in_flight -= 1
             self.live.call = None

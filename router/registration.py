@@ -1,6 +1,7 @@
 """Keeps a worker registered with a router: RegisterWorker, then Heartbeat at the interval the
 router asks for; registers again when the router forgot it (restart, long silence) and
-retries with backoff while the router is unreachable.
+retries with backoff while the router is unreachable. A worker address the router cannot dial
+is refused at once (FAILED_PRECONDITION naming --advertise-host): the sidecar exits with 2.
 
     python -m splitserve.router.registration --router ROUTER:50051 --role prefill --worker HOST:50061
 
@@ -19,6 +20,7 @@ import signal
 import sys
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.engine.grpc_service import channel_options
 from splitserve.protos import generate_pb2, router_pb2, router_pb2_grpc
@@ -28,12 +30,31 @@ log = logging.getLogger("splitserve.registration")
 ROLES = {"prefill": generate_pb2.WORKER_ROLE_PREFILL, "decode": generate_pb2.WORKER_ROLE_DECODE}
 
 
+async def wait_for_worker(worker: str, timeout_s: float) -> bool:
+    """Until the worker's gRPC server answers at `worker` (any health answer will do), at most
+    `timeout_s`. The router refuses an address it cannot dial, and a sidecar usually starts
+    together with its worker: registering before the worker listens would be refused."""
+    async with grpc.aio.insecure_channel(worker, options=channel_options()) as channel:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s,
+                                                            wait_for_ready=True)
+        except grpc.aio.AioRpcError as err:
+            if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return False
+        return True
+
+
 async def keep_registered(router: str, role: str, worker: str, stop: asyncio.Event | None = None,
-                          call_timeout_s: float = 2.0, max_backoff_s: float = 10.0) -> None:
+                          call_timeout_s: float = 5.0, max_backoff_s: float = 10.0,
+                          worker_wait_s: float = 30.0) -> None:
     """Runs until `stop` is set (or the task is cancelled). Errors that retrying cannot fix
-    (INVALID_ARGUMENT, FAILED_PRECONDITION) are raised."""
+    (INVALID_ARGUMENT, FAILED_PRECONDITION: e.g. the router cannot reach `worker`) are raised.
+    Waits up to `worker_wait_s` for the worker to answer at `worker` before registering."""
     stop = stop or asyncio.Event()
     role_id = ROLES[role]
+    if worker_wait_s > 0 and not await wait_for_worker(worker, worker_wait_s):
+        log.warning("%s worker not answering at %s after %.0fs; registering anyway (the router refuses an "
+                    "address it cannot dial)", role, worker, worker_wait_s)
     async with grpc.aio.insecure_channel(router, options=channel_options()) as channel:
         stub = router_pb2_grpc.RouterControlStub(channel)
         interval, backoff, registered = 1.0, 0.5, False
@@ -70,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router", required=True, metavar="HOST:PORT", help="the router's gRPC address")
     p.add_argument("--role", required=True, choices=sorted(ROLES))
     p.add_argument("--worker", required=True, metavar="HOST:PORT", help="the worker's address as the router dials it")
+    p.add_argument("--worker-wait-s", type=float, default=30.0,
+                   help="seconds to wait for the worker to answer before the first registration (default 30)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -79,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await keep_registered(args.router, args.role, args.worker, stop)
+        await keep_registered(args.router, args.role, args.worker, stop, worker_wait_s=args.worker_wait_s)
 
     try:
         asyncio.run(run())

@@ -10,7 +10,9 @@ An unhealthy worker is evicted: no new requests go there (in-flight ones finish 
 their own); it returns as soon as it is healthy again. A registered worker silent for
 forget_after_s is removed; static workers stay listed (healthy=false) and keep being
 probed. A request that sees UNAVAILABLE from a worker reports it (`report_failure`), which
-evicts the worker at once instead of at the next probe.
+evicts the worker at once instead of at the next probe. A RegisterWorker whose address the
+router cannot dial is refused (register_checked); a prefill worker whose advertised KV
+listener it cannot reach stays out of rotation (registry.verify_addresses, reachability.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from splitserve.engine.grpc_service import channel_options
 from splitserve.router.config import RouterConfig, check_address
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import Policy, WorkerView
+from splitserve.router.reachability import check_reachable, kv_unreachable_message, tcp_unreachable
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,8 @@ class Worker:
     in_flight: int = 0
     last_heartbeat: float = 0.0
     task: asyncio.Task | None = None
+    kv_verified: tuple[str, int] | None = None  # the advertised KV listener the router reached
+    kv_warned: tuple[str, int] | None = None  # ... or last failed to reach (logged once)
 
     @property
     def role_name(self) -> str:
@@ -112,7 +117,25 @@ class WorkerRegistry:
         await w.channel.close()
         self.metrics.forget_worker(w.role_name, w.address)
 
+    async def register_checked(self, role: int, address: str) -> Worker:
+        """register(), but a new address is dialed first (reachability.py): one the router cannot
+        reach is FAILED_PRECONDITION naming --advertise-host, not a worker that never gets healthy."""
+        self._validate(role, address)
+        if self.rc.verify_addresses and address not in self._workers:
+            async with grpc.aio.insecure_channel(address, options=channel_options(self.cfg.server)) as channel:
+                await check_reachable(channel, ROLE_NAME[role], SERVICE[role], address, self.rc.probe_timeout_s,
+                                      check_kv=role == PREFILL)
+        return self.register(role, address)
+
     def register(self, role: int, address: str) -> Worker:
+        self._validate(role, address)
+        w = self._workers.get(address)
+        if w is None:
+            return self._add(role, address, static=False)
+        w.last_heartbeat = self._clock()
+        return w
+
+    def _validate(self, role: int, address: str) -> None:
         if role not in ROLE_NAME:
             raise RequestError.invalid("role is unset; register as WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE")
         try:
@@ -128,10 +151,6 @@ class WorkerRegistry:
             raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
                                f"{address} is already registered as a {w.role_name} worker; one role per "
                                "address (restart the router to change it, or use another port)")
-        if w is None:
-            return self._add(role, address, static=False)
-        w.last_heartbeat = self._clock()
-        return w
 
     def heartbeat(self, role: int, address: str) -> bool:
         w = self._workers.get(address)
@@ -214,11 +233,29 @@ class WorkerRegistry:
         if load.role != w.role:
             return False, (f"it answers as a {ROLE_NAME.get(load.role, 'unknown')} worker, not {w.role_name}; "
                            "fix the router's worker lists")
+        if w.role == PREFILL and self.rc.verify_addresses and (why := await self._kv_unreachable(w, load)):
+            return False, why
         w.load = load
         w.prefix_hashes = frozenset(load.prefix_cache.block_hashes)
         self.metrics.worker_queue.labels(w.role_name, w.address).set(load.num_running + load.num_waiting)
         self.metrics.worker_free_blocks.labels(w.role_name, w.address).set(load.free_blocks)
         return True, ""
+
+    async def _kv_unreachable(self, w: Worker, load: worker_pb2.WorkerLoad) -> str:
+        """Why the prefill worker's advertised KV listener cannot be reached ('' when it can, or
+        is not up yet); dialed until reached once, again only when the address changes."""
+        kv = (load.kv_address.host, load.kv_address.port)
+        if not kv[1] or kv == w.kv_verified:
+            return ""
+        why = await tcp_unreachable(*kv, self.rc.probe_timeout_s)
+        if not why:
+            w.kv_verified = kv
+            return ""
+        message = kv_unreachable_message(w.address, f"{kv[0]}:{kv[1]}", why)
+        if w.kv_warned != kv:
+            w.kv_warned = kv
+            log.warning("%s worker %s kept out of rotation: %s", w.role_name, w.address, message)
+        return message
 
     def _set_healthy(self, w: Worker, healthy: bool, why: str) -> None:
         w.why = "" if healthy else why

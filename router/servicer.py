@@ -50,7 +50,7 @@ class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
     async def RegisterWorker(self, request: router_pb2.RegisterWorkerRequest, context) -> (
             router_pb2.RegisterWorkerResponse):
         try:
-            self.ctx.registry.register(request.role, request.address)
+            await self.ctx.registry.register_checked(request.role, request.address)
         except RequestError as err:
             await err.abort(context)
         rc = self.ctx.cfg.registry

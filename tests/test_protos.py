@@ -185,7 +185,7 @@ WIRE = {
     "GetLoadRequest": "max_prefix_hashes",
     "PrefixCacheSummary": "block_hashes num_cached_blocks",
     "WorkerLoad": "role num_running num_waiting free_blocks total_blocks block_size "
-    "prefix_cache leases_held model_compat_hash",
+    "prefix_cache leases_held model_compat_hash kv_address",
     "KvPullRequest": "lease_id request_id layout dtype block_size num_layers num_kv_heads head_dim "
     "model_compat_hash max_message_bytes",
     "KvPullReply": "status message payload_bytes num_messages num_blocks checksum",

@@ -71,9 +71,10 @@ def test_deadline_ends_the_request_with_deadline_exceeded_and_no_leak(cluster):
     _, tokens, code = tries[-1]
     assert code == early == grpc.StatusCode.DEADLINE_EXCEEDED, tries
     assert 1 <= tokens < 249
-    # the router tells a deadline from a plain cancel by the time left when the call ended
+    # the router tells a deadline from a plain cancel by the time left when the call ended; on a
+    # busy machine the 5 ms call may expire before it reaches the router's handler at all
     expired = 1 + sum(c == grpc.StatusCode.DEADLINE_EXCEEDED for _, _, c in tries)
-    assert deadline >= 1 and deadline + cancelled == expired
+    assert deadline >= 1 and expired - 1 <= deadline + cancelled <= expired
 
 
 def test_abort_ends_the_stream_with_finish_reason_abort(cluster):

@@ -1,0 +1,86 @@
+"""Request bytes that are no valid protobuf message get INVALID_ARGUMENT naming the message type.
+
+grpc.aio runs the generated deserializer (`Msg.FromString`) before any handler: when it raises,
+the client gets UNKNOWN ("Unexpected DecodeError") and the server logs a full traceback per
+request, so any peer can fill the logs. `GrpcServer.add` hands the generated
+`add_*_to_server` this stand-in for the server, which registers the same handlers with a
+deserializer that returns a `Malformed` marker instead of raising, and a behaviour that answers
+the marker with INVALID_ARGUMENT before the servicer runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import grpc
+from google.protobuf.message import DecodeError
+
+
+class Malformed:
+    def __init__(self, type_name: str, exc: Exception) -> None:
+        self.message = (f"the request is not a valid {type_name} protobuf message ({exc}); send the message "
+                        "serialized by code generated from this service's .proto files")
+
+
+def _tolerant(deserialize):
+    type_name = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    type_name = type_name.full_name if type_name is not None else "request"
+
+    def parse(raw: bytes):
+        try:
+            return deserialize(raw)
+        except DecodeError as exc:
+            return Malformed(type_name, exc)
+    return parse
+
+
+def _guard(behavior):
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request, context):
+            if isinstance(request, Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            async with contextlib.aclosing(behavior(request, context)) as items:
+                async for item in items:
+                    yield item
+        return stream
+
+    async def call(request, context):
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await behavior(request, context)
+    return call
+
+
+def guarded(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
+    """The handler with a tolerant deserializer (unary requests; streamed ones are left alone)."""
+    if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        return handler
+    kind = "unary_stream" if handler.response_streaming else "unary_unary"
+    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer),
+                            **{kind: _guard(getattr(handler, kind))})
+
+
+class _GuardedGeneric(grpc.GenericRpcHandler):
+    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+        self._inner = inner
+        self._cache: dict[str, grpc.RpcMethodHandler | None] = {}
+
+    def service(self, handler_call_details):
+        method = handler_call_details.method
+        if method not in self._cache:
+            self._cache[method] = guarded(self._inner.service(handler_call_details))
+        return self._cache[method]
+
+
+class RejectMalformed:
+    """Stands in for a grpc.aio server while a generated `add_*_to_server` registers handlers."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_GuardedGeneric(h) for h in handlers))
+
+    def add_registered_method_handlers(self, service_name: str, handlers: dict) -> None:
+        self._server.add_registered_method_handlers(service_name, {m: guarded(h) for m, h in handlers.items()})

@@ -1,0 +1,72 @@
+"""This machine's address as peers on other machines dial it.
+
+A service bound to every interface (0.0.0.0, ::) must still advertise one concrete address:
+the router dials it, and a prefill worker writes it into every KvHandle for the decode
+workers' UCX connect. The host name is no good (often unresolvable from peers, or resolving
+to 127.0.1.1), and 0.0.0.0 is no address at all. So we take the source address of the
+default route, else (hosts and namespaces without a default route) the first non-loopback
+IPv4 address of an interface that is up; loopback only when nothing else exists.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import logging
+import socket
+import struct
+
+log = logging.getLogger(__name__)
+
+WILDCARDS = frozenset({"0.0.0.0", "::", "[::]", ""})
+_SIOCGIFFLAGS, _SIOCGIFADDR = 0x8913, 0x8915
+_IFF_UP, _IFF_LOOPBACK = 0x1, 0x8
+
+
+def is_wildcard(host: str) -> bool:
+    return host in WILDCARDS
+
+
+def default_route_ipv4() -> str | None:
+    """Source address the kernel picks for an off-host destination (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("198.51.100.1", 9))  # TEST-NET-2: normally reached through the default route
+            ip = s.getsockname()[0]
+    except OSError:  # ENETUNREACH: no default route
+        return None
+    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+def interface_ipv4s() -> list[str]:
+    """IPv4 addresses of the interfaces that are up and not loopback, in interface order."""
+    found = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            req = struct.pack("256s", name.encode()[:15])
+            try:
+                flags = struct.unpack("H", fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, req)[16:18])[0]
+                if not flags & _IFF_UP or flags & _IFF_LOOPBACK:
+                    continue
+                found.append(socket.inet_ntoa(fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)[20:24]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+    return found
+
+
+@functools.cache
+def routable_host() -> str:
+    """The address to advertise when bound to every interface (cached for the process)."""
+    ip = default_route_ipv4() or next(iter(interface_ipv4s()), None)
+    if ip is None:
+        log.warning("no non-loopback IPv4 address found: advertising 127.0.0.1, which only this machine can "
+                    "dial; set --advertise-host to an address peers can reach")
+        return "127.0.0.1"
+    return ip
+
+
+def advertised_host(bind_host: str, advertise_host: str | None) -> str:
+    """advertise_host when given; else the bound address, or routable_host() for a wildcard bind."""
+    if advertise_host:
+        return advertise_host
+    return routable_host() if is_wildcard(bind_host) else bind_host

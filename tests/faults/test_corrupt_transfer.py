@@ -1,0 +1,44 @@
+"""A KV payload corrupted or truncated on the wire (the prefill listener's test-only transfer
+faults, for ids with a prefix) is caught by the decode side's checksum and discarded: the
+request is recomputed (the shared decode worker's policy) and its tokens are the oracle's,
+never garbage; an unaffected request through the same workers is pulled as usual."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fault_helpers import Ledger, finish_case, metric, start_worker
+from router_helpers import greedy, router_config, running_router
+
+from splitserve.engine.sampling_params import SamplingParams
+
+PROMPT = [1] + list(range(120, 150))  # 30 tokens: 8 blocks
+
+
+@pytest.mark.parametrize("fault", ["corrupt_payload", "truncate_payload"])
+def test_corrupted_transfer_is_detected_and_never_served(cluster, oracle, procs, fault):
+    prefill, _ = start_worker(procs, "prefill", cluster.model, {"transfer": {fault: True, "request_id_prefix": "bad"}})
+    dm = cluster.decode_metrics
+
+    def counts() -> tuple[float, float]:
+        return (metric(dm, "splitserve_kv_transfer_failures_total", reason="checksum"),
+                metric(dm, "splitserve_kv_transfer_bytes_total", direction="received"))
+
+    async def body():
+        ledger = Ledger(f"bad-{fault}")
+        async with running_router(router_config(cluster.model, [prefill.address], [cluster.decode])) as (r, stub):
+            before = counts()
+            bad = await ledger.run(stub, PROMPT, greedy(10, ignore_eos=True))
+            after_bad = counts()
+            good = await ledger.run(stub, PROMPT[:-1], greedy(10, ignore_eos=True), request_id="clean-pull")
+            after_good = counts()
+            await finish_case(ledger, stub, oracle, [prefill.address], [cluster.decode], r)
+            return bad, good, before, after_bad, after_good
+
+    bad, good, before, after_bad, after_good = asyncio.run(body())
+    for t, prompt in ((bad, PROMPT), (good, PROMPT[:-1])):
+        want = oracle(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)).token_ids
+        assert t.status == "OK/LENGTH" and t.tokens == want
+    assert after_bad[0] == before[0] + 1  # detected: one checksum failure, the payload discarded
+    assert after_good[0] == after_bad[0] and after_good[1] > after_bad[1]  # the clean one was pulled

@@ -1,0 +1,85 @@
+"""Pressure and shutdown: a burst of long requests on small KV pools queues (or is refused with
+RESOURCE_EXHAUSTED) without a crash or a hang; a decode worker's SIGTERM drain stops new work
+going there and lets its in-flight streams finish within the grace period, none lost."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+from fault_helpers import Ledger, finish_case, metric, start_on, start_worker, wait_all_healthy
+from helpers_procs import health_status
+from router_helpers import SERVING, greedy, router_config, running_router, wait_until
+
+from splitserve.engine.sampling_params import SamplingParams
+
+PROMPT = [1, 44, 45, 46, 200, 201, 202]
+
+
+def test_kv_pool_exhaustion_burst_queues_without_crash_or_hang(cluster, oracle, procs):
+    # prefill: 39 usable blocks of 4 tokens (four 30-token prompts under lease at a time);
+    # decode: 47 (two sequences of 30 + 60 tokens at a time); ten such requests at once
+    prefill, _ = start_worker(procs, "prefill", cluster.model, None, num_blocks=40, wait=False)
+    decode, dm = start_worker(procs, "decode", cluster.model, None, num_blocks=48, wait=False)
+    prefill.wait_serving()
+    decode.wait_serving()
+    prompts = [[1] + [(7 * i + 13 * k) % 500 + 3 for i in range(29)] for k in range(5)] * 2
+    sampling = greedy(60, ignore_eos=True)
+
+    async def body():
+        ledger = Ledger("burst")
+        async with running_router(router_config(cluster.model, [prefill.address], [decode.address])) as (r, stub):
+            start = time.monotonic()
+            done = await asyncio.wait_for(
+                asyncio.gather(*(ledger.run(stub, p, sampling, timeout=120) for p in prompts)), 150)
+            took = time.monotonic() - start
+            pressure = (metric(dm, "splitserve_kv_transfer_failures_total", reason="pool_full")
+                        + metric(dm, "splitserve_decode_preemptions_total"))
+            alive = prefill.alive() and decode.alive()
+            await finish_case(ledger, stub, oracle, [prefill.address], [decode.address], r)
+            return done, took, pressure, alive
+
+    done, took, pressure, alive = asyncio.run(body())
+    assert alive and health_status(decode.address) == health_status(prefill.address) == SERVING
+    statuses = [t.status for t in done]
+    assert set(statuses) <= {"OK/LENGTH", "RESOURCE_EXHAUSTED"}, statuses
+    assert pressure > 0 or "RESOURCE_EXHAUSTED" in statuses  # the pools did run short
+    for p, t in zip(prompts, done):
+        if t.status == "OK/LENGTH":
+            assert t.tokens == oracle(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)).token_ids
+
+
+def test_sigterm_drain_finishes_in_flight_streams(cluster, oracle, procs):
+    grace_s = 30.0
+    draining, _ = start_worker(procs, "decode", cluster.model, None, "--drain-grace-s", str(grace_s))
+    cfg = router_config(cluster.model, [cluster.prefill], [draining.address, cluster.decode],
+                        routing={"decode_policy": "round_robin"})
+
+    async def body():
+        ledger = Ledger("drain")
+        async with running_router(cfg) as (r, stub):
+            await wait_all_healthy(r)
+            streams = [await start_on(ledger, stub, draining.address, [cluster.decode], PROMPT)]
+            streams += [ledger.start(stub, PROMPT) for _ in range(2)]  # round robin: one more lands there
+            await streams[0].read(2)
+            draining.proc.send_signal(signal.SIGTERM)
+            termed = time.monotonic()
+            await wait_until(lambda: _not_serving(draining.address), 5, "draining worker not SERVING")
+            w = r.registry.get(draining.address)
+            await wait_until(lambda: not w.healthy, 5, "router stopped routing to the draining worker")
+            codes = await asyncio.gather(*(t.finish() for t in streams))
+            code = await asyncio.to_thread(draining.proc.wait, grace_s)
+            exited_s = time.monotonic() - termed
+            await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
+            return streams, codes, code, exited_s
+
+    streams, codes, code, exited_s = asyncio.run(body())
+    want = oracle(PROMPT, SamplingParams(temperature=0, max_tokens=249, ignore_eos=True)).token_ids
+    assert codes == [grpc.StatusCode.OK] * 3 and all(t.tokens == want for t in streams)
+    assert code == 0 and exited_s < grace_s
+
+
+async def _not_serving(address: str) -> bool:
+    return await asyncio.to_thread(health_status, address, "splitserve.v1.DecodeWorker", 1.0) != SERVING

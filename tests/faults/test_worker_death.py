@@ -1,0 +1,177 @@
+"""Workers (and a router) that die, hang or never collect: each case starts the processes it
+kills next to the shared ones, and ends with the suite's uniform checks on the survivors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from fault_helpers import (
+    SLOW_PULL,
+    Ledger,
+    finish_case,
+    leases_held,
+    metric,
+    start_on,
+    start_worker,
+    wait_all_healthy,
+    wait_no_lease,
+)
+from router_helpers import greedy, router_config, running_router, wait_until
+
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.protos import generate_pb2_grpc
+
+PROMPT = [1, 44, 45, 46, 200, 201, 202]
+UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+
+
+def _want(oracle, n: int, prompt=PROMPT) -> list[int]:
+    return oracle(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)).token_ids
+
+
+def test_lease_nobody_collects_expires_and_frees(cluster, oracle, procs):
+    """The router dies while the decode worker holds the request before its pull: nobody pulls
+    and nobody releases; the lease's TTL frees the blocks and counts an expiry."""
+    ttl_s = 1.0
+    prefill, pm = start_worker(procs, "prefill", cluster.model, None, "--lease-ttl-s", str(ttl_s))
+    router = procs.router(cluster.model, "--prefill", prefill.address, "--decode", cluster.decode,
+                          "--max-model-len", "256", "--poll-interval-s", "0.2")
+
+    async def body():
+        ledger = Ledger(f"{SLOW_PULL}-orphan")  # the decode worker waits before pulling
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            t = ledger.start(generate_pb2_grpc.GenerateServiceStub(channel), PROMPT)
+            await t.read(1)
+            assert await leases_held(prefill.address) == 1
+            router.kill()
+            assert await t.finish() == UNAVAILABLE
+        await wait_no_lease(prefill.address, ttl_s + 5)  # expired
+        expired = metric(pm, "splitserve_kv_lease_expired_total")
+        async with running_router(router_config(cluster.model, [prefill.address], [cluster.decode])) as (_, stub):
+            await finish_case(ledger, stub, oracle, [prefill.address], [cluster.decode])  # its router is gone
+        return expired
+
+    assert asyncio.run(body()) == 1
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_prefill_killed_mid_transfer(cluster, oracle, procs, policy):
+    """The prefill worker dies after its pull reply, before the payload (a stall holds it there):
+    the decode worker fails the pull within its data timeout, then recomputes (same tokens) or
+    ends UNAVAILABLE; the blocks it reserved go back unused."""
+    data_timeout_s = 5.0
+    doomed, _ = start_worker(procs, "prefill", cluster.model, {"transfer": {"stall_before_payload_s": 60}}, wait=False)
+    decode, dm = start_worker(procs, "decode", cluster.model, None, "--kv-failure-policy", policy,
+                              "--kv-data-timeout-s", str(data_timeout_s), wait=False)
+    doomed.wait_serving()
+    decode.wait_serving()
+
+    async def body():
+        ledger = Ledger(f"midpull-{policy}")
+        async with running_router(router_config(cluster.model, [doomed.address], [decode.address])) as (r, stub):
+            t = ledger.start(stub, PROMPT, greedy(12, ignore_eos=True))
+            await t.read(1)
+            await asyncio.sleep(0.5)  # the pull is asked for and answered; the payload is stalled
+            doomed.kill()
+            killed_at = time.monotonic()
+            await t.finish()
+            failed_s = time.monotonic() - killed_at
+            failures = sum(metric(dm, "splitserve_kv_transfer_failures_total", reason=why)
+                           for why in ("peer_failed", "data_timeout"))
+            async with running_router(router_config(cluster.model, [cluster.prefill], [decode.address])) as (_, s2):
+                await finish_case(ledger, s2, oracle, [cluster.prefill], [decode.address], r)
+        return t, failed_s, failures
+
+    t, failed_s, failures = asyncio.run(body())
+    assert failures == 1 and failed_s < data_timeout_s + 2
+    if policy == "recompute":
+        assert t.status == "OK/LENGTH" and t.tokens == _want(oracle, 12)
+    else:
+        assert t.code == UNAVAILABLE and "KV transfer failed" in t.details and t.tokens == _want(oracle, 1)
+
+
+def _two_decode_router(cluster, extra: str, **registry):
+    return running_router(router_config(cluster.model, [cluster.prefill], [extra, cluster.decode],
+                                        routing={"decode_policy": "round_robin"}, registry=registry))
+
+
+def test_decode_killed_mid_stream_is_unavailable_and_evicted(cluster, oracle, procs):
+    doomed, _ = start_worker(procs, "decode", cluster.model)
+
+    async def body():
+        ledger = Ledger("decodekill")
+        async with _two_decode_router(cluster, doomed.address) as (r, stub):
+            await wait_all_healthy(r)
+            t = await start_on(ledger, stub, doomed.address, [cluster.decode], PROMPT)
+            await t.read(2)
+            doomed.kill()
+            assert await t.finish() == UNAVAILABLE
+            evicted = not r.registry.get(doomed.address).healthy
+            after = [await ledger.run(stub, PROMPT, greedy(8, ignore_eos=True)) for _ in range(3)]
+            await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
+            return t, evicted, after, r.metrics.worker_evictions.labels("decode", doomed.address)._value.get()
+
+    t, evicted, after, evictions = asyncio.run(body())
+    assert f"failed after {len(t.tokens)} tokens were streamed" in t.details
+    assert 2 <= len(t.tokens) < 249 and t.tokens == _want(oracle, 249)[:len(t.tokens)]  # never a replay
+    assert evicted and evictions == 1
+    assert all(a.status == "OK/LENGTH" and a.tokens == _want(oracle, 8) for a in after)
+
+
+def test_decode_refused_before_its_first_chunk_is_retried_elsewhere(cluster, oracle, procs):
+    """A decode worker gone while the router still believes in it (probes far apart): the
+    request it gets is refused before any decode chunk, and goes to the other worker."""
+    gone, _ = start_worker(procs, "decode", cluster.model)
+
+    async def body():
+        ledger = Ledger("refused")
+        async with _two_decode_router(cluster, gone.address, poll_interval_s=60) as (r, stub):
+            await wait_all_healthy(r)
+            gone.kill()
+            done = [await ledger.run(stub, PROMPT, greedy(8, ignore_eos=True)) for _ in range(2)]  # round robin
+            evictions = r.metrics.worker_evictions.labels("decode", gone.address)._value.get()
+            await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
+            return done, evictions
+
+    done, evictions = asyncio.run(body())
+    assert all(t.status == "OK/LENGTH" and t.tokens == _want(oracle, 8) for t in done)
+    assert evictions == 1
+
+
+PROBE_TIMEOUT_S, POLL_S = 1.0, 0.2
+EVICT_BOUND_S = PROBE_TIMEOUT_S + POLL_S + 1.0  # a probe in flight times out, one interval, slack
+
+
+def test_wedged_decode_worker_is_evicted_in_bounded_time_and_recovers(cluster, oracle, procs):
+    wedged, _ = start_worker(procs, "decode", cluster.model)
+
+    async def body():
+        ledger = Ledger("wedged")
+        async with _two_decode_router(cluster, wedged.address, probe_timeout_s=PROBE_TIMEOUT_S,
+                                      poll_interval_s=POLL_S) as (r, stub):
+            await wait_all_healthy(r)
+            t = await start_on(ledger, stub, wedged.address, [cluster.decode], PROMPT)
+            await t.read(2)
+            os.kill(wedged.proc.pid, signal.SIGSTOP)
+            try:
+                stopped_at = time.monotonic()
+                w = r.registry.get(wedged.address)
+                await wait_until(lambda: not w.healthy, EVICT_BOUND_S + 5, "wedged worker evicted")
+                evicted_s, why = time.monotonic() - stopped_at, w.why
+                during = [await ledger.run(stub, PROMPT, greedy(8, ignore_eos=True)) for _ in range(2)]
+                t.call.cancel()  # its client gives up on the wedged stream
+                assert await t.finish() == grpc.StatusCode.CANCELLED
+            finally:
+                os.kill(wedged.proc.pid, signal.SIGCONT)
+            await wait_until(lambda: w.healthy, EVICT_BOUND_S + 5, "recovered worker back in rotation")
+            await finish_case(ledger, stub, oracle, [cluster.prefill], [wedged.address, cluster.decode], r, n=2)
+            return evicted_s, why, during
+
+    evicted_s, why, during = asyncio.run(body())
+    assert evicted_s <= EVICT_BOUND_S and "DEADLINE_EXCEEDED" in why, (evicted_s, why)
+    assert all(a.status == "OK/LENGTH" and a.tokens == _want(oracle, 8) for a in during)
