@@ -72,16 +72,11 @@ class TPKvInstaller:
 def decode_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
     """Entry of follower rank `rank` of a decode worker (`cfg`: its DecodeWorkerConfig)."""
     from splitserve.decode_worker.graph_runner import GraphRunner
-    from splitserve.engine.model_runner import ModelRunner, resolve_device
-    from splitserve.engine.parallel import destroy_tp, init_tp, rank_device
-    from splitserve.engine.tp_control import die_with_parent, follow
+    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.parallel import destroy_tp
+    from splitserve.engine.tp_control import follow, join_as_follower
 
-    die_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
-    device = rank_device(resolve_device(cfg.engine.device), rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    tp = init_tp(rank, size, init_method, device)
+    tp = join_as_follower(rank, size, init_method, cfg.engine)
     graphs = None
     try:
         runner = ModelRunner(cfg.engine, tp)

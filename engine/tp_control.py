@@ -139,13 +139,28 @@ def follow(tp: TPGroup, runner, handlers: Mapping[str, Callable] | None = None) 
         handlers[cmd[0]](*cmd[1:])
 
 
-def runner_follower_main(rank: int, size: int, init_method: str, engine_cfg) -> None:
-    """Follower of a bare ModelRunner driven by rank 0 (OfflineEngine, tests)."""
-    from splitserve.engine.model_runner import ModelRunner, resolve_device
-    from splitserve.engine.parallel import destroy_tp, init_tp, rank_device
+def join_as_follower(rank: int, size: int, init_method: str, engine_cfg) -> TPGroup:
+    """A follower process's start: tied to rank 0's life, logging tagged with its rank, on its
+    own device (cuda:rank), joined to the TP group."""
+    from splitserve.engine.model_runner import resolve_device
+    from splitserve.engine.parallel import init_tp, rank_device
 
     die_with_parent()
-    tp = init_tp(rank, size, init_method, rank_device(resolve_device(engine_cfg.device), rank))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
+    device = rank_device(resolve_device(engine_cfg.device), rank)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    return init_tp(rank, size, init_method, device)
+
+
+def runner_follower_main(rank: int, size: int, init_method: str, engine_cfg) -> None:
+    """Follower of a bare ModelRunner driven by rank 0 (OfflineEngine, tests)."""
+    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.parallel import destroy_tp
+
+    tp = join_as_follower(rank, size, init_method, engine_cfg)
     try:
         follow(tp, ModelRunner(engine_cfg, tp))
     finally:

@@ -30,7 +30,8 @@ class TransferFaults(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     corrupt_payload: bool = Field(False, description="test only: flip bytes of the payload sent")
-    truncate_payload: bool = Field(False, description="test only: zero the last half of the last message")
+    truncate_payload: bool = Field(False, description="test only: send only the first half of the last message")
+    misstate_payload_bytes: bool = Field(False, description="test only: announce one byte fewer than sent")
     stall_before_payload_s: float = Field(0.0, ge=0, description="test only: sleep between reply and payload")
     request_id_prefix: str = Field("", description="test only: faults hit pulls of request ids with this "
                                                    "prefix (empty: every pull)")

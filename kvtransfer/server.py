@@ -132,6 +132,8 @@ class KvTransferServer:
         pieces = [payload[i : i + chunk] for i in range(0, payload.numel(), chunk)]
         reply = kv_pb2.KvPullReply(status=kv_pb2.KV_PULL_STATUS_OK, payload_bytes=payload.numel(),
                                    num_messages=len(pieces), num_blocks=len(blocks), checksum=checksum)
+        if self.faults.misstate_payload_bytes and self.faults.hits(req.request_id):
+            reply.payload_bytes -= 1
         timeout = self.config.data_timeout_s  # a hung peer must not pin the blocks past this
         await asyncio.wait_for(ep.send_obj(reply.SerializeToString()), timeout)
         if self.faults.hits(req.request_id):
@@ -149,7 +151,7 @@ class KvTransferServer:
             pieces[0][: min(64, pieces[0].numel())] ^= 0x5A
         if self.faults.truncate_payload:
             pieces = [p.clone() for p in pieces]
-            pieces[-1][pieces[-1].numel() // 2 :] = 0  # same length on the wire, half the bytes lost
+            pieces[-1] = pieces[-1][: pieces[-1].numel() // 2]  # fewer bytes on the wire than announced
         return pieces
 
     async def close_connections(self) -> None:

@@ -134,18 +134,11 @@ def exchange_ports(tp, port: int) -> list[int]:
 
 def prefill_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
     """Entry of follower rank `rank` of a prefill worker (`cfg`: its PrefillWorkerConfig)."""
-    from splitserve.engine.model_runner import ModelRunner, resolve_device
-    from splitserve.engine.parallel import destroy_tp, init_tp, rank_device
-    from splitserve.engine.tp_control import die_with_parent
+    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.parallel import destroy_tp
+    from splitserve.engine.tp_control import join_as_follower
 
-    die_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
-    device = rank_device(resolve_device(cfg.engine.device), rank)
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.set_device(device)
-    tp = init_tp(rank, size, init_method, device)
+    tp = join_as_follower(rank, size, init_method, cfg.engine)
     try:
         asyncio.run(_serve(tp, ModelRunner(cfg.engine, tp), cfg))
     finally:

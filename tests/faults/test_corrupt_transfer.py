@@ -1,7 +1,8 @@
-"""A KV payload corrupted or truncated on the wire (the prefill listener's test-only transfer
-faults, for ids with a prefix) is caught by the decode side's checksum and discarded: the
-request is recomputed (the shared decode worker's policy) and its tokens are the oracle's,
-never garbage; an unaffected request through the same workers is pulled as usual."""
+"""A KV payload corrupted, truncated (fewer bytes than announced) or announced with the wrong
+length (the prefill listener's test-only transfer faults, for ids with a prefix) is caught by the
+decode side's checksum or length check and discarded: the request is recomputed (the shared
+decode worker's policy) and its tokens are the oracle's, never garbage; an unaffected request
+through the same workers is pulled as usual."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from splitserve.engine.sampling_params import SamplingParams
 PROMPT = [1] + list(range(120, 150))  # 30 tokens: 8 blocks
 
 
-@pytest.mark.parametrize("fault", ["corrupt_payload", "truncate_payload"])
-def test_corrupted_transfer_is_detected_and_never_served(cluster, oracle, procs, fault):
+@pytest.mark.parametrize(("fault", "reason"), [("corrupt_payload", "checksum"), ("truncate_payload", "checksum"),
+                                               ("misstate_payload_bytes", "invalid")])
+def test_corrupted_transfer_is_detected_and_never_served(cluster, oracle, procs, fault, reason):
     prefill, _ = start_worker(procs, "prefill", cluster.model, {"transfer": {fault: True, "request_id_prefix": "bad"}})
     dm = cluster.decode_metrics
 
     def counts() -> tuple[float, float]:
-        return (metric(dm, "splitserve_kv_transfer_failures_total", reason="checksum"),
+        return (metric(dm, "splitserve_kv_transfer_failures_total", reason=reason),
                 metric(dm, "splitserve_kv_transfer_bytes_total", direction="received"))
 
     async def body():
@@ -40,5 +42,5 @@ def test_corrupted_transfer_is_detected_and_never_served(cluster, oracle, procs,
     for t, prompt in ((bad, PROMPT), (good, PROMPT[:-1])):
         want = oracle(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)).token_ids
         assert t.status == "OK/LENGTH" and t.tokens == want
-    assert after_bad[0] == before[0] + 1  # detected: one checksum failure, the payload discarded
+    assert after_bad[0] == before[0] + 1  # detected by checksum or length: discarded
     assert after_good[0] == after_bad[0] and after_good[1] > after_bad[1]  # the clean one was pulled
