@@ -27,6 +27,7 @@ _OVERRIDES = {
     "advertise_host": "server.advertise_host",
     "metrics_port": "server.metrics_port",
     "drain_grace_s": "server.drain_grace_s",
+    "drain_announce_s": "server.drain_announce_s",
     "cuda_graph": "cuda_graph",
     "cuda_graph_sizes": "cuda_graph_sizes",
     "kv_failure_policy": "kv_transfer.failure_policy",
@@ -65,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=_sizes, metavar="N,N,...",
                    help="batch sizes to capture (default 1,2,4,8, then steps of 8 up to --max-batch-size)")
     p.add_argument("--drain-grace-s", type=float, help="seconds in-flight streams get to finish on SIGTERM")
+    p.add_argument("--drain-announce-s", type=float,
+                   help="seconds health says NOT_SERVING on SIGTERM before the port closes")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--tensor-parallel-size", type=int, metavar="N",
                    help="split the model over N ranks (processes; GPUs device..device+N-1), spawned by this one")

@@ -26,6 +26,7 @@ _OVERRIDES = {
     "metrics_port": "server.metrics_port",
     "http_port": "http.port",
     "drain_grace_s": "server.drain_grace_s",
+    "drain_announce_s": "server.drain_announce_s",
     "prefill": "workers.prefill",
     "decode": "workers.decode",
     "colocated": "routing.colocated",
@@ -64,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                                  "/v1/chat/completions, ...) on this port (0: a free one; "
                                                  "default: off)")
     p.add_argument("--drain-grace-s", type=float, help="seconds in-flight streams get to finish on SIGTERM")
+    p.add_argument("--drain-announce-s", type=float,
+                   help="seconds health says NOT_SERVING on SIGTERM before the port closes")
     p.add_argument("--prefill", action="append", metavar="HOST:PORT",
                    help="a prefill worker (repeat for several; more may register over RouterControl)")
     p.add_argument("--decode", action="append", metavar="HOST:PORT", help="a decode worker (repeat for several)")

@@ -5,7 +5,8 @@
       await .start()                 bound; reflection on; metrics exporter up
       await .set_serving(True)       health: SERVING (after warm-up)
       await .serve_until_signal()    SIGTERM/SIGINT -> drain():
-                                       health NOT_SERVING (for good), stop accepting,
+                                       health NOT_SERVING (for good), after
+                                       `drain_announce_s` stop accepting,
                                        in-flight RPCs get `drain_grace_s` to finish,
                                        then they are cancelled and the server stops
       .drain_hooks                   coroutines drain() runs alongside, with the same grace
@@ -50,6 +51,9 @@ class ServerConfig(BaseModel):
                                                                        "routable IP when `host` is 0.0.0.0")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; None: off")
     drain_grace_s: float = Field(30.0, ge=0, description="time in-flight RPCs get to finish on SIGTERM")
+    drain_announce_s: float = Field(0.0, ge=0, description="on SIGTERM, health says NOT_SERVING this long "
+                                                            "before the port closes, so health-polling load "
+                                                            "balancers and the router see the drain")
     max_message_mb: int = Field(64, gt=0, le=2047)
     # a peer whose host vanished (link down, node lost) shows only through keepalive: 10 s + 5 s
     # bounds how long an open stream to it hangs (gRPC's 2 h default is far too long here)
@@ -168,6 +172,8 @@ class GrpcServer:
             return
         self._draining = True
         await self.health.enter_graceful_shutdown()
+        if self.cfg.drain_announce_s:  # still accepting: a poller reads NOT_SERVING, not a refused connection
+            await asyncio.sleep(self.cfg.drain_announce_s)
         grace = self.cfg.drain_grace_s if grace_s is None else grace_s
         await asyncio.gather(self._server.stop(grace), *(hook(grace) for hook in self.drain_hooks))
         if self._metrics_http is not None:

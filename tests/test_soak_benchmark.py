@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 
 
+@pytest.mark.slow
 def test_small_soak_loses_nothing_and_leaks_nothing(tmp_path, tiny_llama):
     out = tmp_path / "soak.json"
     run = subprocess.run([sys.executable, str(SOAK), "--model-dir", str(tiny_llama), "--requests", "40",

@@ -9,11 +9,16 @@ import signal
 import time
 
 import grpc
+import pytest
 from fault_helpers import Ledger, finish_case, metric, start_on, start_worker, wait_all_healthy
 from helpers_procs import health_status
+from grpc_health.v1.health_pb2 import HealthCheckResponse
 from router_helpers import SERVING, greedy, router_config, running_router, wait_until
 
 from splitserve.engine.sampling_params import SamplingParams
+
+NOT_SERVING = HealthCheckResponse.NOT_SERVING
+pytestmark = pytest.mark.slow  # one of the suite's slowest files (a burst on small pools, a drain)
 
 PROMPT = [1, 44, 45, 46, 200, 201, 202]
 
@@ -53,7 +58,8 @@ def test_kv_pool_exhaustion_burst_queues_without_crash_or_hang(cluster, oracle, 
 
 def test_sigterm_drain_finishes_in_flight_streams(cluster, oracle, procs):
     grace_s = 30.0
-    draining, _ = start_worker(procs, "decode", cluster.model, None, "--drain-grace-s", str(grace_s))
+    draining, _ = start_worker(procs, "decode", cluster.model, None, "--drain-grace-s", str(grace_s),
+                               "--drain-announce-s", "3")
     cfg = router_config(cluster.model, [cluster.prefill], [draining.address, cluster.decode],
                         routing={"decode_policy": "round_robin"})
 
@@ -64,6 +70,7 @@ def test_sigterm_drain_finishes_in_flight_streams(cluster, oracle, procs):
             streams = [await start_on(ledger, stub, draining.address, [cluster.decode], PROMPT)]
             streams += [ledger.start(stub, PROMPT) for _ in range(2)]  # round robin: one more lands there
             await streams[0].read(2)
+            in_flight = len(streams[0].tokens)  # the drain must overlap a running stream
             draining.proc.send_signal(signal.SIGTERM)
             termed = time.monotonic()
             await wait_until(lambda: _not_serving(draining.address), 5, "draining worker not SERVING")
@@ -73,13 +80,15 @@ def test_sigterm_drain_finishes_in_flight_streams(cluster, oracle, procs):
             code = await asyncio.to_thread(draining.proc.wait, grace_s)
             exited_s = time.monotonic() - termed
             await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
-            return streams, codes, code, exited_s
+            return streams, codes, code, exited_s, in_flight
 
-    streams, codes, code, exited_s = asyncio.run(body())
+    streams, codes, code, exited_s, in_flight = asyncio.run(body())
     want = oracle(PROMPT, SamplingParams(temperature=0, max_tokens=249, ignore_eos=True)).token_ids
     assert codes == [grpc.StatusCode.OK] * 3 and all(t.tokens == want for t in streams)
     assert code == 0 and exited_s < grace_s
+    assert 2 <= in_flight < len(want)  # SIGTERM came mid-stream; that stream still ended OK, complete
 
 
 async def _not_serving(address: str) -> bool:
-    return await asyncio.to_thread(health_status, address, "splitserve.v1.DecodeWorker", 1.0) != SERVING
+    # NOT_SERVING exactly: a worker that died or stopped answering would not count as draining
+    return await asyncio.to_thread(health_status, address, "splitserve.v1.DecodeWorker", 1.0) == NOT_SERVING

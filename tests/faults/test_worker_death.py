@@ -28,6 +28,7 @@ from splitserve.protos import generate_pb2_grpc
 
 PROMPT = [1, 44, 45, 46, 200, 201, 202]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+pytestmark = pytest.mark.slow  # the suite's slowest file: processes killed, restarted and waited out
 
 
 def _want(oracle, n: int, prompt=PROMPT) -> list[int]:
