@@ -90,6 +90,8 @@ async def one_request(stub, ledger: Ledger, rid: str, prompt: list[int], max_tok
             ledger.end(rid, "NO_FINAL_CHUNK")  # the stream ended cleanly without saying why
     except grpc.aio.AioRpcError as err:
         ledger.end(rid, err.code().name)
+    except Exception as exc:  # anything else leaves the request without an outcome: counted lost
+        print(f"  {rid}: client error {type(exc).__name__}: {exc}", flush=True)
 
 
 async def worker_health(stub) -> dict[str, bool]:

@@ -37,7 +37,10 @@ def _want(oracle, n: int, prompt=PROMPT) -> list[int]:
 
 def test_lease_nobody_collects_expires_and_frees(cluster, oracle, procs):
     """The router dies while the decode worker holds the request before its pull: nobody pulls
-    and nobody releases; the lease's TTL frees the blocks and counts an expiry."""
+    and nobody releases; the lease's TTL frees the blocks and counts an expiry. (While the router
+    lives, a decode worker that died or refused has its lease released by the router at once:
+    test_decode_refused_before_its_first_chunk_is_retried_elsewhere; TTL is the backstop for when
+    no one is left to release it.)"""
     ttl_s = 1.0
     prefill, pm = start_worker(procs, "prefill", cluster.model, None, "--lease-ttl-s", str(ttl_s))
     router = procs.router(cluster.model, "--prefill", prefill.address, "--decode", cluster.decode,
