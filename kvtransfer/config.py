@@ -33,6 +33,10 @@ class TransferFaults(BaseModel):
     truncate_payload: bool = Field(False, description="test only: send only the first half of the last message")
     misstate_payload_bytes: bool = Field(False, description="test only: announce one byte fewer than sent")
     stall_before_payload_s: float = Field(0.0, ge=0, description="test only: sleep between reply and payload")
+    message_bytes: int = Field(0, ge=0, description="test only: split the payload into messages this small "
+                                                    "(0: as configured)")
+    stall_after_first_message_s: float = Field(0.0, ge=0, description="test only: sleep after the payload's "
+                                                                       "first message")
     request_id_prefix: str = Field("", description="test only: faults hit pulls of request ids with this "
                                                    "prefix (empty: every pull)")
 

@@ -19,6 +19,8 @@ class KvTransferMetrics:
         self.failures = Counter("splitserve_kv_transfer_failures_total", "Failed pulls", ["reason"],
                                 registry=registry)
         self.gbps = Gauge("splitserve_kv_transfer_gbps", "Throughput of the last pull in GB/s", registry=registry)
+        self.sending = Gauge("splitserve_kv_transfer_sending", "Pulls answered and not yet done (prefill side)",
+                             registry=registry)
         self.transports = Gauge("splitserve_ucx_transport_available", "UCX transports UCX may use", ["transport"],
                                 registry=registry)
 

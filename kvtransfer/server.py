@@ -127,21 +127,34 @@ class KvTransferServer:
         checksum = to_u64(checksum) if checksum is not None else 0
         payload = packed.reshape(-1).view(torch.uint8)
         limit = max(1, min(self.config.max_message_bytes, req.max_message_bytes or self.config.max_message_bytes))
+        hit = self.faults.hits(req.request_id)
+        if hit and self.faults.message_bytes:
+            limit = self.faults.message_bytes
         # Even pieces: the receiver sizes its buffers as ceil(bytes / num_messages).
         chunk = -(-payload.numel() // -(-payload.numel() // limit))
         pieces = [payload[i : i + chunk] for i in range(0, payload.numel(), chunk)]
         reply = kv_pb2.KvPullReply(status=kv_pb2.KV_PULL_STATUS_OK, payload_bytes=payload.numel(),
                                    num_messages=len(pieces), num_blocks=len(blocks), checksum=checksum)
-        if self.faults.misstate_payload_bytes and self.faults.hits(req.request_id):
+        if hit and self.faults.misstate_payload_bytes:
             reply.payload_bytes -= 1
         timeout = self.config.data_timeout_s  # a hung peer must not pin the blocks past this
         await asyncio.wait_for(ep.send_obj(reply.SerializeToString()), timeout)
-        if self.faults.hits(req.request_id):
+        with self.metrics.sending.track_inprogress():
+            return await self._send_payload(ep, req, pieces, payload.numel(), hit)
+
+    async def _send_payload(self, ep, req: kv_pb2.KvPullRequest, pieces: list[torch.Tensor], nbytes: int,
+                            hit: bool) -> bool:
+        timeout = self.config.data_timeout_s
+        if hit:
             pieces = self._apply_faults(pieces)
             await asyncio.sleep(self.faults.stall_before_payload_s)
+            if self.faults.stall_after_first_message_s:  # the peer holds part of the payload
+                await asyncio.wait_for(ep.send(ucx_view(pieces[0])), timeout)
+                await asyncio.sleep(self.faults.stall_after_first_message_s)
+                pieces = pieces[1:]
         # pipelined, tag-ordered
         await asyncio.wait_for(asyncio.gather(*(ep.send(ucx_view(piece)) for piece in pieces)), timeout)
-        self.metrics.bytes.labels("sent").inc(payload.numel())
+        self.metrics.bytes.labels("sent").inc(nbytes)
         done = kv_pb2.KvPullDone.FromString(bytes(await asyncio.wait_for(ep.recv_obj(), timeout)))
         return done.ok
 

@@ -63,24 +63,35 @@ def test_lease_nobody_collects_expires_and_frees(cluster, oracle, procs):
     assert asyncio.run(body()) == 1
 
 
-@pytest.mark.parametrize("policy", ["recompute", "fail"])
-def test_prefill_killed_mid_transfer(cluster, oracle, procs, policy):
-    """The prefill worker dies after its pull reply, before the payload (a stall holds it there):
-    the decode worker fails the pull within its data timeout, then recomputes (same tokens) or
-    ends UNAVAILABLE; the blocks it reserved go back unused."""
+STALLS = {"before_payload": {"stall_before_payload_s": 60},
+          # small messages; the first one lands in the decode side's staging buffer, then the stall
+          "mid_payload": {"message_bytes": 512, "stall_after_first_message_s": 60}}
+
+
+@pytest.mark.parametrize(("policy", "phase"), [("recompute", "before_payload"), ("fail", "before_payload"),
+                                               ("recompute", "mid_payload")])
+def test_prefill_killed_mid_transfer(cluster, oracle, procs, policy, phase):
+    """The prefill worker dies after its pull reply, before the payload or with part of it sent
+    (a stall holds it there): the decode worker fails the pull within its data timeout, then
+    recomputes (same tokens) or ends UNAVAILABLE; the blocks it reserved go back unused (a
+    partial payload stays in the staging buffer, never unpacked into blocks), and the next
+    requests on the same decode worker are the oracle's."""
     data_timeout_s = 5.0
-    doomed, _ = start_worker(procs, "prefill", cluster.model, {"transfer": {"stall_before_payload_s": 60}}, wait=False)
+    doomed, doomed_metrics = start_worker(procs, "prefill", cluster.model, {"transfer": STALLS[phase]}, wait=False)
     decode, dm = start_worker(procs, "decode", cluster.model, None, "--kv-failure-policy", policy,
                               "--kv-data-timeout-s", str(data_timeout_s), wait=False)
     doomed.wait_serving()
     decode.wait_serving()
 
     async def body():
-        ledger = Ledger(f"midpull-{policy}")
+        ledger = Ledger(f"midpull-{policy}-{phase}")
         async with running_router(router_config(cluster.model, [doomed.address], [decode.address])) as (r, stub):
             t = ledger.start(stub, PROMPT, greedy(12, ignore_eos=True))
             await t.read(1)
-            await asyncio.sleep(0.5)  # the pull is asked for and answered; the payload is stalled
+            # the pull is asked for and answered; the payload (or its rest) is stalled
+            await wait_until(lambda: metric(doomed_metrics, "splitserve_kv_transfer_sending") == 1, 20,
+                             "the pull answered, its payload stalled")
+            await asyncio.sleep(0.3)  # mid_payload: the first message reaches the decode side
             doomed.kill()
             killed_at = time.monotonic()
             await t.finish()
@@ -92,7 +103,7 @@ def test_prefill_killed_mid_transfer(cluster, oracle, procs, policy):
         return t, failed_s, failures
 
     t, failed_s, failures = asyncio.run(body())
-    assert failures == 1 and failed_s < data_timeout_s + 2
+    assert failures == 1 and failed_s < data_timeout_s + 2, (t.status, t.details, failed_s)
     if policy == "recompute":
         assert t.status == "OK/LENGTH" and t.tokens == _want(oracle, 12)
     else:
