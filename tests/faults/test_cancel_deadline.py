@@ -74,9 +74,12 @@ def test_abort_during_the_last_prefill_chunk(cluster, oracle):
         ledger = Ledger(f"{SLOW_PREFILL}-abort")  # its last chunk's step sleeps LAST_CHUNK_S
         async with _router(cluster) as (r, stub):
             before = _prefill_outcomes(cluster, "cancelled"), _prefill_outcomes(cluster, "leased")
+            steps = _prefill_steps(cluster)
             t = ledger.start(stub, PROMPT40)
             await wait_until(_running(cluster.prefill), 5, "prefill started")
-            await asyncio.sleep(LAST_CHUNK_S / 4)  # chunks 1 and 2 take ms: now inside the last one
+            # chunks 1 and 2 done (their steps counted); the last one's step is sleeping now
+            await wait_until(lambda: _prefill_steps(cluster) >= steps + 2, 10, "two prefill chunks done")
+            assert _prefill_steps(cluster) == steps + 2
             assert (await stub.Abort(generate_pb2.AbortRequest(request_id=t.request_id), timeout=5)).found
             assert await t.finish() == grpc.StatusCode.OK
             assert t.status == "OK/ABORT" and t.tokens == []
@@ -87,6 +90,10 @@ def test_abort_during_the_last_prefill_chunk(cluster, oracle):
 
     (cancelled0, leased0), (cancelled1, leased1) = asyncio.run(body())
     assert cancelled1 == cancelled0 + 1 and leased1 == leased0  # freed after its step; no lease was granted
+
+
+def _prefill_steps(cluster) -> float:
+    return metric(cluster.prefill_metrics, "splitserve_prefill_batch_tokens_count")
 
 
 def _prefill_outcomes(cluster, outcome: str) -> float:
