@@ -4,6 +4,8 @@
     splitserve serve --model DIR --num-decode 2 --device cuda
     splitserve serve --prompt "Hello"         # start, answer one prompt, print it, shut down
     splitserve serve --colocated              # one decode worker that also prefills (no KV hand-off)
+    splitserve serve --device cuda --prefill-tensor-parallel-size 2 --decode-tensor-parallel-size 1
+                                              # prefill on cuda:0-1, decode on cuda:2 (serve_placement.py)
 
 Each child gets a free port and a log file (--log-dir); `serve` waits until every child's
 grpc.health.v1 says SERVING, prints `ready: router on HOST:PORT (...); OpenAI API on
@@ -30,6 +32,7 @@ from pathlib import Path
 from splitserve.cli import client
 from splitserve.cli.arg_types import port
 from splitserve.cli.launcher import Launcher, StartError, free_port
+from splitserve.cli.serve_placement import worker_flags
 
 DEFAULT_HTTP_PORT = 8000
 SERVICES = {"prefill-worker": "splitserve.v1.PrefillWorker", "decode-worker": "splitserve.v1.DecodeWorker",
@@ -57,8 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP front")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (the workers' default: auto)")
     p.add_argument("--tensor-parallel-size", type=int, metavar="N",
-                   help="ranks per worker (each worker spawns its N-1 followers; on CUDA every worker's ranks "
-                        "start at --device)")
+                   help="ranks per worker (each worker spawns its N-1 followers); on CUDA each worker gets its own "
+                        "GPUs: prefill workers from --device on, decode workers after them")
+    p.add_argument("--prefill-tensor-parallel-size", type=int, metavar="N",
+                   help="ranks per prefill worker (default: --tensor-parallel-size)")
+    p.add_argument("--decode-tensor-parallel-size", type=int, metavar="N",
+                   help="ranks per decode worker (default: --tensor-parallel-size)")
     p.add_argument("--block-size", type=int, help="tokens per KV block (power of two)")
     p.add_argument("--num-blocks", type=int, help="KV pool size in blocks per worker (default: from free memory)")
     p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
@@ -131,14 +138,15 @@ def display_host(host: str) -> str:
 
 # ---- the services ---------------------------------------------------------------------------------
 def build(launcher: Launcher, args: argparse.Namespace, model: Path, num_prefill: int, num_decode: int,
-          http_port: int | None = None) -> None:
+          http_port: int | None = None, placement: tuple[list[list[str]], list[list[str]]] | None = None) -> None:
+    """`placement`: serve_placement.worker_flags (computed here when None)."""
+    prefill_at, decode_at = placement or worker_flags(args, num_prefill, num_decode)
     common = ["--model", str(model), "--log-level", args.log_level]
     engine = [*common]
     if args.host in ("0.0.0.0", "::", "[::]"):  # peers are all on this machine: KV handles name loopback
         engine += ["--advertise-host", "127.0.0.1"]
-    for flag, value in (("--device", args.device), ("--block-size", args.block_size),
-                        ("--num-blocks", args.num_blocks), ("--max-model-len", args.max_model_len),
-                        ("--tensor-parallel-size", args.tensor_parallel_size)):
+    for flag, value in (("--block-size", args.block_size), ("--num-blocks", args.num_blocks),
+                        ("--max-model-len", args.max_model_len)):
         if value is not None:
             engine += [flag, str(value)]
 
@@ -146,10 +154,10 @@ def build(launcher: Launcher, args: argparse.Namespace, model: Path, num_prefill
         return ["--metrics-port", str(free_port(args.host))] if args.metrics else []
 
     grace = ["--drain-grace-s", str(args.drain_grace_s)]
-    prefill = [launcher.add(f"prefill-{i}", "prefill-worker", [*engine, *metrics()], SERVICES["prefill-worker"],
-                            host=args.host) for i in range(num_prefill)]
-    decode = [launcher.add(f"decode-{i}", "decode-worker", [*engine, *grace, *metrics()], SERVICES["decode-worker"],
-                           host=args.host) for i in range(num_decode)]
+    prefill = [launcher.add(f"prefill-{i}", "prefill-worker", [*engine, *prefill_at[i], *metrics()],
+                            SERVICES["prefill-worker"], host=args.host) for i in range(num_prefill)]
+    decode = [launcher.add(f"decode-{i}", "decode-worker", [*engine, *decode_at[i], *grace, *metrics()],
+                           SERVICES["decode-worker"], host=args.host) for i in range(num_decode)]
     router_extra = [*common, *grace, *metrics()]
     if args.max_model_len is not None:
         router_extra += ["--max-model-len", str(args.max_model_len)]
@@ -190,6 +198,7 @@ def wait_ready(launcher: Launcher, args: argparse.Namespace, stop: threading.Eve
 
 def run(args: argparse.Namespace) -> int:
     num_prefill, num_decode = check_args(args)
+    placement = worker_flags(args, num_prefill, num_decode)  # too few GPUs: refused before anything starts
     http_port = check_http_port(args)
     if http_port == 0:
         http_port = free_port(args.host)
@@ -197,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     auto_logs = args.log_dir is None
     log_dir = Path(tempfile.mkdtemp(prefix="splitserve-serve-")) if auto_logs else Path(args.log_dir)
     launcher = Launcher(log_dir, on_event=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
-    build(launcher, args, model, num_prefill, num_decode, http_port)
+    build(launcher, args, model, num_prefill, num_decode, http_port, placement)
     router = launcher.children[-1]
     what = "colocated" if args.colocated else f"{num_prefill} prefill"
     print(f"splitserve serve: {what} + {num_decode} decode worker(s) + router on model {model} "

@@ -81,8 +81,19 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.loop: EngineLoop | None = None  # set once the model is loaded and the graphs captured
         self.puller: KvPuller | None = None  # set after the graphs are captured (DESIGN: capture before UCX)
         self._outbox: _Outbox | None = None
+        self._streams: dict[asyncio.Queue, str] = {}  # open Decode calls: their output queue -> request id
+        self.failed: RequestError | None = None  # set by fail_all: every call from then on gets it
+
+    def fail_all(self, err: RequestError) -> None:
+        """Ends every open Decode call with `err` now, without waiting for the engine thread (it
+        may be stuck in a collective with a dead rank); new calls get it too. Event loop only."""
+        self.failed = err
+        for queue, request_id in list(self._streams.items()):
+            queue.put_nowait(StepOutput(request_id, finish_reason="error", error=err))
 
     def _loop(self) -> EngineLoop:
+        if self.failed is not None:
+            raise self.failed
         if self.loop is None:
             raise RequestError.unavailable("the decode worker is still loading its model and capturing graphs; "
                                            "retry when its health check says SERVING")
@@ -106,6 +117,11 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         if self._outbox is None:
             self._outbox = _Outbox(asyncio.get_running_loop())
+        if self.failed is not None:  # failed while this call pulled its KV
+            if block_ids is not None:
+                loop.release_blocks(block_ids)
+            await self.failed.abort(context)
+        self._streams[queue] = request.request_id
         submitted = time.perf_counter()
         loop.submit(inp, self._outbox.sink(queue), block_ids)
         done = False
@@ -122,8 +138,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             while not done:
                 outs = [await queue.get()]
                 first_out_at = time.perf_counter()
-                while not queue.empty():  # the client fell behind: one chunk for all of it
-                    outs.append(queue.get_nowait())
+                while not queue.empty() and not outs[-1].finished:  # the client fell behind: one chunk for all
+                    outs.append(queue.get_nowait())                    # (fail_all's error may come before a step's)
                 done = outs[-1].finished
                 if done and outs[-1].error is not None:
                     err = outs[-1].error
@@ -134,7 +150,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     await err.abort(context)
                 yield timed(_merge(outs, inp.params.logprobs is not None))
         finally:
-            if not done:  # cancelled by the client, deadline passed, or the server stopping
+            self._streams.pop(queue, None)
+            if not done or self.failed is not None:  # cancelled, deadline passed, server stopping, rank lost
                 loop.abort(request.request_id)
 
     def _validate(self, request: worker_pb2.DecodeRequest, loop: EngineLoop) -> DecodeInput:

@@ -4,6 +4,7 @@
               thread; health answers meanwhile; before any UCX listener exists, see DESIGN
               "CUDA graphs") -> engine loop -> health SERVING
     watchdog: health NOT_SERVING for good when the engine fails or stops making progress
+    rank lost (tensor parallel): NOT_SERVING, in-flight requests UNAVAILABLE, exit 1
     stop():   health NOT_SERVING, refuse new calls, in-flight streams get the grace period
               (then they are cancelled: their requests are aborted), the engine loop ends,
               the graphs are released
@@ -23,8 +24,10 @@ from splitserve.decode_worker.kv_pull import KvPuller
 from splitserve.decode_worker.metrics import DecodeMetrics
 from splitserve.decode_worker.servicer import DecodeWorkerServicer
 from splitserve.engine.grpc_service import GrpcServer, run_service, service_name
+from splitserve.engine.errors import RequestError
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.tokenizer import Tokenizer
+from splitserve.engine.tp_lifecycle import exit_after_rank_loss, serve_until_lost
 from splitserve.kvtransfer.client import KvTransferClient
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.metrics import KvTransferMetrics
@@ -56,6 +59,7 @@ class DecodeWorker:
         self.loop: EngineLoop | None = None
         self._watchdog: asyncio.Task | None = None
         self.ranks = None  # tp_control.RankSet when this process spawned the runner's ranks
+        self._lost = asyncio.Event()  # a tensor-parallel rank died: serve_until_signal exits the process
 
     @property
     def address(self) -> str:
@@ -77,7 +81,10 @@ class DecodeWorker:
     async def start(self) -> None:
         await self.server.start()
         self.engine = await asyncio.to_thread(self._build)
-        self.loop = EngineLoop(self.engine)
+        aio = asyncio.get_running_loop()
+        # health goes NOT_SERVING before the failed requests' UNAVAILABLE reaches their callers
+        self.loop = EngineLoop(self.engine, on_fatal=lambda exc: aio.call_soon_threadsafe(
+            asyncio.ensure_future, self.server.set_serving(False)))
         self.loop.start()
         self.servicer.loop = self.loop
         # UCX starts only now, after every graph was captured (DESIGN.md "CUDA graphs").
@@ -86,12 +93,10 @@ class DecodeWorker:
         install = None
         if runner.tp.enabled:  # rank 0 pulls every head and spreads them over the ranks
             from splitserve.decode_worker.tp_follower import TPKvInstaller
-            from splitserve.engine.tp_control import watch_followers
 
             install = TPKvInstaller(self.loop, runner)
-            aio = asyncio.get_running_loop()
             if self.ranks is not None:
-                watch_followers(self.ranks.procs, lambda code: aio.call_soon_threadsafe(self._rank_died, code))
+                self.ranks.watch(lambda rank, code: aio.call_soon_threadsafe(self._rank_died, rank, code))
         spec = PoolSpec.of(runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads)
         client = KvTransferClient(runner.kv_cache, spec, self.cfg.kv_transfer, kv_metrics, install=install)
         self.servicer.puller = KvPuller(client, self.cfg.kv_transfer.failure_policy, self.cfg.faults)
@@ -99,9 +104,14 @@ class DecodeWorker:
         await self.server.set_serving(True)
         self._watchdog = asyncio.create_task(self._watch(), name="decode-watchdog")
 
-    def _rank_died(self, code) -> None:
-        log.error("a tensor-parallel rank exited with %s; health NOT_SERVING", code)
+    def _rank_died(self, rank: int, code) -> None:
+        """A follower is gone: no step can finish any more (a collective would wait on it)."""
+        log.error("tensor-parallel rank %d exited with %s; health NOT_SERVING, in-flight requests UNAVAILABLE, "
+                  "the worker exits", rank, code)
         asyncio.ensure_future(self.server.set_serving(False))
+        self.servicer.fail_all(RequestError.unavailable(
+            f"the decode worker lost tensor-parallel rank {rank} (exit {code}); retry on another decode worker"))
+        self._lost.set()
 
     async def _watch(self) -> None:
         """NOT_SERVING when the loop died or a step has not returned for STALL_S."""
@@ -131,7 +141,9 @@ class DecodeWorker:
             self.ranks = None
 
     async def serve_until_signal(self) -> int:
-        signum = await self.server.serve_until_signal()
+        signum = await serve_until_lost(self.server, self._lost)
+        if self._lost.is_set():
+            exit_after_rank_loss(self.ranks, log)
         await self.stop(0)
         return signum
 

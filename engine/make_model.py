@@ -2,7 +2,7 @@
 a byte-level tokenizer), so tests and benchmarks need no download.
 
 Presets: `tiny` / `tiny-qwen2` (CPU tests: fp32, hidden 64, a few layers) and shape copies of
-public configs (`llama-3.2-1b`, `qwen2.5-0.5b`, bf16) for GPU benchmarks.
+public configs (`llama-3.2-1b`, `llama-3.1-8b`, `qwen2.5-0.5b`, bf16) for GPU benchmarks.
 """
 
 from __future__ import annotations

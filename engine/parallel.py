@@ -16,12 +16,16 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 # The control group idles while no request comes in: its receives must not time out.
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
+# Joining the group (store connect, gloo/NCCL mesh set-up). Rank 0 also watches its followers'
+# processes while they join (tp_control.start_ranks): this only bounds a follower that hangs.
+JOIN_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 @dataclass
@@ -56,16 +60,48 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def init_tp(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
-    """Joins the worker's process group (blocks until every rank has joined)."""
+def rendezvous_store(size: int) -> tuple[dist.TCPStore, str]:
+    """Rank 0's store, made before any follower exists (port 0: no race for a free port); the
+    followers reach it at the returned `tcp://` address."""
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=JOIN_TIMEOUT)
+    return store, f"tcp://127.0.0.1:{store.port}"
+
+
+def joined_key(rank: int) -> str:
+    """Set by a follower just before it joins the group: rank 0 joins once every follower has."""
+    return f"splitserve/tp_joined/{rank}"
+
+
+def init_tp(rank: int, size: int, init_method: str, device: torch.device,
+            store: dist.Store | None = None) -> TPGroup:
+    """Joins the worker's process group (blocks until every rank has joined); rank 0 passes the
+    store of `rendezvous_store`, followers connect to `init_method`."""
     if size == 1:
         return SINGLE
+    if store is None:
+        url = urlparse(init_method)
+        store = dist.TCPStore(url.hostname, url.port, size, is_master=False, timeout=JOIN_TIMEOUT)
+        store.set(joined_key(rank), "1")
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, **kwargs)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kwargs)
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TPGroup(rank, size, device_group, cpu_group)
+
+
+def check_devices(device: torch.device, size: int) -> None:
+    """ValueError (one line naming the fields) when ranks cuda:i..cuda:i+size-1 are not all
+    visible; checked before any rank is spawned."""
+    if device.type != "cuda":
+        return
+    first = device.index or 0
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if first + size > count:
+        raise ValueError(f"parallel.tensor_parallel_size {size} with engine.device {device} needs GPUs "
+                         f"cuda:{first}..cuda:{first + size - 1}, but {count} GPU(s) are visible; lower "
+                         "parallel.tensor_parallel_size, start engine.device at a lower index, or make more GPUs "
+                         "visible (CUDA_VISIBLE_DEVICES)")
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

@@ -2,7 +2,8 @@
 
     rank 0 (gRPC, scheduler, sampler)                    follower rank r (no server)
     ─────────────────────────────────                    ───────────────────────────
-    spawn_followers() ── mp "spawn" ───────────────────▶ follower entry: init_tp, build runner
+    rendezvous store, spawn_followers() ── mp "spawn" ──▶ follower entry: check in, init_tp,
+    join_group(): every follower checked in, then join      build runner
     runner.mirror = publisher.publish                     loop: cmd = receive(tp)
       runner.prefill(chunks) ─▶ ("prefill", chunks) ─┐          ("prefill", chunks)  -> runner.prefill
       runner.zero_kv()       ─▶ ("zero_kv",)        ├─gloo─▶   ("zero_kv",)         -> runner.zero_kv
@@ -12,7 +13,9 @@
 Commands travel in publish order over the gloo `cpu_group` (broadcast_object_list) from one
 sender thread, so rank 0's callers never wait for a follower; every rank therefore issues the
 model's collectives (device_group) in the same order. Followers die with rank 0: a parent
-watchdog (the parent pid changes) and a dead control connection both end them.
+watchdog (the parent pid changes) and a dead control connection both end them. Rank 0 learns
+of a dead follower at once while starting (start_ranks fails) and while serving
+(RankSet.watch; the worker then fails its requests and exits: tp_lifecycle.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -33,16 +35,8 @@ from splitserve.engine.parallel import TPGroup
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_followers(size: int, target: Callable, *args) -> tuple[str, list[mp.Process]]:
-    """Starts ranks 1..size-1 as `target(rank, size, init_method, *args)` (picklable args);
-    returns the rendezvous address rank 0 joins with `init_tp(0, ...)`."""
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
+def spawn_followers(size: int, init_method: str, target: Callable, *args) -> list[mp.Process]:
+    """Starts ranks 1..size-1 as `target(rank, size, init_method, *args)` (picklable args)."""
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, size):
@@ -50,7 +44,52 @@ def spawn_followers(size: int, target: Callable, *args) -> tuple[str, list[mp.Pr
                         name=f"splitserve-tp-rank{rank}")
         p.start()
         procs.append(p)
-    return init_method, procs
+    return procs
+
+
+def _dead(procs: list[mp.Process]) -> tuple[int, mp.Process] | None:
+    """The first follower (rank, process) that has exited, if any."""
+    return next(((r, p) for r, p in enumerate(procs, 1) if not p.is_alive()), None)
+
+
+def _until(done: Callable[[], bool], procs: list[mp.Process], timeout_s: float, what: str) -> None:
+    """Rank 0 during start-up: polls until `done()`; RuntimeError as soon as a follower exits (a
+    failed import, a bad device, a crash) instead of waiting out the group's timeout."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if (dead := _dead(procs)) is not None:
+            rank, p = dead
+            raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode} {what}; "
+                               f"its own error (a traceback, or lines tagged tp{rank}) is in this log above")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel ranks did not finish {what} within {timeout_s:.0f}s; "
+                               "see their log lines (tagged tp1, tp2, ...) above")
+        time.sleep(0.05)
+
+
+def join_group(store, procs: list[mp.Process], device) -> TPGroup:
+    """Rank 0's side of start-up: waits for every follower to check in, then joins the group in a
+    helper thread while watching the followers, so a follower dying in between (say, in NCCL's
+    communicator set-up, which need not honour the store's timeout) fails rank 0 at once too."""
+    from splitserve.engine.parallel import JOIN_TIMEOUT, init_tp, joined_key
+
+    size, limit = len(procs) + 1, JOIN_TIMEOUT.total_seconds()
+    keys = [joined_key(r) for r in range(1, size)]
+    _until(lambda: store.check(keys), procs, limit, "during start-up, before joining the group")
+    box: dict = {}
+
+    def join() -> None:
+        try:
+            box["tp"] = init_tp(0, size, "", device, store=store)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            box["error"] = exc
+
+    t = threading.Thread(target=join, name="tp-join", daemon=True)
+    t.start()
+    _until(lambda: not t.is_alive(), procs, limit + 10, "while joining the group")
+    if "error" in box:
+        raise box["error"]
+    return box["tp"]
 
 
 def die_with_parent() -> None:
@@ -67,15 +106,18 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
-def watch_followers(procs: list[mp.Process], on_death: Callable[[int], None]) -> threading.Thread:
-    """Rank 0: `on_death(exitcode)` once, the first time a follower is found dead."""
+def watch_followers(procs: list[mp.Process], on_death: Callable[[int, int | None], None],
+                    stopping: threading.Event | None = None) -> threading.Thread:
+    """Rank 0: `on_death(rank, exitcode)` once, the first time a follower is found dead, unless
+    `stopping` is set first (a clean stop: the followers exit on ("stop",))."""
+    stopping = stopping or threading.Event()
+
     def watch() -> None:
-        while True:
-            for p in procs:
-                if not p.is_alive():
-                    on_death(p.exitcode)
-                    return
-            time.sleep(0.5)
+        while not stopping.wait(0.2):
+            if (dead := _dead(procs)) is not None:
+                if not stopping.is_set():
+                    on_death(dead[0], dead[1].exitcode)
+                return
 
     t = threading.Thread(target=watch, name="tp-follower-watch", daemon=True)
     t.start()
@@ -172,12 +214,25 @@ class RankSet:
 
     def __init__(self, runner, publisher: ControlPublisher | None = None, procs: list[mp.Process] | None = None):
         self.runner, self.publisher, self.procs = runner, publisher, procs or []
+        self.stopping = threading.Event()  # set before a clean stop: followers exiting then is no failure
+
+    def watch(self, on_death: Callable[[int, int | None], None]) -> None:
+        """`on_death(rank, exitcode)` (on a watcher thread) when a follower dies while serving."""
+        if self.procs:
+            watch_followers(self.procs, on_death, self.stopping)
+
+    def kill(self) -> None:
+        """The followers, at once (rank 0 gives up after losing one of them)."""
+        self.stopping.set()
+        for p in self.procs:
+            p.kill()
 
     def close(self, timeout: float = 30.0) -> None:
         """Stops the followers (after the commands already published) and leaves the group;
         idempotent."""
         from splitserve.engine.parallel import destroy_tp
 
+        self.stopping.set()
         if self.publisher is not None:
             self.publisher.close(timeout)
         for p in self.procs:
@@ -191,18 +246,22 @@ class RankSet:
 def start_ranks(engine_cfg, follower: Callable = runner_follower_main, *follower_args) -> RankSet:
     """Rank 0's runner here, the followers spawned as `follower(rank, size, init_method,
     *follower_args)` (default: a bare runner follower for `engine_cfg`); at
-    tensor_parallel_size 1 just a runner."""
+    tensor_parallel_size 1 just a runner. Fails at once (one line) when the model does not split
+    or the GPUs are too few, and as soon as a follower exits during start-up."""
     from splitserve.engine.hf_config import load_model_config
     from splitserve.engine.model_runner import ModelRunner, resolve_device
-    from splitserve.engine.parallel import SINGLE, init_tp, rank_device
+    from splitserve.engine.parallel import SINGLE, check_devices, rank_device, rendezvous_store
 
     size = engine_cfg.parallel.tensor_parallel_size
+    device = resolve_device(engine_cfg.device)
     load_model_config(engine_cfg.model_path).check_tensor_parallel(size)  # before spawning anything
+    check_devices(device, size)
     if size == 1:
         return RankSet(ModelRunner(engine_cfg, SINGLE))
-    init_method, procs = spawn_followers(size, follower, *(follower_args or (engine_cfg,)))
+    store, init_method = rendezvous_store(size)
+    procs = spawn_followers(size, init_method, follower, *(follower_args or (engine_cfg,)))
     try:
-        tp = init_tp(0, size, init_method, rank_device(resolve_device(engine_cfg.device), 0))
+        tp = join_group(store, procs, rank_device(device, 0))
         runner = ModelRunner(engine_cfg, tp)
     except BaseException:
         for p in procs:

@@ -20,7 +20,15 @@ class KvTransferConfig(BaseModel):
     max_message_bytes: int = Field(256 * 2**20, ge=2**20, description="payload split above this size")
     verify_checksum: bool = True
     # ucxx listeners bind every interface; peers dial the worker's advertised host.
-    listen_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    listen_port: int = Field(0, ge=0, le=65535, description="0 picks a free port; under tensor parallelism rank "
+                                                            "r of a prefill worker listens on listen_port + r")
+
+    def for_rank(self, rank: int) -> KvTransferConfig:
+        """The settings of tensor-parallel rank `rank`'s listener: a fixed port moves up by the rank
+        (every rank of a worker binds on the same host); 0 stays 0."""
+        if not self.listen_port or not rank:
+            return self
+        return self.model_copy(update={"listen_port": self.listen_port + rank})
 
 
 class TransferFaults(BaseModel):

@@ -65,6 +65,14 @@ class PrefillWorkerConfig(BaseModel):
                              f"({self.max_lease_ttl_s})")
         return self
 
+    @model_validator(mode="after")
+    def _rank_ports(self) -> PrefillWorkerConfig:
+        last = self.kv_transfer.listen_port + self.engine.parallel.tensor_parallel_size - 1
+        if self.kv_transfer.listen_port and last > 65535:
+            raise ValueError(f"kv_transfer.listen_port {self.kv_transfer.listen_port}: tensor-parallel rank r listens "
+                             f"on listen_port + r, up to {last} > 65535; pick a lower listen_port")
+        return self
+
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PrefillWorkerConfig:
         """YAML file (optional) with dotted-key overrides on top, e.g. {"engine.cache.block_size": 8}."""

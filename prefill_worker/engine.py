@@ -254,8 +254,15 @@ class PrefillEngine:
         self._update_gauges()
         self._wake.set()  # waiting requests may fit now
 
+    def fail(self, exc: BaseException) -> None:
+        """Fails the engine from outside a step (a tensor-parallel rank died: the step in flight
+        may never return); the step's own failure afterwards changes nothing."""
+        self._die(exc)
+
     def _die(self, exc: BaseException) -> None:
-        """A failed step: the engine stops; every request it holds gets UNAVAILABLE."""
+        """A failed step: the engine stops; every request it holds gets UNAVAILABLE. Once."""
+        if self.fatal is not None:
+            return
         log.error("prefill engine failed, worker stops serving: %s: %s", type(exc).__name__, exc)
         log.debug("prefill engine failure", exc_info=exc)
         self.fatal = exc

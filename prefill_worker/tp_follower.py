@@ -43,7 +43,10 @@ class MirroredLeaseTable(LeaseTable):
 
     def _dropped(self, leases: list[Lease]) -> list[Lease]:
         if leases:
-            self._publish(("lease_drop", [lease.lease_id for lease in leases]))
+            try:
+                self._publish(("lease_drop", [lease.lease_id for lease in leases]))
+            except RuntimeError:  # the followers are gone: nothing left to mirror, rank 0 still frees
+                log.debug("lease drop not mirrored: the followers are gone")
         return leases
 
     def grant(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, ttl_s: float) -> Lease:
@@ -152,7 +155,7 @@ async def _serve(tp, runner, cfg) -> None:
 
     leases = MirrorLeaseSource()
     spec = PoolSpec.of(runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads)
-    server = KvTransferServer(runner.kv_cache, spec, leases, cfg.kv_transfer)
+    server = KvTransferServer(runner.kv_cache, spec, leases, cfg.kv_transfer.for_rank(tp.rank))
     port = await server.start()
     exchange_ports(tp, port)
 

@@ -7,7 +7,9 @@
 
 With engine.parallel.tensor_parallel_size N > 1 this process is rank 0: it spawns ranks
 1..N-1 (tp_follower.py), which run every forward on their slices and serve their KV heads
-over UCX listeners of their own; handles carry the shard map (KvHandle.shards).
+over UCX listeners of their own (a fixed kv_transfer.listen_port p: rank r listens on p + r);
+handles carry the shard map (KvHandle.shards). A follower that dies fails the in-flight requests
+(UNAVAILABLE), health goes NOT_SERVING and the process exits 1 (engine/tp_lifecycle.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 
 from splitserve.engine.grpc_service import GrpcServer, run_service, service_name
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.tp_lifecycle import exit_after_rank_loss, serve_until_lost
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.server import KvTransferServer
@@ -46,6 +49,7 @@ class PrefillWorker:
         self._health_task: asyncio.Task | None = None
         self.ranks = None  # tp_control.RankSet when this process spawned the runner's ranks
         self._follower_ports: list[int] = []
+        self._lost = asyncio.Event()  # a tensor-parallel rank died: serve_until_signal exits the process
 
     def _start_ranks(self):
         from splitserve.engine.tp_control import start_ranks
@@ -65,12 +69,10 @@ class PrefillWorker:
         runner = self._runner or await asyncio.to_thread(self._start_ranks)
         self.engine = PrefillEngine(self.cfg, runner, self.metrics, on_fatal=self._on_fatal)
         if runner.tp.enabled:
-            from splitserve.engine.tp_control import watch_followers
-
             self.engine.leases = MirroredLeaseTable(runner.mirror)
-            aio = asyncio.get_running_loop()
-            watch_followers(self.ranks.procs if self.ranks else [], lambda code: aio.call_soon_threadsafe(
-                self._on_fatal, RuntimeError(f"a tensor-parallel rank exited with {code}")))
+            if self.ranks is not None:
+                aio = asyncio.get_running_loop()
+                self.ranks.watch(lambda rank, code: aio.call_soon_threadsafe(self._rank_died, rank, code))
         await self.engine.start()
         spec = PoolSpec.of(runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads)
         self.kv_server = KvTransferServer(runner.kv_cache, spec, EngineLeaseSource(self.engine), self.cfg.kv_transfer,
@@ -81,6 +83,11 @@ class PrefillWorker:
             self.servicer.shard_ports = [self.servicer.kv_port, *self._follower_ports]
         self.servicer.engine = self.engine
         await self.server.set_serving(True)
+
+    def _rank_died(self, rank: int, code) -> None:
+        """A follower is gone: the engine fails now (its step may wait on the dead rank forever)."""
+        self.engine.fail(RuntimeError(f"tensor-parallel rank {rank} exited with {code}"))
+        self._lost.set()
 
     def _on_fatal(self, exc: BaseException) -> None:
         log.error("prefill worker stops serving: %s", exc)
@@ -101,7 +108,9 @@ class PrefillWorker:
         await self._stop_engine()
 
     async def serve_until_signal(self) -> int:
-        signum = await self.server.serve_until_signal()
+        signum = await serve_until_lost(self.server, self._lost)
+        if self._lost.is_set():
+            exit_after_rank_loss(self.ranks, log)
         await self._stop_engine()
         return signum
 

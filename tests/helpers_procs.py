@@ -190,3 +190,16 @@ class ProcessGroup:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def all_free(stub) -> None:
+    """Every block free and no lease held on a worker (GetLoad reports the last step's snapshot:
+    polled for up to 5 s)."""
+    from splitserve.protos import worker_pb2
+
+    for _ in range(50):
+        load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        if load.free_blocks == load.total_blocks and load.leases_held == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"blocks or leases still held: {load}")

@@ -46,17 +46,6 @@ def _decode(stub, request_id, prompt, first=None, kv=None):
     return tokens
 
 
-def _all_free(stub) -> None:
-    """Every block free and no lease held (GetLoad reports the last step's snapshot: polled)."""
-    import time
-
-    for _ in range(50):
-        load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
-        if load.free_blocks == load.total_blocks and load.leases_held == 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"blocks or leases still held: {load}")
-
 
 def _received_bytes(metrics_port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
@@ -85,11 +74,13 @@ def test_handover_between_tp_sizes_equals_tp1(tiny_llama, expected, tmp_path, pr
             assert _decode(decode, f"r{i}", prompt, resp.first_token_id, resp.kv) == expected[i]
         payload = sum(-(-len(x) // 4) for x in PROMPTS) * 2 * 3 * 4 * 2 * 16 * 4  # blocks*K,V*layers*bs*heads*dim*fp32
         assert _received_bytes(metrics) == payload  # pulled (every head), not recomputed
-        _all_free(prefill)
-        _all_free(decode)
+        helpers_procs.all_free(prefill)
+        helpers_procs.all_free(decode)
         for proc, tp in ((p, prefill_tp), (d, decode_tp)):
             assert (f"tensor parallel {tp}" in proc.log()) == (tp > 1)
         assert p.stop() == 0 and d.stop() == 0
+        for proc in (p, d):  # the followers' exit after ("stop",) is no failure
+            assert " ERROR " not in proc.log(), proc.log()
 
 
 def test_tp2_decode_worker_alone_equals_tp1(tiny_llama, tmp_path):
@@ -104,7 +95,7 @@ def test_tp2_decode_worker_alone_equals_tp1(tiny_llama, tmp_path):
             got = [_decode(stub, f"g{i}", p) for i, p in enumerate(PROMPTS)]
             req = worker_pb2.DecodeRequest(request_id="s", prompt_token_ids=PROMPTS[0], sampling=sampled)
             got.append([t for chunk in stub.Decode(req, timeout=120) for t in chunk.token_ids])
-            _all_free(stub)
+            helpers_procs.all_free(stub)
             assert d.stop() == 0
             outs.append(got)
         assert outs[0] == outs[1]
@@ -135,7 +126,8 @@ def _wait(predicate, timeout: float = 20.0) -> bool:
 
 
 def test_rank0_owns_the_lifecycle(tiny_llama, tmp_path):
-    """A dead follower takes its worker out of service; a dead rank 0 takes its followers along."""
+    """A dead follower takes its worker out of service (it exits 1, for its orchestrator to restart
+    it); a dead rank 0 takes its followers along."""
     import os
     import signal
 
@@ -149,7 +141,8 @@ def test_rank0_owns_the_lifecycle(tiny_llama, tmp_path):
         for pid in followers[d.name]:
             os.kill(pid, signal.SIGKILL)
         assert _wait(lambda: helpers_procs.health_status(d.address, d.service)
-                     == health_pb2.HealthCheckResponse.NOT_SERVING), d.log()
+                     != health_pb2.HealthCheckResponse.SERVING), d.log()  # NOT_SERVING, then gone
+        assert d.proc.wait(20) == 1, d.log()
         p.kill()  # SIGKILL: no clean-up of its own
         assert _wait(lambda: not any(os.path.exists(f"/proc/{pid}") and
                                      "zombie" not in open(f"/proc/{pid}/status").read().lower()
@@ -170,6 +163,6 @@ def test_router_in_front_of_tp2_workers(tiny_llama, expected, tmp_path):
                                                sampling=_sampling())
             assert [t for c in stub.Generate(req, timeout=120) for t in c.token_ids] == expected[i]
         prefill = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(p.address))
-        _all_free(prefill)
-        _all_free(worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(d.address)))
+        helpers_procs.all_free(prefill)
+        helpers_procs.all_free(worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(d.address)))
         assert router.stop() == 0 and p.stop() == 0 and d.stop() == 0
