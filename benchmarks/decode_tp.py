@@ -1,4 +1,4 @@
-"""Decode step time at tensor_parallel_size 1 vs 2 (or any list), side by side in one run, per
+r"""Decode step time at tensor_parallel_size 1 vs 2 (or any list), side by side in one run, per
 model shape preset; also checks that every TP size gives TP1's greedy tokens.
 
     python benchmarks/decode_tp.py --model-dir /tmp/tp-models --presets llama-3.2-1b,llama-3.1-8b \
