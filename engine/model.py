@@ -8,6 +8,10 @@ Each norm is fused into the linear layer that follows it (add + norm + qkv, add 
 gate_up, final add + norm + lm_head) and the activation into the down projection: at few
 tokens (decode, <= ops.SMALL_M_MAX) each pair is one Triton GEMV kernel; at more tokens the ops
 compose the norm / activation kernel with a cuBLAS matmul, the same math as unfused.
+
+Tensor parallel (parallel.py): qkv / gate_up column-parallel, o / down row-parallel (all_reduce);
+embedding and lm_head vocab-parallel (masked lookup + all_reduce; logits slice + all_gather),
+so no rank reads the whole lm_head per step. At TP 1 none of these collectives exist.
 """
 
 from __future__ import annotations
@@ -91,16 +95,43 @@ class CausalLM(nn.Module):
         super().__init__()
         cfg.check_tensor_parallel(tp.size)
         self.cfg, self.tp = cfg, tp
-        self.embed = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        # vocab-parallel embedding / lm_head under TP: this rank's rows [vocab_start, vocab_start + rows)
+        self.vocab_start, rows = tp.vocab_shard(cfg.vocab_size) if tp.enabled else (0, cfg.vocab_size)
+        self.embed = _param(rows, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_hidden_layers))
         self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+            rows, cfg.hidden_size, dtype=dtype, device=device
         )
+        real = min(max(cfg.vocab_size - self.vocab_start, 0), rows)  # rows past the vocab: padding
+        for p in {id(self.embed): self.embed, id(self.lm_head): self.lm_head}.values():
+            p.data[real:].zero_()  # never loaded; zero so no garbage (NaN) ever enters a sum
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp.enabled:
+            return F.embedding(input_ids, self.embed)
+        # ids outside this rank's slice give zero rows; the sum over ranks is the full embedding
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        hidden = F.embedding(local.masked_fill(outside, 0), self.embed)
+        return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def _full_logits(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's logits [R, rows] (model dtype) -> fp32 logits [R, V] of the whole vocab."""
+        if not self.tp.enabled:
+            return local.float()
+        r, rows = local.shape
+        gathered = self.tp.all_gather_rows(local).view(self.tp.size, r, rows)  # rank-major, model dtype
+        full = torch.empty(r, self.tp.size, rows, dtype=torch.float32, device=local.device)
+        full.copy_(gathered.transpose(0, 1))  # -> row-major and fp32 in one copy
+        full = full.view(r, self.tp.size * rows)
+        vocab = self.cfg.vocab_size
+        # padded columns are never sampled: sliced off (one small copy, only when V % tp != 0)
+        return full if full.shape[1] == vocab else full[:, :vocab].contiguous()
 
     def _layers(self, input_ids, positions, kv_cache, cos_sin, meta):
         """-> (hidden, residual) after the last layer (num_hidden_layers >= 1: residual is set)."""
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self._embed(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, positions, cos_sin, kv_cache[i, 0], kv_cache[i, 1], meta)
@@ -113,7 +144,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states (from `forward`) [R,H] -> fp32 logits [R,V]."""
-        return F.linear(hidden, self.lm_head).float()
+        return self._full_logits(F.linear(hidden, self.lm_head))
 
     def logits(self, input_ids, positions, kv_cache: torch.Tensor, cos_sin, meta: AttentionMetadata,
                rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,5 +155,6 @@ class CausalLM(nn.Module):
             hidden, residual = hidden[rows], residual[rows]
         eps = self.cfg.rms_norm_eps
         if GEMV_LM_HEAD:
-            return ops.fused_add_rms_norm_linear(hidden, residual, self.final_norm, eps, self.lm_head)[0].float()
+            return self._full_logits(ops.fused_add_rms_norm_linear(hidden, residual, self.final_norm, eps,
+                                                                   self.lm_head)[0])
         return self.compute_logits(ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)[0])

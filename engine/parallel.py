@@ -7,8 +7,10 @@
     cpu_group:    gloo, the step commands rank 0 publishes (tp_control.py)
 
 Each rank holds heads [rank*H/tp, (rank+1)*H/tp) of q and of KV and the same slice of the MLP
-columns; embedding, norms and lm_head are replicated (every rank computes the same logits,
-rank 0's sampled tokens are broadcast so no rank can diverge).
+columns; norms are replicated. Embedding and lm_head are vocab-parallel (as vLLM's): rank r
+holds rows [r*Vp, (r+1)*Vp) with Vp = ceil(V/tp) (the last rank's tail past V is zero padding);
+the embedding is summed over ranks (all_reduce), the logits gathered (all_gather) so every rank
+has the same full logits; rank 0's sampled tokens are broadcast so no rank can diverge.
 """
 
 from __future__ import annotations
@@ -56,6 +58,22 @@ class TPGroup:
             dist.broadcast(x, src=src, group=self.device_group)
         return x
 
+    def vocab_shard(self, vocab: int) -> tuple[int, int]:
+        """(first row, rows per rank) of this rank's vocab slice: ceil(vocab/size) rows, so a vocab that
+        does not divide is padded at the end (padded rows are zero; their logits are sliced off)."""
+        part = -(-vocab // self.size)
+        return self.rank * part, part
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[R, ...] on every rank -> [size*R, ...], rank r's rows at [r*R, (r+1)*R). One fixed-shape
+        collective into a fresh tensor: capturable in a CUDA graph on NCCL."""
+        out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, x.contiguous(), group=self.device_group)
+        return out
+
+
+# The same collective under its newer name (all_gather_into_tensor warns it is deprecated there).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 SINGLE = TPGroup()
 

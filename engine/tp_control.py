@@ -189,11 +189,13 @@ def join_as_follower(rank: int, size: int, init_method: str, engine_cfg) -> TPGr
 
     die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
+    import torch
+
     device = rank_device(resolve_device(engine_cfg.device), rank)
     if device.type == "cuda":
-        import torch
-
         torch.cuda.set_device(device)
+    else:  # CPU ranks share the cores: each its share, so `size` ranks do not oversubscribe them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     return init_tp(rank, size, init_method, device)
 
 

@@ -3,7 +3,8 @@
 Tensors are read lazily with `safe_open`, cast to the serving dtype and copied straight into
 the model's fused parameters (q/k/v -> qkv, gate/up -> gate_up), one tensor at a time, so peak
 host memory stays near one tensor. Under tensor parallelism each rank reads only its slices
-(`get_slice`): its heads of q/k/v, its columns of gate/up, its input columns of o_proj/down.
+(`get_slice`): its heads of q/k/v, its columns of gate/up, its input columns of o_proj/down,
+its vocab rows of embed_tokens/lm_head (the last rank's padding rows past the vocab stay zero).
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def _shard_map(model_dir: Path) -> dict[str, Path]:
 
 
 # A target: (destination parameter, row offset inside a fused parameter, dim split over the
-# tensor-parallel ranks or None for a replicated tensor).
-Target = tuple[torch.Tensor, int, int | None]
+# tensor-parallel ranks or None for a replicated tensor, or VOCAB: rows split as CausalLM pads them).
+VOCAB = "vocab"
+Target = tuple[torch.Tensor, int, int | str | None]
 
 
 def _targets(model: CausalLM) -> dict[str, Target]:
@@ -48,11 +50,11 @@ def _targets(model: CausalLM) -> dict[str, Target]:
     layer0 = model.layers[0]
     q, kv, inter = layer0.q_size, layer0.kv_size, layer0.gate_up_weight.shape[0] // 2  # this rank's sizes
     out: dict[str, Target] = {
-        "model.embed_tokens.weight": (model.embed, 0, None),
+        "model.embed_tokens.weight": (model.embed, 0, VOCAB),  # tied: also the lm_head's slice
         "model.norm.weight": (model.final_norm, 0, None),
     }
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (model.lm_head, 0, None)
+        out["lm_head.weight"] = (model.lm_head, 0, VOCAB)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (layer.input_norm, 0, None)
@@ -76,12 +78,19 @@ def _targets(model: CausalLM) -> dict[str, Target]:
     return out
 
 
-def _read(handle, name: str, split: int | None, rank: int, size: int) -> torch.Tensor:
+def _read(handle, name: str, split: int | str | None, model: CausalLM) -> torch.Tensor:
     """The whole tensor, or this rank's 1/size of it along `split` (read lazily: only the slice)."""
+    rank, size = model.tp.rank, model.tp.size
     if split is None or size == 1:
         return handle.get_tensor(name)
     sl = handle.get_slice(name)
     shape = sl.get_shape()
+    if split == VOCAB:  # rows [start, start + rows) clipped to the vocab (the last rank may get fewer)
+        if shape[0] != model.cfg.vocab_size:
+            raise CheckpointError(f"tensor {name} has {shape[0]} rows, config.json's vocab_size is "
+                                  f"{model.cfg.vocab_size}")
+        start, rows = model.vocab_start, model.embed.shape[0]
+        return sl[min(start, shape[0]):min(start + rows, shape[0])]
     if shape[split] % size:
         raise CheckpointError(f"tensor {name} has {shape[split]} rows/columns along dim {split}, "
                               f"which {size} tensor-parallel ranks cannot split evenly")
@@ -104,7 +113,7 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
             f: stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(set(shards[n] for n in targets))
         }
         for name, (param, offset, split) in targets.items():
-            tensor = _read(handles[shards[name]], name, split, rank, size)
+            tensor = _read(handles[shards[name]], name, split, model)
             rows = tensor.shape[0]
             dest = param.data[offset : offset + rows]
             if dest.shape != tensor.shape:

@@ -65,7 +65,7 @@ def test_each_rank_loads_its_slices(tiny_qwen2):
         torch.testing.assert_close(layer.o_weight, o[:, rank * qs:(rank + 1) * qs])
         torch.testing.assert_close(layer.gate_up_weight[inter:], up[rank * inter:(rank + 1) * inter])
         torch.testing.assert_close(layer.down_weight, down[:, rank * inter:(rank + 1) * inter])
-        assert model.embed.shape == (cfg.vocab_size, cfg.hidden_size)  # replicated
+        assert model.embed.shape == (cfg.vocab_size // 2, cfg.hidden_size)  # vocab rows: test_tp_vocab.py
 
 
 def test_parallel_config_refuses_bad_sizes(tiny_llama):
