@@ -33,24 +33,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.config_file import load_config
 from splitserve.engine.grpc_service import ServerConfig
-from splitserve.kvtransfer.config import KvTransferConfig
+from splitserve.kvtransfer.config import KvTransferConfig, RequestFaults
 
 GRAPH_STEP = 8  # capture sizes go 1, 2, 4, 8, then in steps of this
 
 
-class DecodeFaults(BaseModel):
+class DecodeFaults(RequestFaults):
     """For tests only (tests/faults): delays on purpose, so a test can land a cancel or a kill
     between a request's arrival and its admission. Off by default."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
     delay_before_pull_s: float = Field(0.0, ge=0, description="test only: a handed-off request waits this long "
                                                               "with its blocks reserved before the KV pull")
-    request_id_prefix: str = Field("", description="test only: the delay hits request ids with this prefix "
-                                                   "(empty: every request)")
 
     def pull_delay(self, request_id: str) -> float:
-        return self.delay_before_pull_s if request_id.startswith(self.request_id_prefix) else 0.0
+        return self.delay_before_pull_s if self.hits(request_id) else 0.0
 
 
 class DecodeWorkerConfig(BaseModel):

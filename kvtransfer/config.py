@@ -31,11 +31,22 @@ class KvTransferConfig(BaseModel):
         return self.model_copy(update={"listen_port": self.listen_port + rank})
 
 
-class TransferFaults(BaseModel):
-    """For tests only (tests/faults, tests/kvtransfer): what the prefill side's listener does
-    wrong on purpose. Every field off by default; never set in production."""
+class RequestFaults(BaseModel):
+    """Base of the test-only fault seams (TransferFaults, PrefillFaults, DecodeFaults): which
+    requests a seam's faults hit, by request id prefix."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    request_id_prefix: str = Field("", description="test only: faults hit request ids with this prefix "
+                                                   "(empty: every request)")
+
+    def hits(self, request_id: str) -> bool:
+        return request_id.startswith(self.request_id_prefix)
+
+
+class TransferFaults(RequestFaults):
+    """For tests only (tests/faults, tests/kvtransfer): what the prefill side's listener does
+    wrong on purpose. Every field off by default; never set in production."""
 
     corrupt_payload: bool = Field(False, description="test only: flip bytes of the payload sent")
     truncate_payload: bool = Field(False, description="test only: send only the first half of the last message")
@@ -45,8 +56,3 @@ class TransferFaults(BaseModel):
                                                     "(0: as configured)")
     stall_after_first_message_s: float = Field(0.0, ge=0, description="test only: sleep after the payload's "
                                                                        "first message")
-    request_id_prefix: str = Field("", description="test only: faults hit pulls of request ids with this "
-                                                   "prefix (empty: every pull)")
-
-    def hits(self, request_id: str) -> bool:
-        return request_id.startswith(self.request_id_prefix)

@@ -20,29 +20,24 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.config_file import load_config
 from splitserve.engine.grpc_service import ServerConfig
-from splitserve.kvtransfer.config import KvTransferConfig, TransferFaults
+from splitserve.kvtransfer.config import KvTransferConfig, RequestFaults, TransferFaults
 
 
-class PrefillFaults(BaseModel):
+class PrefillFaults(RequestFaults):
     """For tests only (tests/faults): slow steps and broken transfers on purpose, so a test can
     land an abort, a kill or a corruption exactly where it wants. Off by default."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     last_chunk_delay_s: float = Field(0.0, ge=0, description="test only: the step holding a prompt's last "
                                                              "chunk sleeps this long first")
     reply_delay_s: float = Field(0.0, ge=0, description="test only: a Prefill call waits this long between "
                                                         "its lease grant and its reply (a reply slow on the wire)")
-    request_id_prefix: str = Field("", description="test only: the delays hit request ids with this prefix "
-                                                   "(empty: every request)")
     transfer: TransferFaults = TransferFaults()
 
     def slow_last_chunk(self, request_ids) -> float:
-        hit = any(r.startswith(self.request_id_prefix) for r in request_ids)
-        return self.last_chunk_delay_s if hit else 0.0
+        return self.last_chunk_delay_s if any(map(self.hits, request_ids)) else 0.0
 
     def reply_delay(self, request_id: str) -> float:
-        return self.reply_delay_s if request_id.startswith(self.request_id_prefix) else 0.0
+        return self.reply_delay_s if self.hits(request_id) else 0.0
 
 
 class PrefillWorkerConfig(BaseModel):

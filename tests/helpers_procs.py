@@ -203,3 +203,15 @@ def all_free(stub) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"blocks or leases still held: {load}")
+
+
+def offline_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The oracle of the process tests: greedy tokens (ignore_eos) from one in-process engine."""
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.model_runner import ModelRunner
+    from splitserve.engine.offline import OfflineEngine
+    from splitserve.engine.sampling_params import SamplingParams
+
+    runner = ModelRunner(EngineConfig(model_path=str(model_dir), cache={"num_blocks": 128, "block_size": 4}))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [c.token_ids for c in OfflineEngine(runner).generate(prompts, [params] * len(prompts))]

@@ -12,10 +12,6 @@ import grpc
 import helpers_procs
 import pytest
 
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.offline import OfflineEngine
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 
 PROMPTS = [[1] + list(range(40, 77)), [1, 300, 301, 302, 303, 304, 305], [1] + list(range(100, 160))]
@@ -24,9 +20,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def expected(tiny_llama):
-    runner = ModelRunner(EngineConfig(model_path=str(tiny_llama), cache={"num_blocks": 128, "block_size": 4}))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [c.token_ids for c in OfflineEngine(runner).generate(PROMPTS, [params] * len(PROMPTS))]
+    return helpers_procs.offline_greedy(tiny_llama, PROMPTS, MAX_TOKENS)
 
 
 def _sampling():

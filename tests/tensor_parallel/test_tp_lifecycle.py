@@ -16,10 +16,6 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2
 
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.offline import OfflineEngine
-from splitserve.engine.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 
 PROMPT = [1] + list(range(40, 77))
@@ -74,9 +70,7 @@ def test_fixed_kv_port_per_rank_and_clean_stop(tiny_llama, tmp_path):
     """kv_transfer.listen_port p (as deploy/k8s sets it): rank r listens on p + r, the handle says
     so, the hand-over to a TP2 decode worker gives TP1's tokens; SIGTERM then stops both workers
     with exit 0 and not one ERROR line (the followers' exit after ("stop",) is no failure)."""
-    runner = ModelRunner(EngineConfig(model_path=str(tiny_llama), cache={"num_blocks": 32, "block_size": 4}))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    expected = OfflineEngine(runner).generate([PROMPT], [params])[0].token_ids
+    expected = helpers_procs.offline_greedy(tiny_llama, [PROMPT], MAX_TOKENS)[0]
     port = _pair_of_free_ports()
     cfg = _config(tmp_path, "prefill", {"kv_transfer": {"listen_port": port}})
     with helpers_procs.ProcessGroup(tmp_path) as procs:
