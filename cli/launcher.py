@@ -34,6 +34,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.engine.net import local_dial_host
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PORT_TAKEN = "cannot listen on"  # GrpcServer's message when the port is in use
 PORT_RETRIES = 3
@@ -120,8 +122,7 @@ class Child:
     @property
     def address(self) -> str:
         """Where to dial it (loopback when it binds every interface)."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
-        return f"{host}:{self.port}"
+        return f"{local_dial_host(self.host)}:{self.port}"
 
     @property
     def pid(self) -> int | None:

@@ -33,6 +33,7 @@ from splitserve.cli import client
 from splitserve.cli.arg_types import port
 from splitserve.cli.launcher import Launcher, StartError, free_port
 from splitserve.cli.serve_placement import worker_flags
+from splitserve.engine.net import is_wildcard, local_dial_host
 
 DEFAULT_HTTP_PORT = 8000
 SERVICES = {"prefill-worker": "splitserve.v1.PrefillWorker", "decode-worker": "splitserve.v1.DecodeWorker",
@@ -133,7 +134,7 @@ def check_http_port(args: argparse.Namespace) -> int | None:
 
 
 def display_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "[::]") else host
+    return local_dial_host(host)
 
 
 # ---- the services ---------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def build(launcher: Launcher, args: argparse.Namespace, model: Path, num_prefill
     prefill_at, decode_at = placement or worker_flags(args, num_prefill, num_decode)
     common = ["--model", str(model), "--log-level", args.log_level]
     engine = [*common]
-    if args.host in ("0.0.0.0", "::", "[::]"):  # peers are all on this machine: KV handles name loopback
+    if is_wildcard(args.host):  # peers are all on this machine: KV handles name loopback
         engine += ["--advertise-host", "127.0.0.1"]
     for flag, value in (("--block-size", args.block_size), ("--num-blocks", args.num_blocks),
                         ("--max-model-len", args.max_model_len)):

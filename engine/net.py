@@ -27,6 +27,12 @@ def is_wildcard(host: str) -> bool:
     return host in WILDCARDS
 
 
+def local_dial_host(host: str) -> str:
+    """The host a process on this machine dials to reach a service bound to `host` (loopback
+    for a service bound to every interface)."""
+    return "127.0.0.1" if is_wildcard(host) else host
+
+
 def default_route_ipv4() -> str | None:
     """Source address the kernel picks for an off-host destination (a UDP connect sends nothing)."""
     try:

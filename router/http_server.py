@@ -31,6 +31,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from splitserve.engine.errors import RequestError
+from splitserve.engine.net import local_dial_host
 from splitserve.protos import generate_pb2
 from splitserve.router.chat_template import chat_prompt_ids
 from splitserve.router.context import RouterContext
@@ -46,9 +47,6 @@ from splitserve.router.openai_response import ResponseBuilder
 from splitserve.router.registry import DECODE, PREFILL
 
 log = logging.getLogger(__name__)
-
-_WILDCARD = ("0.0.0.0", "::", "[::]")
-
 
 def _dumps(body: dict[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
@@ -135,7 +133,7 @@ class OpenAIServer:
         if self.ctx.cfg.http.host is None:
             host = self.ctx.cfg.server.public_host
         else:
-            host = "127.0.0.1" if self.host in _WILDCARD else self.host
+            host = local_dial_host(self.host)
         return f"{host}:{self.port}"
 
     # ---- lifecycle -------------------------------------------------------------------------------
