@@ -7,8 +7,9 @@ Also runnable alone: `python -m splitserve.cli.decode_worker_cmd --model DIR ...
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+
+from splitserve.engine.service_process import run_service_process
 import sys
 
 from splitserve.cli.arg_types import port
@@ -22,6 +23,7 @@ _OVERRIDES = {
     "max_batch_size": "engine.scheduler.max_batch_size",
     "max_model_len": "engine.scheduler.max_model_len",
     "tensor_parallel_size": "engine.parallel.tensor_parallel_size",
+    "stall_timeout_s": "engine.stall_timeout_s",
     "host": "server.host",
     "port": "server.port",
     "advertise_host": "server.advertise_host",
@@ -75,6 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a failed KV pull: recompute the prompt here (default) or end with UNAVAILABLE")
     p.add_argument("--kv-connect-timeout-s", type=float, help="UCX connect timeout (default 5)")
     p.add_argument("--kv-data-timeout-s", type=float, help="KV payload receive timeout (default 30)")
+    p.add_argument("--stall-timeout-s", type=float, metavar="S",
+                   help="health NOT_SERVING while work waits and no engine step finished for S seconds (default 60)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -86,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give the checkpoint folder with --model DIR (or engine.model_path in --config)")
     cfg = load(args.config, {field: getattr(args, dest) for dest, field in _OVERRIDES.items()})
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(run_worker(cfg))
+    return run_service_process(lambda: run_worker(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:

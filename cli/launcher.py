@@ -11,18 +11,17 @@
                                                wait, SIGKILL the stragglers' process groups
 
 No orphans: every child runs in its own process group (a terminal Ctrl-C reaches only the
-launcher, which stops the children in order) with PR_SET_PDEATHSIG=SIGTERM on Linux, so
-even a launcher killed with SIGKILL takes its children with it.
+launcher, which stops the children in order) and sets PR_SET_PDEATHSIG=SIGTERM on itself at
+start (engine/service_process.py: die_with_launcher), so even a launcher killed with SIGKILL
+takes its children with it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,7 +33,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.net import local_dial_host
+from splitserve.engine.net import free_port, local_dial_host
+from splitserve.engine.service_process import PARENT_ENV
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PORT_TAKEN = "cannot listen on"  # GrpcServer's message when the port is in use
@@ -46,13 +46,6 @@ class StartError(RuntimeError):
     """A child failed: one line naming it, its exit code and its last log lines."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the OS's pick; a small race with other binders)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def cli_argv(subcommand: str) -> list[str]:
     """argv prefix running `splitserve <subcommand>` with this interpreter: the command's own
     module when it is runnable alone (it defines main()), else through cli/main.py."""
@@ -62,16 +55,6 @@ def cli_argv(subcommand: str) -> list[str]:
     except ImportError:
         runnable = False
     return [sys.executable, "-m", module] if runnable else [sys.executable, "-m", "splitserve.cli.main", subcommand]
-
-
-def _child_setup(parent_pid: int) -> Callable[[], None]:
-    """preexec_fn: die with the launcher (Linux), even when it is SIGKILLed."""
-    def setup() -> None:
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
-            os.kill(os.getpid(), signal.SIGTERM)
-    return setup
 
 
 def _exited_unreaped(proc: subprocess.Popen, deadline: float) -> bool:
@@ -179,8 +162,11 @@ class Launcher:
         child._log_file.write(f"$ {' '.join(cmd)}\n".encode())
         child._log_file.flush()
         child._log_start = child._log_file.tell()  # tails show the child's output, not the command
+        # no preexec_fn (Python between fork and exec, next to live gRPC threads): the child sets
+        # its own death signal from PARENT_ENV (engine/service_process.py)
+        env = {**self._env, PARENT_ENV: str(os.getpid())}
         child.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=child._log_file, stderr=subprocess.STDOUT,
-                                      env=self._env, process_group=0, preexec_fn=_child_setup(os.getpid()))
+                                      env=env, process_group=0)
         child.started = time.monotonic()
         self._say(f"started {child.name} on {child.address} (pid {child.pid}, log {child.log_path})")
 

@@ -17,6 +17,7 @@ from splitserve.cli import (
     router_cmd,
     serve_cmd,
 )
+from splitserve.engine.service_process import die_with_launcher, end_cli
 
 
 class CliError(Exception):
@@ -33,15 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_launcher()
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("splitserve: interrupted", file=sys.stderr)
-        return 130
+        code = 130
     except (CliError, ValueError, FileNotFoundError, MemoryError, RuntimeError) as exc:
         print(f"splitserve {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
+    return end_cli(code)
 
 
 if __name__ == "__main__":

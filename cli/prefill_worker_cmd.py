@@ -6,8 +6,9 @@ Settings come from --config YAML (see prefill_worker/config.py), then the flags 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+
+from splitserve.engine.service_process import run_service_process
 
 from splitserve.cli.arg_types import port
 
@@ -20,6 +21,7 @@ _OVERRIDES = {
     "max_num_batched_tokens": "engine.scheduler.max_num_batched_tokens",
     "max_model_len": "engine.scheduler.max_model_len",
     "tensor_parallel_size": "engine.parallel.tensor_parallel_size",
+    "stall_timeout_s": "engine.stall_timeout_s",
     "host": "server.host",
     "port": "server.port",
     "advertise_host": "server.advertise_host",
@@ -45,6 +47,8 @@ def register(sub) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--tensor-parallel-size", type=int, metavar="N",
                    help="split the model over N ranks (processes; GPUs device..device+N-1), spawned by this one")
+    p.add_argument("--stall-timeout-s", type=float, metavar="S",
+                   help="health NOT_SERVING while work waits and no engine step finished for S seconds (default 60)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=run)
 
@@ -57,4 +61,4 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give the checkpoint folder with --model DIR (or engine.model_path in --config)")
     cfg = PrefillWorkerConfig.load(args.config, {field: getattr(args, dest) for dest, field in _OVERRIDES.items()})
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(run_worker(cfg))
+    return run_service_process(lambda: run_worker(cfg))

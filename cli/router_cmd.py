@@ -9,8 +9,9 @@ Also runnable alone: `python -m splitserve.cli.router_cmd --model DIR ...`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+
+from splitserve.engine.service_process import run_service_process
 import sys
 
 from splitserve.cli.arg_types import port
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give the checkpoint folder with --model DIR (or model_path in --config)")
     cfg = RouterConfig.load(args.config, {field: getattr(args, dest) for dest, field in _OVERRIDES.items()})
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(run_router(cfg))
+    return run_service_process(lambda: run_router(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:

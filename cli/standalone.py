@@ -7,17 +7,21 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from splitserve.engine.service_process import die_with_launcher, end_cli
+
 
 def standalone_main(command: str, doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
                     run: Callable[[argparse.Namespace], int], argv: list[str] | None = None) -> int:
+    die_with_launcher()
     parser = argparse.ArgumentParser(prog=f"splitserve {command}", description=doc.strip().splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        return int(run(args) or 0)
+        code = int(run(args) or 0)
     except KeyboardInterrupt:
         print(f"splitserve {command}: interrupted", file=sys.stderr)
-        return 130
+        code = 130
     except (ValueError, FileNotFoundError, MemoryError, RuntimeError) as exc:
         print(f"splitserve {command}: error: {exc}", file=sys.stderr)
-        return 2
+        code = 2
+    return end_cli(code)

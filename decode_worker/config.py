@@ -40,13 +40,19 @@ GRAPH_STEP = 8  # capture sizes go 1, 2, 4, 8, then in steps of this
 
 class DecodeFaults(RequestFaults):
     """For tests only (tests/faults): delays on purpose, so a test can land a cancel or a kill
-    between a request's arrival and its admission. Off by default."""
+    between a request's arrival and its admission, or stall the engine. Off by default."""
 
     delay_before_pull_s: float = Field(0.0, ge=0, description="test only: a handed-off request waits this long "
                                                               "with its blocks reserved before the KV pull")
 
+    step_delay_s: float = Field(0.0, ge=0, description="test only: a decode step holding a request this hits "
+                                                       "first sleeps this long on the engine thread (a stuck engine)")
+
     def pull_delay(self, request_id: str) -> float:
         return self.delay_before_pull_s if self.hits(request_id) else 0.0
+
+    def step_delay(self, request_ids) -> float:
+        return self.step_delay_s if self.step_delay_s and any(map(self.hits, request_ids)) else 0.0
 
 
 class DecodeWorkerConfig(BaseModel):

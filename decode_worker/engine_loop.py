@@ -34,7 +34,7 @@ class EngineLoop:
     def __init__(self, engine: DecodeEngine, on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.fatal: BaseException | None = None
-        self.last_progress = time.monotonic()
+        self.progress = 0  # bumped after every step and every batch of commands (stall_watch.py)
         self._on_fatal = on_fatal
         self._cmds: deque[Callable[[], None]] = deque()
         self._cv = threading.Condition()
@@ -160,11 +160,15 @@ class EngineLoop:
                     stopping = self._stopping
                 for cmd in cmds:
                     cmd()
+                if cmds:
+                    self.progress += 1
                 if stopping:
                     break
                 if self.engine.has_work:
+                    if delay := self.engine.cfg.faults.step_delay(self.engine.scheduler.by_id):  # tests only
+                        time.sleep(delay)
                     self.engine.step()
-                    self.last_progress = time.monotonic()
+                    self.progress += 1
         except BaseException as exc:  # noqa: BLE001 - any failure of a step is fatal for the worker
             log.exception("decode engine failed; the worker stops serving")
             with self._cv:

@@ -23,6 +23,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from splitserve.engine.tp_control import follower_process
 from splitserve.kernels import ops
 from splitserve.kvtransfer.shards import head_overlap
 
@@ -69,6 +70,7 @@ class TPKvInstaller:
                 dist.send(p, dst=r, group=tp.device_group)
 
 
+@follower_process
 def decode_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
     """Entry of follower rank `rank` of a decode worker (`cfg`: its DecodeWorkerConfig)."""
     from splitserve.decode_worker.graph_runner import GraphRunner

@@ -3,7 +3,8 @@
     start():  bind (health NOT_SERVING) -> load the model and capture every decode graph (in a
               thread; health answers meanwhile; before any UCX listener exists, see DESIGN
               "CUDA graphs") -> engine loop -> health SERVING
-    watchdog: health NOT_SERVING for good when the engine fails or stops making progress
+    watch:    health NOT_SERVING when the engine fails (for good) or makes no progress with work
+              queued for engine.stall_timeout_s (until it moves again): engine/stall_watch.py
     rank lost (tensor parallel): NOT_SERVING, in-flight requests UNAVAILABLE, exit 1
     stop():   health NOT_SERVING, refuse new calls, in-flight streams get the grace period
               (then they are cancelled: their requests are aborted), the engine loop ends,
@@ -13,9 +14,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 
 from splitserve.decode_worker.config import DecodeWorkerConfig
 from splitserve.decode_worker.engine import DecodeEngine
@@ -26,6 +25,7 @@ from splitserve.decode_worker.servicer import DecodeWorkerServicer
 from splitserve.engine.grpc_service import GrpcServer, run_service, service_name
 from splitserve.engine.errors import RequestError
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.stall_watch import StallWatch
 from splitserve.engine.tokenizer import Tokenizer
 from splitserve.engine.tp_lifecycle import exit_after_rank_loss, serve_until_lost
 from splitserve.kvtransfer.client import KvTransferClient
@@ -36,7 +36,6 @@ from splitserve.protos import worker_pb2, worker_pb2_grpc
 log = logging.getLogger("splitserve.decode_worker")
 
 SERVICE_NAME = service_name(worker_pb2.DESCRIPTOR, "DecodeWorker")
-STALL_S = 60.0  # a step that takes longer than this means the engine is stuck
 
 
 def _load_tokenizer(model_path: str):
@@ -57,7 +56,7 @@ class DecodeWorker:
         self.server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self.servicer, SERVICE_NAME)
         self.engine: DecodeEngine | None = None
         self.loop: EngineLoop | None = None
-        self._watchdog: asyncio.Task | None = None
+        self.watch: StallWatch | None = None
         self.ranks = None  # tp_control.RankSet when this process spawned the runner's ranks
         self._lost = asyncio.Event()  # a tensor-parallel rank died: serve_until_signal exits the process
 
@@ -102,7 +101,10 @@ class DecodeWorker:
         self.servicer.puller = KvPuller(client, self.cfg.kv_transfer.failure_policy, self.cfg.faults)
         kv_metrics.log_transports()
         await self.server.set_serving(True)
-        self._watchdog = asyncio.create_task(self._watch(), name="decode-watchdog")
+        loop = self.loop
+        self.watch = StallWatch("decode", lambda: loop.busy, lambda: loop.progress, lambda: not loop.alive,
+                                self.cfg.engine.stall_timeout_s, self.server.set_serving)
+        self.watch.start()
 
     def _rank_died(self, rank: int, code) -> None:
         """A follower is gone: no step can finish any more (a collective would wait on it)."""
@@ -113,21 +115,11 @@ class DecodeWorker:
             f"the decode worker lost tensor-parallel rank {rank} (exit {code}); retry on another decode worker"))
         self._lost.set()
 
-    async def _watch(self) -> None:
-        """NOT_SERVING when the loop died or a step has not returned for STALL_S."""
-        loop = self.loop
-        while loop.alive and not (loop.busy and time.monotonic() - loop.last_progress > STALL_S):
-            await asyncio.sleep(0.5)
-        log.error("decode engine %s; health NOT_SERVING", "failed" if loop.fatal else "stopped making progress")
-        await self.server.set_serving(False)
-
     async def stop(self, grace_s: float | None = None) -> None:
         """Idempotent."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
-            self._watchdog = None
+        if self.watch is not None:
+            await self.watch.stop()
+            self.watch = None
         await self.server.drain(grace_s)
         if self.servicer.puller is not None:
             self.servicer.puller.close()

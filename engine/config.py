@@ -127,3 +127,6 @@ class EngineConfig(_Frozen):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
+    stall_timeout_s: float = Field(60.0, gt=0, description="health NOT_SERVING while work is queued and the engine "
+                                                           "has not finished a step for this long; SERVING again "
+                                                           "once it does (engine/stall_watch.py)")

@@ -8,7 +8,9 @@
                                        health NOT_SERVING (for good), after
                                        `drain_announce_s` stop accepting,
                                        in-flight RPCs get `drain_grace_s` to finish,
-                                       then they are cancelled and the server stops
+                                       then they are cancelled and the server stops;
+                                     the rest of the stop gets `stop_timeout_s`, then
+                                     the process exits 3 (service_process.py)
       .drain_hooks                   coroutines drain() runs alongside, with the same grace
                                      (the router's HTTP front)
 
@@ -32,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from splitserve.engine.grpc_guard import RejectMalformed
 from splitserve.engine.net import advertised_host, is_wildcard
+from splitserve.engine.service_process import EXIT_DEADLINE
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,9 @@ class ServerConfig(BaseModel):
     drain_announce_s: float = Field(0.0, ge=0, description="on SIGTERM, health says NOT_SERVING this long "
                                                             "before the port closes, so health-polling load "
                                                             "balancers and the router see the drain")
+    stop_timeout_s: float = Field(20.0, gt=0, description="after the drain grace, the rest of the stop (engine, "
+                                                          "UCX, ranks) gets this long; then the process logs "
+                                                          "what is stuck and exits with status 3")
     max_message_mb: int = Field(64, gt=0, le=2047)
     # a peer whose host vanished (link down, node lost) shows only through keepalive: 10 s + 5 s
     # bounds how long an open stream to it hangs (gRPC's 2 h default is far too long here)
@@ -171,10 +177,11 @@ class GrpcServer:
         if self._draining:
             return
         self._draining = True
+        grace = self.cfg.drain_grace_s if grace_s is None else grace_s
+        EXIT_DEADLINE.arm(self.cfg.drain_announce_s + grace + self.cfg.stop_timeout_s, f"service on {self.address}")
         await self.health.enter_graceful_shutdown()
         if self.cfg.drain_announce_s:  # still accepting: a poller reads NOT_SERVING, not a refused connection
             await asyncio.sleep(self.cfg.drain_announce_s)
-        grace = self.cfg.drain_grace_s if grace_s is None else grace_s
         await asyncio.gather(self._server.stop(grace), *(hook(grace) for hook in self.drain_hooks))
         if self._metrics_http is not None:
             self._metrics_http.shutdown()

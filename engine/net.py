@@ -76,3 +76,41 @@ def advertised_host(bind_host: str, advertise_host: str | None) -> str:
     if advertise_host:
         return advertise_host
     return routable_host() if is_wildcard(bind_host) else bind_host
+
+
+# Ports handed to child services: below the kernel's ephemeral range, so that no outgoing
+# connection's source port (the router redialling a killed worker, UCX's TCP data sockets) and
+# no port-0 bind can take a port between the pick and the child's bind, or while the child is
+# restarted on it (the soak's restart flake: the OS gave a redial the very port being reused).
+_PICK_LOW = 20000
+_PICK_TRIES = 200
+
+
+def ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, outside the ephemeral range when that leaves room (random
+    pick + a bind check); else the OS's pick."""
+    import random
+
+    low, high = ephemeral_range()
+    lo, hi = (_PICK_LOW, low - 1) if low - _PICK_LOW > 1000 else (high + 1, 65535)
+    bind_host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    for _ in range(_PICK_TRIES if hi - lo > 1000 else 0):
+        port = random.randint(lo, hi)
+        with socket.socket(family) as s:
+            try:
+                s.bind((bind_host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(family) as s:
+        s.bind((bind_host, 0))
+        return s.getsockname()[1]

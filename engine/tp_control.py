@@ -20,6 +20,7 @@ of a dead follower at once while starting (start_ranks fails) and while serving
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -181,6 +182,23 @@ def follow(tp: TPGroup, runner, handlers: Mapping[str, Callable] | None = None) 
         handlers[cmd[0]](*cmd[1:])
 
 
+def follower_process(main: Callable[..., None]) -> Callable[..., None]:
+    """Decorates a follower's entry: the process ends right after it (status 0, or 1 with the
+    traceback logged), without the interpreter's exit, whose garbage collection of UCX
+    listeners and endpoints could hang it (engine/service_process.py)."""
+    @functools.wraps(main)
+    def run(*args) -> None:
+        from splitserve.engine.service_process import exit_now
+
+        try:
+            main(*args)
+        except BaseException:  # noqa: BLE001 - reported, then the process ends with 1
+            log.exception("tensor-parallel follower failed")
+            exit_now(1)
+        exit_now(0)
+    return run
+
+
 def join_as_follower(rank: int, size: int, init_method: str, engine_cfg) -> TPGroup:
     """A follower process's start: tied to rank 0's life, logging tagged with its rank, on its
     own device (cuda:rank), joined to the TP group."""
@@ -199,6 +217,7 @@ def join_as_follower(rank: int, size: int, init_method: str, engine_cfg) -> TPGr
     return init_tp(rank, size, init_method, device)
 
 
+@follower_process
 def runner_follower_main(rank: int, size: int, init_method: str, engine_cfg) -> None:
     """Follower of a bare ModelRunner driven by rank 0 (OfflineEngine, tests)."""
     from splitserve.engine.model_runner import ModelRunner

@@ -175,7 +175,11 @@ class KvTransferServer:
             task.cancel()
 
     async def close(self) -> None:
+        """Endpoints aborted, their handlers ended (awaited: a listener closed under a live
+        handler is what hung processes at exit), then the listener; idempotent."""
+        tasks = list(self._handlers)
         await self.close_connections()
+        await asyncio.gather(*tasks, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
             self._listener = None

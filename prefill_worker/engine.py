@@ -56,6 +56,7 @@ class PrefillEngine:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._in_step: set[PrefillSeq] = set()
+        self.progress = 0  # steps finished (stall_watch.py)
 
     @property
     def vocab_size(self) -> int:
@@ -64,6 +65,10 @@ class PrefillEngine:
     @property
     def max_model_len(self) -> int:
         return self.runner.max_model_len
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -169,6 +174,7 @@ class PrefillEngine:
             sampled = await loop.run_in_executor(self._executor, self._step, chunks, rows, infos, delay)
         finally:
             self._in_step = set()
+            self.progress += 1
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.batch_tokens.observe(sum(c.end - c.start for c in batch))
         self._after_step(batch, sampled)

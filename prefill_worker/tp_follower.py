@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from splitserve.engine.tp_control import follower_process
 from splitserve.kvtransfer.server import LeaseLookupError
 from splitserve.prefill_worker.leases import Lease, LeaseTable
 from splitserve.protos import kv_pb2
@@ -135,6 +136,7 @@ def exchange_ports(tp, port: int) -> list[int]:
     return ports
 
 
+@follower_process
 def prefill_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
     """Entry of follower rank `rank` of a prefill worker (`cfg`: its PrefillWorkerConfig)."""
     from splitserve.engine.model_runner import ModelRunner

@@ -2,6 +2,8 @@
 
     start():  bind (health NOT_SERVING) -> load model (in a thread; health answers meanwhile)
               -> warm up -> health SERVING
+    watch:    health NOT_SERVING when the engine fails (for good) or makes no progress with work
+              queued for engine.stall_timeout_s (until it moves again): engine/stall_watch.py
     stop():   health NOT_SERVING, refuse new calls, in-flight ones get the grace period,
               then the engine stops (queued leftovers UNAVAILABLE, leases dropped)
 
@@ -19,6 +21,7 @@ import logging
 
 from splitserve.engine.grpc_service import GrpcServer, run_service, service_name
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.stall_watch import StallWatch
 from splitserve.engine.tp_lifecycle import exit_after_rank_loss, serve_until_lost
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.metrics import KvTransferMetrics
@@ -47,6 +50,7 @@ class PrefillWorker:
         self.engine: PrefillEngine | None = None
         self.kv_server: KvTransferServer | None = None
         self._health_task: asyncio.Task | None = None
+        self.watch: StallWatch | None = None
         self.ranks = None  # tp_control.RankSet when this process spawned the runner's ranks
         self._follower_ports: list[int] = []
         self._lost = asyncio.Event()  # a tensor-parallel rank died: serve_until_signal exits the process
@@ -83,6 +87,11 @@ class PrefillWorker:
             self.servicer.shard_ports = [self.servicer.kv_port, *self._follower_ports]
         self.servicer.engine = self.engine
         await self.server.set_serving(True)
+        engine = self.engine
+        self.watch = StallWatch("prefill", lambda: engine.busy, lambda: engine.progress,
+                                lambda: engine.fatal is not None, self.cfg.engine.stall_timeout_s,
+                                self.server.set_serving)
+        self.watch.start()
 
     def _rank_died(self, rank: int, code) -> None:
         """A follower is gone: the engine fails now (its step may wait on the dead rank forever)."""
@@ -94,6 +103,9 @@ class PrefillWorker:
         self._health_task = asyncio.get_running_loop().create_task(self.server.set_serving(False))
 
     async def _stop_engine(self) -> None:
+        if self.watch is not None:
+            await self.watch.stop()
+            self.watch = None
         if self.kv_server is not None:
             await self.kv_server.close()
             self.kv_server = None

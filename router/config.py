@@ -104,6 +104,10 @@ class RoutingConfig(_Frozen):
 class RegistryConfig(_Frozen):
     poll_interval_s: float = Field(0.5, gt=0, le=60, description="health Check + GetLoad of every worker")
     probe_timeout_s: float = Field(1.0, gt=0, le=60, description="a probe slower than this counts as failed")
+    probe_failures_to_evict: int = Field(
+        3, ge=1, le=100, description="consecutive timed-out probes before a busy worker is evicted; a refused "
+                                     "connection, a broken transport, NOT_SERVING or a request's UNAVAILABLE "
+                                     "evicts at once")
     heartbeat_interval_s: float = Field(1.0, gt=0, description="what registered workers are told to use")
     heartbeat_timeout_s: float = Field(3.0, gt=0, description="silence after which a registered worker is evicted")
     forget_after_s: float = Field(60.0, gt=0, description="silence after which it is removed from the registry")

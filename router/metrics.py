@@ -9,6 +9,11 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 _E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+# why the router stopped sending a worker requests (registry.py)
+EVICTION_REASONS = ("probe_timeout", "refused", "not_serving", "wrong_role", "probe_error", "heartbeat_silence",
+                    "kv_unreachable", "request_unavailable", "removed")
+
+
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
@@ -47,11 +52,27 @@ class RouterMetrics:
                                      "OpenAI HTTP API requests by route and status code (499: client gone)",
                                      ["route", "status"], registry=r)
         self.worker_evictions = Counter("splitserve_router_worker_evictions",
-                                        "healthy -> evicted transitions", ["role", "address"], registry=r)
+                                        "healthy -> evicted transitions, by reason (EVICTION_REASONS)",
+                                        ["role", "address", "reason"], registry=r)
+
+    def evictions_of(self, role: str, address: str) -> dict[str, int]:
+        """reason -> evictions of one worker (the reasons seen so far)."""
+        out = {}
+        for metric in self.worker_evictions.collect():
+            for sample in metric.samples:
+                labels = sample.labels
+                if sample.name.endswith("_total") and (labels["role"], labels["address"]) == (role, address):
+                    out[labels["reason"]] = int(sample.value)
+        return out
 
     def forget_worker(self, role: str, address: str) -> None:
-        for metric in (self.worker_healthy, self.worker_queue, self.worker_free_blocks, self.worker_evictions):
+        for metric in (self.worker_healthy, self.worker_queue, self.worker_free_blocks):
             try:
                 metric.remove(role, address)
+            except KeyError:
+                pass
+        for reason in EVICTION_REASONS:
+            try:
+                self.worker_evictions.remove(role, address, reason)
             except KeyError:
                 pass

@@ -7,7 +7,11 @@
            healthy = last probe ok  and  (static  or  heartbeat within heartbeat_timeout_s)
 
 An unhealthy worker is evicted: no new requests go there (in-flight ones finish or fail on
-their own); it returns as soon as it is healthy again. A registered worker silent for
+their own); it returns as soon as it is healthy again. A probe that only timed out (a busy
+worker, a slow machine) evicts after `probe_failures_to_evict` in a row; anything that says the
+worker is gone or unwilling evicts at once: a refused connection or a broken transport
+(UNAVAILABLE: keepalive finds a vanished host), NOT_SERVING (drain, stalled engine), a wrong
+role, an unreachable KV listener, heartbeat silence, a request that saw UNAVAILABLE. A registered worker silent for
 forget_after_s is removed; static workers stay listed (healthy=false) and keep being
 probed. A request that sees UNAVAILABLE from a worker reports it (`report_failure`), which
 evicts the worker at once instead of at the next probe. A RegisterWorker whose address the
@@ -55,6 +59,7 @@ class Worker:
     healthy: bool = False
     probe_ok: bool = False
     why: str = "not probed yet"  # why it is unhealthy
+    slow_probes: int = 0  # timed-out probes in a row
     load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
     prefix_hashes: frozenset[int] = frozenset()
     in_flight: int = 0
@@ -194,29 +199,34 @@ class WorkerRegistry:
     def report_failure(self, w: Worker, why: str) -> None:
         """A request saw the worker UNAVAILABLE: evict it until a probe succeeds again."""
         w.probe_ok = False
-        self._set_healthy(w, False, why)
+        self._set_healthy(w, False, why, "request_unavailable")
 
     # ---- probing -------------------------------------------------------------------------------
     async def _watch(self, w: Worker) -> None:
         while not self._closed:
-            ok, why = await self.probe(w)
+            ok, why, reason = await self.probe(w)
             w.probe_ok = ok
+            w.slow_probes = w.slow_probes + 1 if reason == "probe_timeout" else 0
             if not w.static:
                 silent = self._clock() - w.last_heartbeat
                 if silent > self.rc.forget_after_s:
                     log.warning("%s worker %s silent for %.0fs: removed", w.role_name, w.address, silent)
-                    self._set_healthy(w, False, "removed")
+                    self._set_healthy(w, False, "removed", "removed")
                     if self._workers.get(w.address) is w:
                         del self._workers[w.address]
                     await self._drop(w)
                     return
                 if ok and silent > self.rc.heartbeat_timeout_s:
-                    ok, why = False, f"no heartbeat for {silent:.1f}s"
-            self._set_healthy(w, ok, why)
+                    ok, why, reason = False, f"no heartbeat for {silent:.1f}s", "heartbeat_silence"
+            if reason == "probe_timeout" and w.healthy and w.slow_probes < self.rc.probe_failures_to_evict:
+                log.info("%s worker %s: slow probe %d of %d before eviction (%s)", w.role_name, w.address,
+                         w.slow_probes, self.rc.probe_failures_to_evict, why)
+            else:
+                self._set_healthy(w, ok, why, reason)
             await asyncio.sleep(self.rc.poll_interval_s)
 
-    async def probe(self, w: Worker) -> tuple[bool, str]:
-        """One health Check + GetLoad; (ok, why not)."""
+    async def probe(self, w: Worker) -> tuple[bool, str, str]:
+        """One health Check + GetLoad; (ok, why not, eviction reason: metrics.EVICTION_REASONS)."""
         t = self.rc.probe_timeout_s
         n = self._prefix_hashes if w.role == PREFILL else 0
         try:
@@ -224,22 +234,25 @@ class WorkerRegistry:
                 w.health.Check(health_pb2.HealthCheckRequest(service=SERVICE[w.role]), timeout=t),
                 w.stub.GetLoad(worker_pb2.GetLoadRequest(max_prefix_hashes=n), timeout=t))
         except grpc.aio.AioRpcError as err:
-            return False, f"probe failed: {err.code().name} ({err.details()})"
+            code = err.code()
+            reason = {grpc.StatusCode.DEADLINE_EXCEEDED: "probe_timeout",
+                      grpc.StatusCode.UNAVAILABLE: "refused"}.get(code, "probe_error")
+            return False, f"probe failed: {code.name} ({err.details()})", reason
         except Exception as exc:  # noqa: BLE001 - a probe must never end the watch loop
             log.debug("probe of %s failed", w.address, exc_info=exc)
-            return False, f"probe failed: {type(exc).__name__}: {exc}"
+            return False, f"probe failed: {type(exc).__name__}: {exc}", "probe_error"
         if health.status != health_pb2.HealthCheckResponse.SERVING:
-            return False, f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}"
+            return False, f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}", "not_serving"
         if load.role != w.role:
             return False, (f"it answers as a {ROLE_NAME.get(load.role, 'unknown')} worker, not {w.role_name}; "
-                           "fix the router's worker lists")
+                           "fix the router's worker lists"), "wrong_role"
         if w.role == PREFILL and self.rc.verify_addresses and (why := await self._kv_unreachable(w, load)):
-            return False, why
+            return False, why, "kv_unreachable"
         w.load = load
         w.prefix_hashes = frozenset(load.prefix_cache.block_hashes)
         self.metrics.worker_queue.labels(w.role_name, w.address).set(load.num_running + load.num_waiting)
         self.metrics.worker_free_blocks.labels(w.role_name, w.address).set(load.free_blocks)
-        return True, ""
+        return True, "", ""
 
     async def _kv_unreachable(self, w: Worker, load: worker_pb2.WorkerLoad) -> str:
         """Why the prefill worker's advertised KV listener cannot be reached ('' when it can, or
@@ -257,7 +270,7 @@ class WorkerRegistry:
             log.warning("%s worker %s kept out of rotation: %s", w.role_name, w.address, message)
         return message
 
-    def _set_healthy(self, w: Worker, healthy: bool, why: str) -> None:
+    def _set_healthy(self, w: Worker, healthy: bool, why: str, reason: str = "") -> None:
         w.why = "" if healthy else why
         if healthy == w.healthy:
             return
@@ -267,7 +280,7 @@ class WorkerRegistry:
         if healthy:
             log.info("%s worker %s is healthy: receiving requests", w.role_name, w.address)
         else:
-            self.metrics.worker_evictions.labels(w.role_name, w.address).inc()
+            self.metrics.worker_evictions.labels(w.role_name, w.address, reason or "probe_error").inc()
             log.warning("%s worker %s evicted: %s", w.role_name, w.address, why)
         if self._on_change is not None:
             self._on_change()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.engine.net import free_port  # noqa: F401 - the tests' port picker
 
 # subcommand -> (gRPC service whose health means "ready", stand-alone module for commands that
 # cli/main.py does not register yet)
@@ -38,13 +39,6 @@ SERVICES = {
 START_TIMEOUT_S = 90.0
 PORT_TAKEN = "cannot listen on"  # GrpcServer's message when the port is in use
 PORT_RETRIES = 3
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (the OS's pick; a tiny race with other binders)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def cli_command(subcommand: str) -> list[str]:

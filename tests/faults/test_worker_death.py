@@ -129,12 +129,13 @@ def test_decode_killed_mid_stream_is_unavailable_and_evicted(cluster, oracle, pr
             evicted = not r.registry.get(doomed.address).healthy
             after = [await ledger.run(stub, PROMPT, greedy(8, ignore_eos=True)) for _ in range(3)]
             await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
-            return t, evicted, after, r.metrics.worker_evictions.labels("decode", doomed.address)._value.get()
+            return t, evicted, after, r.metrics.evictions_of("decode", doomed.address)
 
     t, evicted, after, evictions = asyncio.run(body())
     assert f"failed after {len(t.tokens)} tokens were streamed" in t.details
     assert 2 <= len(t.tokens) < 249 and t.tokens == _want(oracle, 249)[:len(t.tokens)]  # never a replay
-    assert evicted and evictions == 1
+    # at once, not after several probes: the stream's UNAVAILABLE or the refused probe
+    assert evicted and sum(evictions.values()) == 1 and set(evictions) <= {"request_unavailable", "refused"}
     assert all(a.status == "OK/LENGTH" and a.tokens == _want(oracle, 8) for a in after)
 
 
@@ -149,13 +150,13 @@ def test_decode_refused_before_its_first_chunk_is_retried_elsewhere(cluster, ora
             await wait_all_healthy(r)
             gone.kill()
             done = [await ledger.run(stub, PROMPT, greedy(8, ignore_eos=True)) for _ in range(2)]  # round robin
-            evictions = r.metrics.worker_evictions.labels("decode", gone.address)._value.get()
+            evictions = r.metrics.evictions_of("decode", gone.address)
             await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
             return done, evictions
 
     done, evictions = asyncio.run(body())
     assert all(t.status == "OK/LENGTH" and t.tokens == _want(oracle, 8) for t in done)
-    assert evictions == 1
+    assert evictions == {"request_unavailable": 1}  # the refusal itself, probes being 60 s apart
 
 
 PROBE_TIMEOUT_S, POLL_S = 1.0, 0.2

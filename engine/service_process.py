@@ -1,0 +1,98 @@
+"""How a service process starts and ends: with its launcher, and on its own terms.
+
+    die_with_launcher()        first thing in a CLI entry: a child of `splitserve serve` (or of
+                               a test) ends with its launcher, even one killed with SIGKILL
+    run_service_process(main)  asyncio.run(main()); end_cli(code) then flushes the logs and
+                               calls os._exit(code):
+                               everything was closed in order by the service's stop(), so
+                               nothing is left for the interpreter's garbage collection, which
+                               hung now and then at exit (a ucxx Listener destroyed while its
+                               handler was alive; gRPC threads)
+    EXIT_DEADLINE.arm(s)       from the drain on (GrpcServer.drain): a stop that has not ended
+                               `s` seconds later logs what is stuck and exits EXIT_STUCK (3)
+                               instead of hanging; only in a service process, never in pytest
+
+The death signal used to be set in the launcher's `preexec_fn`, which runs Python between fork
+and exec in a process that holds live gRPC channels and threads; now the child sets it itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+
+log = logging.getLogger(__name__)
+
+PARENT_ENV = "SPLITSERVE_DIE_WITH_PID"  # set by the launcher: the pid this child must not outlive
+EXIT_STUCK = 3
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher() -> None:
+    """SIGTERM this process when the launcher named in PARENT_ENV dies (Linux); the variable is
+    removed so that grandchildren (tensor-parallel followers, which watch rank 0) do not inherit it."""
+    pid = os.environ.pop(PARENT_ENV, "")
+    if not pid.isdigit():
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(pid):  # the launcher died before the death signal was set
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def exit_now(code: int) -> None:
+    """Flush logs and stdio, then end the process without running finalisers."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+class ExitDeadline:
+    """One per process: after arm(s), a stop still running s seconds later ends the process."""
+
+    def __init__(self) -> None:
+        self.enabled = False  # set by run_service_process: in-process tests never exit this way
+        self._armed_at: float | None = None
+        self._lock = threading.Lock()
+
+    def arm(self, seconds: float, what: str) -> None:
+        with self._lock:
+            if not self.enabled or self._armed_at is not None:
+                return
+            self._armed_at = time.monotonic()
+        threading.Thread(target=self._expire, args=(seconds, what), name="exit-deadline", daemon=True).start()
+
+    def _expire(self, seconds: float, what: str) -> None:
+        time.sleep(seconds)
+        stuck = ", ".join(sorted(t.name for t in threading.enumerate() if t is not threading.current_thread()))
+        log.error("%s did not stop within %.0fs of the drain (threads left: %s); exiting with status %d",
+                  what, seconds, stuck, EXIT_STUCK)
+        exit_now(EXIT_STUCK)
+
+
+EXIT_DEADLINE = ExitDeadline()
+
+
+def run_service_process(main: Callable[[], Coroutine[object, object, int]]) -> int:
+    """Runs a service until it stops; its exit code. The CLI entry then ends the process through
+    `end_cli` (also after a failed start, whose one-line error it prints first)."""
+    EXIT_DEADLINE.enabled = True
+    return int(asyncio.run(main()) or 0)
+
+
+def end_cli(code: int) -> int:
+    """The CLI's last step: a process that ran a service exits here at once (exit_now); any other
+    command returns its code as usual."""
+    if EXIT_DEADLINE.enabled:
+        exit_now(code)
+    return code
