@@ -57,9 +57,9 @@ class ServerConfig(BaseModel):
     drain_announce_s: float = Field(0.0, ge=0, description="on SIGTERM, health says NOT_SERVING this long "
                                                             "before the port closes, so health-polling load "
                                                             "balancers and the router see the drain")
-    stop_timeout_s: float = Field(20.0, gt=0, description="after the drain grace, the rest of the stop (engine, "
-                                                          "UCX, ranks) gets this long; then the process logs "
-                                                          "what is stuck and exits with status 3")
+    stop_timeout_s: float = Field(15.0, gt=0, description="after the drain, the rest of the stop (engine, UCX, "
+                                                          "ranks) gets this long; then the process logs the "
+                                                          "stuck threads' stacks and exits with status 3")
     max_message_mb: int = Field(64, gt=0, le=2047)
     # a peer whose host vanished (link down, node lost) shows only through keepalive: 10 s + 5 s
     # bounds how long an open stream to it hangs (gRPC's 2 h default is far too long here)
@@ -183,6 +183,7 @@ class GrpcServer:
         if self.cfg.drain_announce_s:  # still accepting: a poller reads NOT_SERVING, not a refused connection
             await asyncio.sleep(self.cfg.drain_announce_s)
         await asyncio.gather(self._server.stop(grace), *(hook(grace) for hook in self.drain_hooks))
+        EXIT_DEADLINE.arm(self.cfg.stop_timeout_s, f"service on {self.address}")  # the rest of the stop
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()

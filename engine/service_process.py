@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -58,25 +59,35 @@ def exit_now(code: int) -> None:
 
 
 class ExitDeadline:
-    """One per process: after arm(s), a stop still running s seconds later ends the process."""
+    """One per process: after arm(s), a stop still running s seconds later ends the process.
+    Arming again can only bring the deadline closer (the drain arms it for announce + grace +
+    stop_timeout, the end of the drain for stop_timeout)."""
 
     def __init__(self) -> None:
         self.enabled = False  # set by run_service_process: in-process tests never exit this way
-        self._armed_at: float | None = None
+        self._deadline: float | None = None
+        self._what = ""
         self._lock = threading.Lock()
 
     def arm(self, seconds: float, what: str) -> None:
         with self._lock:
-            if not self.enabled or self._armed_at is not None:
+            if not self.enabled:
                 return
-            self._armed_at = time.monotonic()
-        threading.Thread(target=self._expire, args=(seconds, what), name="exit-deadline", daemon=True).start()
+            deadline = time.monotonic() + seconds
+            start = self._deadline is None
+            if start or deadline < self._deadline:
+                self._deadline, self._what = deadline, what
+        if start:
+            threading.Thread(target=self._expire, name="exit-deadline", daemon=True).start()
 
-    def _expire(self, seconds: float, what: str) -> None:
-        time.sleep(seconds)
+    def _expire(self) -> None:
+        while (left := self._deadline - time.monotonic()) > 0:
+            time.sleep(min(left, 0.5))
         stuck = ", ".join(sorted(t.name for t in threading.enumerate() if t is not threading.current_thread()))
-        log.error("%s did not stop within %.0fs of the drain (threads left: %s); exiting with status %d",
-                  what, seconds, stuck, EXIT_STUCK)
+        log.error("%s did not stop in time (threads left: %s); their stacks follow; exiting with status %d",
+                  self._what, stuck, EXIT_STUCK)
+        with contextlib.suppress(Exception):
+            faulthandler.dump_traceback(all_threads=True)
         exit_now(EXIT_STUCK)
 
 

@@ -34,6 +34,7 @@ from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
+HANDLER_EXIT_S = 2.0
 
 
 class LeaseLookupError(LookupError):
@@ -179,7 +180,11 @@ class KvTransferServer:
         handler is what hung processes at exit), then the listener; idempotent."""
         tasks = list(self._handlers)
         await self.close_connections()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:  # bounded: a handler stuck in ucxx must not hold the stop (the exit deadline's job)
+            _, stuck = await asyncio.wait(tasks, timeout=HANDLER_EXIT_S)
+            if stuck:
+                log.warning("%d KV endpoint handler(s) did not end within %.0fs of the close", len(stuck),
+                            HANDLER_EXIT_S)
         if self._listener is not None:
             self._listener.close()
             self._listener = None

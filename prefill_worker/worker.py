@@ -1,11 +1,9 @@
-"""A whole prefill worker process: gRPC server, model, engine, metrics, drain.
+"""A whole prefill worker process: the worker skeleton (engine/worker_skeleton.py: gRPC, health,
+stall watch, drain, TP ranks) around the prefill engine and its UCX listener.
 
-    start():  bind (health NOT_SERVING) -> load model (in a thread; health answers meanwhile)
-              -> warm up -> health SERVING
-    watch:    health NOT_SERVING when the engine fails (for good) or makes no progress with work
-              queued for engine.stall_timeout_s (until it moves again): engine/stall_watch.py
-    stop():   health NOT_SERVING, refuse new calls, in-flight ones get the grace period,
-              then the engine stops (queued leftovers UNAVAILABLE, leases dropped)
+    start_engine(): model (+ TP ranks) -> engine warm-up -> UCX listener
+    stop_engine():  UCX listener (endpoints aborted, handlers awaited) -> engine (queued
+                    leftovers UNAVAILABLE, leases dropped)
 
 With engine.parallel.tensor_parallel_size N > 1 this process is rank 0: it spawns ranks
 1..N-1 (tp_follower.py), which run every forward on their slices and serve their KV heads
@@ -19,10 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from splitserve.engine.grpc_service import GrpcServer, run_service, service_name
+from splitserve.engine.grpc_service import run_service, service_name
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.stall_watch import StallWatch
-from splitserve.engine.tp_lifecycle import exit_after_rank_loss, serve_until_lost
+from splitserve.engine.worker_skeleton import WorkerSkeleton
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.server import KvTransferServer
@@ -39,44 +36,32 @@ log = logging.getLogger("splitserve.prefill_worker")
 SERVICE_NAME = service_name(worker_pb2.DESCRIPTOR, "PrefillWorker")
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerSkeleton):
+    role = "prefill"
+    service_name = SERVICE_NAME
+
     def __init__(self, cfg: PrefillWorkerConfig, runner: ModelRunner | None = None) -> None:
-        self.cfg = cfg
-        self._runner = runner
         self.metrics = PrefillMetrics()
-        self.server = GrpcServer(cfg.server, self.metrics.registry)
-        self.servicer = PrefillWorkerServicer(cfg)
-        self.server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.servicer, SERVICE_NAME)
+        super().__init__(cfg, self.metrics.registry, worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
+                         PrefillWorkerServicer(cfg))
+        self._runner = runner
         self.engine: PrefillEngine | None = None
         self.kv_server: KvTransferServer | None = None
         self._health_task: asyncio.Task | None = None
-        self.watch: StallWatch | None = None
-        self.ranks = None  # tp_control.RankSet when this process spawned the runner's ranks
         self._follower_ports: list[int] = []
-        self._lost = asyncio.Event()  # a tensor-parallel rank died: serve_until_signal exits the process
 
-    def _start_ranks(self):
-        from splitserve.engine.tp_control import start_ranks
-
-        self.ranks = start_ranks(self.cfg.engine, prefill_follower_main, self.cfg)
-        runner = self.ranks.runner
+    def _runner_and_ranks(self) -> ModelRunner:
+        runner = self.start_ranks(prefill_follower_main)
         if runner.tp.enabled:  # before any command: the control group carries one thing at a time
             self._follower_ports = exchange_ports(runner.tp, 0)[1:]
         return runner
 
-    @property
-    def address(self) -> str:
-        return self.server.address
-
-    async def start(self) -> None:
-        await self.server.start()
-        runner = self._runner or await asyncio.to_thread(self._start_ranks)
+    async def start_engine(self) -> None:
+        runner = self._runner or await asyncio.to_thread(self._runner_and_ranks)
         self.engine = PrefillEngine(self.cfg, runner, self.metrics, on_fatal=self._on_fatal)
         if runner.tp.enabled:
             self.engine.leases = MirroredLeaseTable(runner.mirror)
-            if self.ranks is not None:
-                aio = asyncio.get_running_loop()
-                self.ranks.watch(lambda rank, code: aio.call_soon_threadsafe(self._rank_died, rank, code))
+            self.watch_ranks()
         await self.engine.start()
         spec = PoolSpec.of(runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads)
         self.kv_server = KvTransferServer(runner.kv_cache, spec, EngineLeaseSource(self.engine), self.cfg.kv_transfer,
@@ -86,45 +71,30 @@ class PrefillWorker:
         if runner.tp.enabled:
             self.servicer.shard_ports = [self.servicer.kv_port, *self._follower_ports]
         self.servicer.engine = self.engine
-        await self.server.set_serving(True)
-        engine = self.engine
-        self.watch = StallWatch("prefill", lambda: engine.busy, lambda: engine.progress,
-                                lambda: engine.fatal is not None, self.cfg.engine.stall_timeout_s,
-                                self.server.set_serving)
-        self.watch.start()
 
-    def _rank_died(self, rank: int, code) -> None:
-        """A follower is gone: the engine fails now (its step may wait on the dead rank forever)."""
-        self.engine.fail(RuntimeError(f"tensor-parallel rank {rank} exited with {code}"))
-        self._lost.set()
-
-    def _on_fatal(self, exc: BaseException) -> None:
-        log.error("prefill worker stops serving: %s", exc)
-        self._health_task = asyncio.get_running_loop().create_task(self.server.set_serving(False))
-
-    async def _stop_engine(self) -> None:
-        if self.watch is not None:
-            await self.watch.stop()
-            self.watch = None
+    async def stop_engine(self) -> None:
         if self.kv_server is not None:
             await self.kv_server.close()
             self.kv_server = None
         if self.engine is not None:
             await self.engine.stop()
-        if self.ranks is not None:
-            await asyncio.to_thread(self.ranks.close)
-            self.ranks = None
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        await self.server.drain(grace_s)
-        await self._stop_engine()
+    def engine_busy(self) -> bool:
+        return self.engine is not None and self.engine.busy
 
-    async def serve_until_signal(self) -> int:
-        signum = await serve_until_lost(self.server, self._lost)
-        if self._lost.is_set():
-            exit_after_rank_loss(self.ranks, log)
-        await self._stop_engine()
-        return signum
+    def engine_progress(self) -> int:
+        return self.engine.progress if self.engine is not None else 0
+
+    def engine_failed(self) -> bool:
+        return self.engine is not None and self.engine.fatal is not None
+
+    def fail_in_flight(self, rank: int, code) -> None:
+        """The engine fails now: the step in flight may wait on the dead rank forever."""
+        self.engine.fail(RuntimeError(f"tensor-parallel rank {rank} exited with {code}"))
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        log.error("prefill worker stops serving: %s", exc)
+        self._health_task = asyncio.get_running_loop().create_task(self.server.set_serving(False))
 
     def describe(self) -> str:
         r = self.engine.runner if self.engine else None

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from splitserve.cli import decode_worker_cmd
+from splitserve.cli.worker_args import config_overrides
 from splitserve.decode_worker.config import load
 
 
@@ -25,11 +26,11 @@ def test_yaml_then_flags(tmp_path):
                     "server: {port: 7000}\ncuda_graph_sizes: [1, 2, 4]\n")
     args = _parse(["--config", str(path), "--port", "7001", "--no-cuda-graph", "--cuda-graph-sizes", "1,8,16",
                    "--block-size", "8"])
-    cfg = load(args.config, {f: getattr(args, d) for d, f in decode_worker_cmd._OVERRIDES.items()})
+    cfg = load(args.config, config_overrides(args, decode_worker_cmd._OVERRIDES))
     assert cfg.engine.scheduler.max_batch_size == 64 and cfg.server.port == 7001
     assert cfg.cuda_graph is False and cfg.cuda_graph_sizes == (1, 8, 16) and cfg.engine.cache.block_size == 8
     plain = _parse(["--model", "/m"])
-    cfg = load(None, {f: getattr(plain, d) for d, f in decode_worker_cmd._OVERRIDES.items()})
+    cfg = load(None, config_overrides(plain, decode_worker_cmd._OVERRIDES))
     assert cfg.cuda_graph is True and cfg.cuda_graph_sizes is None
 
 

@@ -110,7 +110,11 @@ def _config(dep: dict, c: dict, ns: argparse.Namespace, tmp_path: Path):
         data = _of_kind("ConfigMap")[volume["configMap"]["name"]]["data"]
         path = tmp_path / ns.command
         path.write_text(data[ns.config.removeprefix(mount["mountPath"] + "/")])
-    return load(path, {field: getattr(ns, dest) for dest, field in module._OVERRIDES.items()})
+    if ns.command == "router":
+        return load(path, {field: getattr(ns, dest) for dest, field in module._OVERRIDES.items()})
+    from splitserve.cli.worker_args import config_overrides
+
+    return load(path, config_overrides(ns, module._OVERRIDES))
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)

@@ -35,7 +35,7 @@ WHY_NOT = netns.unavailable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces: {WHY_NOT}")
 
 PORTS = {"router": 50051, "prefill": 50061, "decode": 50071}  # every host has its own port space
-KV_PORT, DECODE_METRICS = 50062, 9471
+KV_PORT, PREFILL_METRICS, DECODE_METRICS = 50062, 9461, 9471
 BLOCK, MAX_LEN = 16, 1024
 KEEPALIVE = {"keepalive_time_s": 1.0, "keepalive_timeout_s": 1.0, "drain_grace_s": 1.0}  # a dead peer in ~2 s
 PROMPT = [1, 44, 45, 46, 200, 201, 202]
@@ -52,7 +52,8 @@ def _configs(model: str, ip: dict[str, str]) -> dict[str, dict]:
                                 "heartbeat_timeout_s": 2.0}},
         # bound to every interface, nothing advertised: the host's routable IP (no default route here)
         "prefill": {"engine": engine, "lease_ttl_s": 4.0,
-                    "server": {"host": "0.0.0.0", "port": PORTS["prefill"], **KEEPALIVE},
+                    "server": {"host": "0.0.0.0", "port": PORTS["prefill"], "metrics_port": PREFILL_METRICS,
+                               **KEEPALIVE},
                     "kv_transfer": {"listen_port": KV_PORT, "data_timeout_s": 1.5},
                     # the cable is pulled while "cut-" pulls stall between the lease reply and the payload;
                     # the stall alone stays inside decode's data timeout: only the cut link fails the pull
@@ -122,6 +123,12 @@ class Cluster:
 
     def generate(self, request_id: str, max_tokens: int, ids=PROMPT, timeout: float = 30.0):
         return finish(self.stream(request_id, max_tokens, ids), [], timeout)[:3]
+
+    def sending(self) -> float:
+        """Prefill side: pulls answered and not yet done (the stall before the payload included)."""
+        text = self.driver.call("metrics", url=f"http://{self.topo.ip['prefill']}:{PREFILL_METRICS}/metrics")["text"]
+        got = re.search(r'^splitserve_kv_transfer_sending (\S+)$', text, re.M)
+        return float(got.group(1)) if got else 0.0
 
     def pulls(self) -> tuple[dict[str, float], float]:
         """Decode side: failed pulls by reason, KV bytes received."""
@@ -252,7 +259,10 @@ def test_prefill_link_down_during_transfer(cluster, oracle, record_property):
     replies, tokens = cluster.stream("cut-transfer", 12), []
     msg = replies.get(timeout=30)  # the first token: prefill done, the pull is under way
     assert msg.get("event") == "tokens", msg
-    time.sleep(0.5)  # usually past the lease reply by now, in the 2 s stall before the payload
+    deadline = time.monotonic() + 10
+    while cluster.sending() < 1:  # the event itself: the lease answered, the payload not yet sent
+        assert time.monotonic() < deadline, "the pull never reached the stall before its payload"
+        time.sleep(0.02)
     t_down = time.monotonic()
     cluster.topo.link("prefill", up=False)
     evicted_s = cluster.wait_health("prefill", False, 15)
