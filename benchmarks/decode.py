@@ -75,8 +75,8 @@ def copy_bandwidth(torch, device: str, nbytes: int = 2 << 30) -> float:
 def fake_sequences(engine, batch: int, context: int, room: int):
     """`batch` sequences of `context` tokens whose KV blocks exist (values do not matter)."""
     from splitserve.decode_worker.sequence import DecodeSequence
-    from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.engine.stop_checker import StopChecker
+    from splitserve.request.sampling_params import SamplingParams
+    from splitserve.request.stop_checker import StopChecker
 
     params = SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
     per_seq = -(-(context + room + 1) // engine.runner.block_size)
@@ -115,7 +115,7 @@ def kernel_times(torch, engine, eager_runner, batch: int, args) -> dict:
 def engine_time(engine, batch: int, args) -> float:
     """Wall ms per step of the serving loop (admit with KV present, greedy, fixed length)."""
     from splitserve.decode_worker.sequence import DecodeInput
-    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.request.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
     for i in range(batch):
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     from splitserve.decode_worker.config import DecodeWorkerConfig
     from splitserve.decode_worker.engine import DecodeEngine
     from splitserve.decode_worker.graph_runner import GraphRunner
-    from splitserve.engine.make_model import make_model
+    from splitserve.cli.make_model import make_model
 
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
     model_dir = Path(args.model_dir)

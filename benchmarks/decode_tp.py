@@ -61,7 +61,7 @@ def check_prompts(vocab: int, n: int) -> list[list[int]]:
 def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The engine computes each prompt itself (no KV hand-over) and decodes greedily."""
     from splitserve.decode_worker.sequence import DecodeInput
-    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.request.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     out: list[list[int]] = [[] for _ in prompts]
@@ -116,8 +116,8 @@ def measure(model_dir: Path, tp: int, sizes: list[int], prompts, args) -> tuple[
 
 
 def run_preset(preset: str, args, tps: list[int], sizes: list[int]) -> dict:
-    from splitserve.engine.hf_config import load_model_config
-    from splitserve.engine.make_model import make_model
+    from splitserve.config.hf_config import load_model_config
+    from splitserve.cli.make_model import make_model
 
     model_dir = Path(args.model_dir) / preset
     if not (model_dir / "config.json").is_file():

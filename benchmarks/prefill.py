@@ -110,7 +110,7 @@ def run_runner(bench: Bench, runner, prompts) -> float:
 def run_engine(bench: Bench, runner, cfg, prompts) -> float:
     import asyncio
 
-    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.request.sampling_params import SamplingParams
     from splitserve.prefill_worker.engine import PrefillEngine
 
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
@@ -165,8 +165,8 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from splitserve.engine.config import EngineConfig
-    from splitserve.engine.make_model import make_model
+    from splitserve.config.engine_config import EngineConfig
+    from splitserve.cli.make_model import make_model
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.prefill_worker.config import PrefillWorkerConfig
 

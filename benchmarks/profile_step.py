@@ -28,8 +28,8 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from splitserve.engine.config import EngineConfig
-    from splitserve.engine.make_model import make_model
+    from splitserve.config.engine_config import EngineConfig
+    from splitserve.cli.make_model import make_model
     from splitserve.engine.model_runner import DecodeLane, ModelRunner, PrefillChunk
 
     if not os.path.exists(f"{args.model_dir}/config.json"):

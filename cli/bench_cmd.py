@@ -81,7 +81,7 @@ async def _run_grpc(cfg, progress) -> tuple[dict, list, float]:
 
     from splitserve.cli.bench import runner
     from splitserve.cli.bench.workload import arrival_offsets, make_prompts
-    from splitserve.engine.grpc_service import channel_options
+    from splitserve.service.grpc_service import channel_options
     from splitserve.protos import generate_pb2_grpc
 
     async with grpc.aio.insecure_channel(cfg.address, options=channel_options()) as channel:

@@ -133,7 +133,7 @@ def make_request(prompt: str | list[int], sampling, request_id: str = ""):
 
 def generate(address: str, request, timeout: float | None, on_chunk=None) -> Result:
     """One Generate call; `on_chunk(result, chunk_dict)` after each chunk. GenerateError on failure."""
-    from splitserve.engine.grpc_service import channel_options
+    from splitserve.service.grpc_service import channel_options
     from splitserve.protos import generate_pb2_grpc
 
     result = Result()

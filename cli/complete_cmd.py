@@ -19,12 +19,12 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine_config import EngineConfig
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.offline import OfflineEngine
-    from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.engine.tiny_model_cache import default_model_dir
-    from splitserve.engine.tokenizer import Tokenizer
+    from splitserve.request.sampling_params import SamplingParams
+    from splitserve.cli.tiny_model_cache import default_model_dir
+    from splitserve.request.tokenizer import Tokenizer
 
     model_dir = args.model or str(default_model_dir())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)

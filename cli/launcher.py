@@ -12,7 +12,7 @@
 
 No orphans: every child runs in its own process group (a terminal Ctrl-C reaches only the
 launcher, which stops the children in order) and sets PR_SET_PDEATHSIG=SIGTERM on itself at
-start (engine/service_process.py: die_with_launcher), so even a launcher killed with SIGKILL
+start (service/service_process.py: die_with_launcher), so even a launcher killed with SIGKILL
 takes its children with it.
 """
 
@@ -33,8 +33,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.net import free_port, local_dial_host
-from splitserve.engine.service_process import PARENT_ENV
+from splitserve.service.net import free_port, local_dial_host
+from splitserve.service.service_process import PARENT_ENV
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PORT_TAKEN = "cannot listen on"  # GrpcServer's message when the port is in use
@@ -163,7 +163,7 @@ class Launcher:
         child._log_file.flush()
         child._log_start = child._log_file.tell()  # tails show the child's output, not the command
         # no preexec_fn (Python between fork and exec, next to live gRPC threads): the child sets
-        # its own death signal from PARENT_ENV (engine/service_process.py)
+        # its own death signal from PARENT_ENV (service/service_process.py)
         env = {**self._env, PARENT_ENV: str(os.getpid())}
         child.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=child._log_file, stderr=subprocess.STDOUT,
                                       env=env, process_group=0)

@@ -17,7 +17,7 @@ from splitserve.cli import (
     router_cmd,
     serve_cmd,
 )
-from splitserve.engine.service_process import die_with_launcher, end_cli
+from splitserve.service.service_process import die_with_launcher, end_cli
 
 
 class CliError(Exception):

@@ -8,7 +8,7 @@ from tqdm import tqdm
 
 
 def register(sub) -> None:
-    from splitserve.engine.presets import PRESETS
+    from splitserve.cli.presets import PRESETS
 
     p = sub.add_parser("make-model", help="write a deterministic random checkpoint + tokenizer into DIR")
     p.add_argument("folder", metavar="DIR")
@@ -19,7 +19,7 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from splitserve.engine.make_model import make_model
+    from splitserve.cli.make_model import make_model
 
     with tqdm(total=0, desc=f"writing {args.preset}", unit="tensor", disable=None) as bar:
         def progress(done: int, total: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from splitserve.engine.service_process import run_service_process
+from splitserve.service.service_process import run_service_process
 import sys
 
 from splitserve.cli.arg_types import port

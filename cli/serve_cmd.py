@@ -33,7 +33,7 @@ from splitserve.cli import client
 from splitserve.cli.arg_types import port
 from splitserve.cli.launcher import Launcher, StartError, free_port
 from splitserve.cli.serve_placement import worker_flags
-from splitserve.engine.net import is_wildcard, local_dial_host
+from splitserve.service.net import is_wildcard, local_dial_host
 
 DEFAULT_HTTP_PORT = 8000
 SERVICES = {"prefill-worker": "splitserve.v1.PrefillWorker", "decode-worker": "splitserve.v1.DecodeWorker",
@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---- checks before anything starts --------------------------------------------------------------
 def resolve_model(model: str | None) -> Path:
     if model is None:
-        from splitserve.engine.tiny_model_cache import default_model_dir
+        from splitserve.cli.tiny_model_cache import default_model_dir
         return default_model_dir()
     path = Path(model).expanduser()
     if not path.is_dir():

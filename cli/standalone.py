@@ -7,7 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from splitserve.engine.service_process import die_with_launcher, end_cli
+from splitserve.service.service_process import die_with_launcher, end_cli
 
 
 def standalone_main(command: str, doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],

@@ -65,7 +65,7 @@ def run_worker_command(args: argparse.Namespace, overrides: Mapping[str, str],
                        load: Callable[[str | None, dict[str, Any]], Any], serve: Callable[[Any], Any]) -> int:
     """Config from --config + flags (`overrides`: this command's own flag -> field), logging,
     then the worker until SIGTERM (`serve(cfg)`: a coroutine function)."""
-    from splitserve.engine.service_process import run_service_process
+    from splitserve.service.service_process import run_service_process
 
     if not args.model and not args.config:
         raise ValueError("give the checkpoint folder with --model DIR (or engine.model_path in --config)")

@@ -30,9 +30,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.config_file import load_config
-from splitserve.engine.grpc_service import ServerConfig
+from splitserve.config.engine_config import EngineConfig
+from splitserve.config.files import load_config
+from splitserve.service.grpc_service import ServerConfig
 from splitserve.kvtransfer.config import KvTransferConfig, RequestFaults
 
 GRAPH_STEP = 8  # capture sizes go 1, 2, 4, 8, then in steps of this

@@ -30,13 +30,12 @@ from splitserve.decode_worker.graph_runner import GraphRunner, StepHandle
 from splitserve.decode_worker.metrics import DecodeMetrics
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
-from splitserve.engine.block_allocator import BlockAllocator
-from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.errors import RequestError
+from splitserve.request.block_allocator import BlockAllocator
+from splitserve.request.detokenizer import IncrementalDetokenizer
+from splitserve.request.errors import RequestError
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
 from splitserve.engine.sampler import Sampler, SeqSamplingInfo, TokenLogprobs
-from splitserve.engine.sampling_params import validate_against_vocab
-from splitserve.engine.stop_checker import StopChecker
+from splitserve.request.stop_checker import StopChecker
 
 log = logging.getLogger(__name__)
 
@@ -78,27 +77,12 @@ class DecodeEngine:
 
     # ---- requests --------------------------------------------------------------------------------
     def _new_sequence(self, inp: DecodeInput, sink: Sink) -> tuple[DecodeSequence, StepOutput | None]:
+        """`inp` was validated at this worker's trust boundary (servicer.py: prompt, vocabulary,
+        sampling, stop strings only with a tokenizer); the engine builds on it unchecked."""
         prompt = list(inp.prompt_token_ids)
-        max_len = self.runner.max_model_len
-        if not 0 < len(prompt) < max_len:
-            raise RequestError.invalid(f"prompt has {len(prompt)} tokens; it must have 1..{max_len - 1} "
-                                       f"(max_model_len {max_len})")
         first_ids = () if inp.first_token_id is None else (inp.first_token_id,)
-        bad = [t for t in (*prompt, *first_ids) if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError.invalid(f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size}); "
-                                       "tokenize with this model's tokenizer")
-        try:
-            validate_against_vocab(inp.params, self.vocab_size)
-            stop = StopChecker(inp.params, self.eos, max_len, len(prompt))
-        except ValueError as exc:
-            raise RequestError.invalid(str(exc)) from None
-        detok = None
-        if inp.params.stop:
-            if self.tokenizer is None:
-                raise RequestError.invalid("stop strings need the worker's tokenizer, and this worker has none; "
-                                           "use stop_token_ids or start the worker on a checkpoint with tokenizer.json")
-            detok = IncrementalDetokenizer(self.tokenizer, prompt)
+        stop = StopChecker(inp.params, self.eos, self.runner.max_model_len, len(prompt))
+        detok = IncrementalDetokenizer(self.tokenizer, prompt) if inp.params.stop else None
         seq = DecodeSequence(inp.request_id, prompt, inp.params, stop, sink, detok, list(first_ids))
         if inp.first_token_id is None:  # colocated: admission computes the prompt, samples out[0]
             return seq, None

@@ -25,7 +25,7 @@ import torch
 
 from splitserve.decode_worker.engine import DecodeEngine
 from splitserve.decode_worker.sequence import DecodeInput, Sink, StepOutput
-from splitserve.engine.errors import RequestError
+from splitserve.request.errors import RequestError
 
 log = logging.getLogger(__name__)
 

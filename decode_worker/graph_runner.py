@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.attention_metadata import AttentionMetadata
-from splitserve.engine.block_allocator import NULL_BLOCK
+from splitserve.request.block_allocator import NULL_BLOCK
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.decode_worker.sequence import DecodeSequence
 from splitserve.decode_worker.step_buffers import DecodeBuffers, StagingSlot

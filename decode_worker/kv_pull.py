@@ -19,7 +19,7 @@ import grpc
 
 from splitserve.decode_worker.config import DecodeFaults
 from splitserve.decode_worker.engine_loop import EngineLoop
-from splitserve.engine.errors import RequestError
+from splitserve.request.errors import RequestError
 from splitserve.kvtransfer.client import KvTransferClient, KvTransferError
 from splitserve.protos import kv_pb2
 

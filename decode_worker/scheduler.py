@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from splitserve.engine.block_allocator import BlockAllocator
-from splitserve.engine.errors import RequestError
+from splitserve.request.block_allocator import BlockAllocator
+from splitserve.request.errors import RequestError
 from splitserve.decode_worker.sequence import DecodeSequence, Status
 
 

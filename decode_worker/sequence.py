@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from splitserve.engine.sampler import TokenLogprobs
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.stop_checker import StopChecker
+from splitserve.request.sampling_params import SamplingParams
+from splitserve.request.stop_checker import StopChecker
 
 
 class Status(enum.Enum):
@@ -107,11 +107,6 @@ class DecodeSequence:
     def admit_position(self) -> int:
         """The position the first step after admission writes (P when out[0] is still to be sampled)."""
         return self.prompt_len if self.needs_first_token else self.next_position
-
-    @property
-    def kv_len(self) -> int:
-        """Positions whose KV the next step needs present (it writes position next_position)."""
-        return self.next_position
 
     @property
     def has_kv(self) -> bool:

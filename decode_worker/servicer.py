@@ -22,8 +22,8 @@ import grpc
 from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.decode_worker.kv_pull import KvPuller
 from splitserve.decode_worker.sequence import DecodeInput, StepOutput
-from splitserve.engine.errors import RequestError
-from splitserve.engine.proto_convert import (
+from splitserve.request.errors import RequestError
+from splitserve.service.proto_convert import (
     finish_reason_to_proto,
     logprob_to_proto,
     stop_reason_to_proto,
@@ -160,6 +160,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise RequestError.invalid("request_id is empty; give every request a unique id")
         params = validate_request(request.prompt_token_ids, request.sampling if request.HasField("sampling") else None,
                                   vocab_size=engine.vocab_size, max_model_len=engine.runner.max_model_len)
+        if params.stop and engine.tokenizer is None:
+            raise RequestError.invalid("stop strings need the worker's tokenizer, and this worker has none; use "
+                                       "stop_token_ids or start the worker on a checkpoint with tokenizer.json")
         first = request.first_token_id if request.HasField("first_token_id") else None
         if first is not None and first >= engine.vocab_size:
             raise RequestError.invalid(f"first_token_id {first} is outside the vocabulary "

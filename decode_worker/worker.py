@@ -1,4 +1,4 @@
-"""A whole decode worker process: the worker skeleton (engine/worker_skeleton.py: gRPC, health,
+"""A whole decode worker process: the worker skeleton (worker/worker_skeleton.py: gRPC, health,
 stall watch, drain, TP ranks) around the decode engine loop and its KV puller.
 
     start_engine(): model (+ TP ranks), capture every decode graph (in a thread; health answers
@@ -20,11 +20,11 @@ from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.decode_worker.kv_pull import KvPuller
 from splitserve.decode_worker.metrics import DecodeMetrics
 from splitserve.decode_worker.servicer import DecodeWorkerServicer
-from splitserve.engine.errors import RequestError
-from splitserve.engine.grpc_service import run_service, service_name
+from splitserve.request.errors import RequestError
+from splitserve.service.grpc_service import run_service, service_name
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.tokenizer import Tokenizer
-from splitserve.engine.worker_skeleton import WorkerSkeleton
+from splitserve.request.tokenizer import Tokenizer
+from splitserve.worker.worker_skeleton import WorkerSkeleton
 from splitserve.kvtransfer.client import KvTransferClient
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.metrics import KvTransferMetrics

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.config import CacheConfig, ModelConfig
+from splitserve.config.engine_config import CacheConfig, ModelConfig
 
 @dataclass(frozen=True)
 class KVGeometry:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.attention_metadata import AttentionMetadata
-from splitserve.engine.config import ModelConfig
+from splitserve.config.engine_config import ModelConfig
 from splitserve.engine.parallel import SINGLE, TPGroup
 from splitserve.kernels import ops
 
@@ -137,19 +137,15 @@ class CausalLM(nn.Module):
             hidden, residual = layer(hidden, residual, positions, cos_sin, kv_cache[i, 0], kv_cache[i, 1], meta)
         return hidden, residual
 
-    def forward(self, input_ids, positions, kv_cache: torch.Tensor, cos_sin, meta: AttentionMetadata):
-        """input_ids/positions [T]; kv_cache [L,2,NB,BS,Hkv,D] -> final hidden states [T,H]."""
-        hidden, residual = self._layers(input_ids, positions, kv_cache, cos_sin, meta)
-        return ops.fused_add_rms_norm(hidden, residual, self.final_norm, self.cfg.rms_norm_eps)[0]
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states (from `forward`) [R,H] -> fp32 logits [R,V]."""
+        """Final (normed) hidden states [R,H] -> fp32 logits [R,V]."""
         return self._full_logits(F.linear(hidden, self.lm_head))
 
     def logits(self, input_ids, positions, kv_cache: torch.Tensor, cos_sin, meta: AttentionMetadata,
                rows: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 logits [R,V] of the token rows `rows` (all T when None), = compute_logits(forward(...)[rows]):
-        the final norm runs on those rows only, fused into the lm_head GEMV at few rows (decode)."""
+        """input_ids/positions [T]; kv_cache [L,2,NB,BS,Hkv,D] -> fp32 logits [R,V] of the token rows
+        `rows` (all T when None): the final norm runs on those rows only, fused into the lm_head
+        GEMV at few rows (decode)."""
         hidden, residual = self._layers(input_ids, positions, kv_cache, cos_sin, meta)
         if rows is not None:
             hidden, residual = hidden[rows], residual[rows]

@@ -1,9 +1,10 @@
 """Runs the model over the paged cache: batched prefill of packed prompts and batched decode.
 
 The runner owns the weights, the KV pool and the RoPE table. It builds the typed
-`AttentionMetadata` on the host (pinned) and copies it to the device without blocking; it
-returns fp32 logits of the last token of each sequence. Block bookkeeping stays with the
-caller (the schedulers), which passes block tables in.
+`AttentionMetadata` from host lists and copies it to the device (pageable memory: see
+`_to_device`; the decode loop's graph runner has its own pinned staging); it returns fp32
+logits of the last token of each sequence. Block bookkeeping stays with the caller (the
+schedulers), which passes block tables in.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 import torch
 
 from splitserve.engine.attention_metadata import AttentionMetadata
-from splitserve.engine.config import EngineConfig, ModelConfig
-from splitserve.engine.hf_config import load_model_config
+from splitserve.config.engine_config import EngineConfig, ModelConfig
+from splitserve.config.hf_config import load_model_config
 from splitserve.engine.kv_cache import KVGeometry, allocate_kv_pool, choose_num_blocks, kv_geometry
 from splitserve.engine.model import CausalLM
 from splitserve.engine.parallel import SINGLE, TPGroup, rank_device

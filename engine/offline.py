@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from splitserve.engine.block_allocator import BlockAllocator
+from splitserve.request.block_allocator import BlockAllocator
 from splitserve.engine.model_runner import DecodeLane, ModelRunner, PrefillChunk
 from splitserve.engine.sampler import Sampler, SeqSamplingInfo
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.stop_checker import StopChecker
+from splitserve.request.sampling_params import SamplingParams
+from splitserve.request.stop_checker import StopChecker
 
 
 @dataclass
@@ -60,7 +60,7 @@ class OfflineEngine:
                 self.allocator.free(s.block_table)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Completion]:
-        from splitserve.engine.detokenizer import IncrementalDetokenizer
+        from splitserve.request.detokenizer import IncrementalDetokenizer
 
         seqs = [Completion(list(p), sp) for p, sp in zip(prompts, params)]
         max_len = self.runner.max_model_len

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from splitserve.engine.config import ModelConfig
+from splitserve.config.engine_config import ModelConfig
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:

@@ -31,7 +31,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 
 _M64 = (1 << 64) - 1
 _TINY = torch.finfo(torch.float32).tiny

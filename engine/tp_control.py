@@ -185,10 +185,10 @@ def follow(tp: TPGroup, runner, handlers: Mapping[str, Callable] | None = None) 
 def follower_process(main: Callable[..., None]) -> Callable[..., None]:
     """Decorates a follower's entry: the process ends right after it (status 0, or 1 with the
     traceback logged), without the interpreter's exit, whose garbage collection of UCX
-    listeners and endpoints could hang it (engine/service_process.py)."""
+    listeners and endpoints could hang it (service/service_process.py)."""
     @functools.wraps(main)
     def run(*args) -> None:
-        from splitserve.engine.service_process import exit_now
+        from splitserve.service.service_process import exit_now
 
         try:
             main(*args)
@@ -269,7 +269,7 @@ def start_ranks(engine_cfg, follower: Callable = runner_follower_main, *follower
     *follower_args)` (default: a bare runner follower for `engine_cfg`); at
     tensor_parallel_size 1 just a runner. Fails at once (one line) when the model does not split
     or the GPUs are too few, and as soon as a follower exits during start-up."""
-    from splitserve.engine.hf_config import load_model_config
+    from splitserve.config.hf_config import load_model_config
     from splitserve.engine.model_runner import ModelRunner, resolve_device
     from splitserve.engine.parallel import SINGLE, check_devices, rank_device, rendezvous_store
 

@@ -17,9 +17,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.config_file import load_config
-from splitserve.engine.grpc_service import ServerConfig
+from splitserve.config.engine_config import EngineConfig
+from splitserve.config.files import load_config
+from splitserve.service.grpc_service import ServerConfig
 from splitserve.kvtransfer.config import KvTransferConfig, RequestFaults, TransferFaults
 
 

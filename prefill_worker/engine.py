@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from splitserve.engine.block_allocator import NULL_BLOCK, BlockAllocator
-from splitserve.engine.block_hash import ROOT_HASH, block_hashes
-from splitserve.engine.errors import RequestError
+from splitserve.request.block_allocator import NULL_BLOCK, BlockAllocator
+from splitserve.request.block_hash import ROOT_HASH, block_hashes
+from splitserve.request.errors import RequestError
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
 from splitserve.engine.sampler import SampleOutput, Sampler, SeqSamplingInfo
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.stop_checker import StopChecker
+from splitserve.request.sampling_params import SamplingParams
+from splitserve.request.stop_checker import StopChecker
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.leases import Lease, LeaseTable
 from splitserve.prefill_worker.metrics import PrefillMetrics

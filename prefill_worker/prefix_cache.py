@@ -22,8 +22,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitserve.engine.block_allocator import BlockAllocator
-from splitserve.engine.block_hash import ROOT_HASH
+from splitserve.request.block_allocator import BlockAllocator
+from splitserve.request.block_hash import ROOT_HASH
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from splitserve.engine.sampler import TokenLogprobs
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.prefill_worker.leases import Lease
 
 

@@ -19,8 +19,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from splitserve.engine.config import SchedulerConfig
-from splitserve.engine.errors import RequestError
+from splitserve.config.engine_config import SchedulerConfig
+from splitserve.request.errors import RequestError
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillSeq
 

@@ -10,8 +10,8 @@ import asyncio
 
 import grpc
 
-from splitserve.engine.errors import RequestError
-from splitserve.engine.proto_convert import (
+from splitserve.request.errors import RequestError
+from splitserve.service.proto_convert import (
     finish_reason_to_proto,
     logprob_to_proto,
     stop_reason_to_proto,

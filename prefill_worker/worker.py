@@ -1,4 +1,4 @@
-"""A whole prefill worker process: the worker skeleton (engine/worker_skeleton.py: gRPC, health,
+"""A whole prefill worker process: the worker skeleton (worker/worker_skeleton.py: gRPC, health,
 stall watch, drain, TP ranks) around the prefill engine and its UCX listener.
 
     start_engine(): model (+ TP ranks) -> engine warm-up -> UCX listener
@@ -9,7 +9,7 @@ With engine.parallel.tensor_parallel_size N > 1 this process is rank 0: it spawn
 1..N-1 (tp_follower.py), which run every forward on their slices and serve their KV heads
 over UCX listeners of their own (a fixed kv_transfer.listen_port p: rank r listens on p + r);
 handles carry the shard map (KvHandle.shards). A follower that dies fails the in-flight requests
-(UNAVAILABLE), health goes NOT_SERVING and the process exits 1 (engine/tp_lifecycle.py).
+(UNAVAILABLE), health goes NOT_SERVING and the process exits 1 (worker/tp_lifecycle.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from splitserve.engine.grpc_service import run_service, service_name
+from splitserve.service.grpc_service import run_service, service_name
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.worker_skeleton import WorkerSkeleton
+from splitserve.worker.worker_skeleton import WorkerSkeleton
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.server import KvTransferServer

@@ -26,8 +26,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from splitserve.engine.errors import RequestError
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.request.errors import RequestError
+from splitserve.request.tokenizer import Tokenizer
 
 _TOKENIZE_IN_THREAD = 32_768  # characters, as intake.py
 

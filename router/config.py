@@ -27,8 +27,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from splitserve.engine.config_file import load_config
-from splitserve.engine.grpc_service import ServerConfig
+from splitserve.config.files import load_config
+from splitserve.service.grpc_service import ServerConfig
 
 PolicyName = Literal["round_robin", "least_loaded", "prefix_aware"]
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[\w.-]+):(\d{1,5})$")

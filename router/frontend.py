@@ -20,7 +20,7 @@ from typing import Protocol
 
 import grpc
 
-from splitserve.engine.errors import RequestError
+from splitserve.request.errors import RequestError
 from splitserve.protos import generate_pb2
 from splitserve.router.context import RouterContext
 from splitserve.router.generation import Generation, LiveRequest

@@ -29,7 +29,7 @@ import time
 
 import grpc
 
-from splitserve.engine.errors import RequestError
+from splitserve.request.errors import RequestError
 from splitserve.protos import generate_pb2, worker_pb2
 from splitserve.router.context import RouterContext
 from splitserve.router.intake import PreparedRequest

@@ -30,8 +30,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from splitserve.engine.errors import RequestError
-from splitserve.engine.net import local_dial_host
+from splitserve.request.errors import RequestError
+from splitserve.service.net import local_dial_host
 from splitserve.protos import generate_pb2
 from splitserve.router.chat_template import chat_prompt_ids
 from splitserve.router.context import RouterContext

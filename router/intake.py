@@ -13,11 +13,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.engine.errors import RequestError
-from splitserve.engine.hf_config import load_model_config
-from splitserve.engine.proto_convert import sampling_params_from_proto, validate_prompt
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.request.errors import RequestError
+from splitserve.config.hf_config import load_model_config
+from splitserve.service.proto_convert import sampling_params_from_proto, validate_prompt
+from splitserve.request.sampling_params import SamplingParams
+from splitserve.request.tokenizer import Tokenizer
 from splitserve.protos import generate_pb2
 from splitserve.router.config import RouterConfig
 

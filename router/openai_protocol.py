@@ -4,7 +4,7 @@ Only what a GenerateRequest cannot say is checked here: JSON types, unknown para
 features this server does not have (n > 1, best_of > 1, echo, suffix, logit_bias, tools,
 response_format other than text, batched prompts), and integers the proto cannot hold
 (negative ids, seeds, ...). Every range check (temperature, top_p, penalties, logprobs, max_tokens,
-prompt length and vocabulary) is the gRPC path's own (intake.py / engine/proto_convert.py);
+prompt length and vocabulary) is the gRPC path's own (intake.py / service/proto_convert.py);
 `error_from_request_error` renames its `sampling.X` / `text` / `token_ids.ids` into the names
 the client sent. Every refusal is a 400 naming the parameter, never a silent ignore.
 """
@@ -17,7 +17,7 @@ from typing import Any, Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from splitserve.engine.errors import RequestError
+from splitserve.request.errors import RequestError
 from splitserve.protos import generate_pb2
 
 _U32 = 2**32 - 1

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.request.tokenizer import Tokenizer
 from splitserve.protos import generate_pb2
 
 FINISH = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.proto_convert import finish_reason_to_proto, stop_reason_to_proto
-from splitserve.engine.stop_checker import StopChecker
+from splitserve.request.detokenizer import IncrementalDetokenizer
+from splitserve.service.proto_convert import finish_reason_to_proto, stop_reason_to_proto
+from splitserve.request.stop_checker import StopChecker
 from splitserve.protos import generate_pb2
 from splitserve.router.intake import ModelInfo, PreparedRequest
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from splitserve.engine.block_hash import block_hashes
+from splitserve.request.block_hash import block_hashes
 from splitserve.router.config import PolicyName, PrefixPolicyConfig
 
 

@@ -19,7 +19,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.errors import RequestError
+from splitserve.request.errors import RequestError
 from splitserve.protos import worker_pb2, worker_pb2_grpc
 
 ADVICE = ("start the worker with --advertise-host set to an IP or DNS name that the router and the other "

@@ -22,7 +22,7 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.grpc_service import channel_options
+from splitserve.service.grpc_service import channel_options
 from splitserve.protos import generate_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger("splitserve.registration")

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.errors import RequestError
-from splitserve.engine.grpc_service import channel_options
+from splitserve.request.errors import RequestError
+from splitserve.service.grpc_service import channel_options
 from splitserve.router.config import RouterConfig, check_address
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import Policy, WorkerView

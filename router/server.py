@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from splitserve.engine.grpc_service import GrpcServer, NOT_SERVING, SERVING, run_service, service_name
+from splitserve.service.grpc_service import GrpcServer, NOT_SERVING, SERVING, run_service, service_name
 from splitserve.protos import generate_pb2, generate_pb2_grpc, router_pb2, router_pb2_grpc
 from splitserve.router.config import RouterConfig
 from splitserve.router.context import RouterContext

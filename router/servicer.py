@@ -12,7 +12,7 @@ import time
 
 import grpc
 
-from splitserve.engine.errors import RequestError
+from splitserve.request.errors import RequestError
 from splitserve.protos import generate_pb2, generate_pb2_grpc, router_pb2, router_pb2_grpc
 from splitserve.router.context import RouterContext
 from splitserve.router.frontend import Frontend

@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """The `tiny` Llama checkpoint (llama3 RoPE scaling, untied head), written once per run."""
-    from splitserve.engine.make_model import make_model
+    from splitserve.cli.make_model import make_model
 
     return make_model("tiny", tmp_path_factory.mktemp("tiny_llama"))
 
@@ -32,6 +32,6 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
     """The `tiny-qwen2` checkpoint (q/k/v bias, tied embeddings)."""
-    from splitserve.engine.make_model import make_model
+    from splitserve.cli.make_model import make_model
 
     return make_model("tiny-qwen2", tmp_path_factory.mktemp("tiny_qwen2"))

@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.net import free_port  # noqa: F401 - the tests' port picker
+from splitserve.service.net import free_port  # noqa: F401 - the tests' port picker
 
 # subcommand -> (gRPC service whose health means "ready", stand-alone module for commands that
 # cli/main.py does not register yet)
@@ -201,10 +201,10 @@ def all_free(stub) -> None:
 
 def offline_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """The oracle of the process tests: greedy tokens (ignore_eos) from one in-process engine."""
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine_config import EngineConfig
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.offline import OfflineEngine
-    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.request.sampling_params import SamplingParams
 
     runner = ModelRunner(EngineConfig(model_path=str(model_dir), cache={"num_blocks": 128, "block_size": 4}))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

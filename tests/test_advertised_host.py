@@ -10,8 +10,8 @@ import socket
 import pytest
 from pydantic import ValidationError
 
-from splitserve.engine import net
-from splitserve.engine.grpc_service import GrpcServer, ServerConfig
+from splitserve.service import net
+from splitserve.service.grpc_service import GrpcServer, ServerConfig
 
 
 def test_wildcard_bind_advertises_the_routable_ip():

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from splitserve.engine.block_allocator import NULL_BLOCK, BlockAllocator, BlockAllocatorError
+from splitserve.request.block_allocator import NULL_BLOCK, BlockAllocator, BlockAllocatorError
 
 
 def test_null_block_never_handed_out_and_no_overlap():

@@ -8,9 +8,9 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.tiny_tokenizer import write_byte_level_tokenizer
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.request.detokenizer import IncrementalDetokenizer
+from splitserve.cli.tiny_tokenizer import write_byte_level_tokenizer
+from splitserve.request.tokenizer import Tokenizer
 
 MULTIBYTE = [
     "emoji 👋🏽 family 👨‍👩‍👧 flag 🇫🇷 😀😀",

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.grpc_service import GrpcServer, ServerConfig, channel_options
+from splitserve.service.grpc_service import GrpcServer, ServerConfig, channel_options
 
 Status = health_pb2.HealthCheckResponse
 

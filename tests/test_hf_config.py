@@ -8,9 +8,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.hf_config import UnsupportedModelError, load_model_config, parse_hf_config
-from splitserve.engine.make_model import PRESETS
+from splitserve.config.engine_config import CacheConfig, EngineConfig
+from splitserve.config.hf_config import UnsupportedModelError, load_model_config, parse_hf_config
+from splitserve.cli.make_model import PRESETS
 from splitserve.engine.rope import inverse_frequencies
 
 BASE = {**PRESETS["tiny"], "hidden_act": "silu"}

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine_config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
 from splitserve.engine.offline import OfflineEngine
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.gpu
 PROMPTS = [[1, 72, 101, 108, 108, 111], [1] + list(range(100, 177)), [1, 9]]

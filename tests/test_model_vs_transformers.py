@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine_config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
 from splitserve.engine.offline import OfflineEngine
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 
 PROMPTS = [[1, 72, 101, 108, 108, 111, 44, 32, 119], [1, 200], [1] + list(range(300, 337)), [1, 7, 9, 11, 13]]
 

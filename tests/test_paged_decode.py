@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine_config import EngineConfig
 from splitserve.engine.model_runner import DecodeLane, ModelRunner, PrefillChunk
 
 

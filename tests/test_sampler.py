@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from splitserve.engine.sampler import Sampler, SeqSamplingInfo, apply_penalties, row_seed
-from splitserve.engine.sampling_params import SamplingParams as SP
+from splitserve.request.sampling_params import SamplingParams as SP
 
 
 def info(params: SP, output=(), prompt=(1, 2, 3)) -> SeqSamplingInfo:

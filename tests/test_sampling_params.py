@@ -7,7 +7,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from splitserve.engine.sampling_params import SamplingParams, validate_against_vocab
+from splitserve.request.sampling_params import SamplingParams, validate_against_vocab
 
 BAD = [
     ("max_tokens", 0),

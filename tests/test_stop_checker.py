@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.stop_checker import StopChecker
-from splitserve.engine.tiny_tokenizer import write_byte_level_tokenizer
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.request.detokenizer import IncrementalDetokenizer
+from splitserve.request.stop_checker import StopChecker
+from splitserve.cli.tiny_tokenizer import write_byte_level_tokenizer
+from splitserve.request.tokenizer import Tokenizer
 
 EOS = 2
 TEXT_TOKEN = 100  # any id that is neither eos nor a stop token

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.engine.tiny_tokenizer import write_byte_level_tokenizer
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.cli.tiny_tokenizer import write_byte_level_tokenizer
+from splitserve.request.tokenizer import Tokenizer
 
 VOCAB = 512
 TEXTS = [
@@ -49,7 +49,7 @@ def test_files_are_byte_identical_across_runs(tmp_path, folder):
     write_byte_level_tokenizer(tmp_path / "again", VOCAB)
     # A fresh interpreter with another hash seed must write the same bytes as well.
     code = (
-        "import sys; from pathlib import Path; from splitserve.engine.tiny_tokenizer import "
+        "import sys; from pathlib import Path; from splitserve.cli.tiny_tokenizer import "
         f"write_byte_level_tokenizer as w; w(Path(sys.argv[1]), {VOCAB})"
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}

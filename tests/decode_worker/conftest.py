@@ -11,11 +11,11 @@ import pytest
 import torch
 from decode_helpers import MAX_MODEL_LEN
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine_config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.offline import OfflineEngine
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.request.sampling_params import SamplingParams
+from splitserve.request.tokenizer import Tokenizer
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

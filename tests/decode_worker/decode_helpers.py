@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from splitserve.decode_worker.config import DecodeWorkerConfig
 from splitserve.decode_worker.engine import DecodeEngine
 from splitserve.decode_worker.sequence import DecodeInput, StepOutput
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine_config import EngineConfig
 from splitserve.engine.model_runner import PrefillChunk
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.request.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 256
 
@@ -109,7 +109,7 @@ async def serving(model, **kw):
     import grpc
 
     from splitserve.decode_worker.worker import DecodeWorker
-    from splitserve.engine.grpc_service import channel_options
+    from splitserve.service.grpc_service import channel_options
     from splitserve.protos import worker_pb2_grpc
 
     worker = DecodeWorker(worker_config(model, **kw))

@@ -15,8 +15,8 @@ from decode_helpers import Collected, assert_all_free, collect_stream, drive, ma
 
 from splitserve.decode_worker.engine import DecodeEngine
 from splitserve.decode_worker.sequence import DecodeInput
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.request.sampling_params import SamplingParams
+from splitserve.request.tokenizer import Tokenizer
 from splitserve.protos import generate_pb2, worker_pb2
 
 

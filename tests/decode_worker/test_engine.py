@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 
 from decode_helpers import Collected, assert_all_free, drive, make_engine, submit
 

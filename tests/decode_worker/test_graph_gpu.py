@@ -11,8 +11,8 @@ import torch
 from decode_helpers import Collected, assert_all_free, drive, engine_config, submit
 
 from splitserve.decode_worker.engine import DecodeEngine
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.request.sampling_params import SamplingParams
+from splitserve.request.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.gpu
 

@@ -11,7 +11,7 @@ import pytest
 from decode_helpers import Collected, assert_all_free, drive, engine_config, make_engine, submit
 
 from splitserve.decode_worker.config import capture_sizes, default_graph_sizes
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 
 
 class _EagerGraph:

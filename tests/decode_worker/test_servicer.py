@@ -11,7 +11,7 @@ import pytest
 from decode_helpers import assert_all_free, collect_stream, decode_request, serving
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
 from splitserve.protos import generate_pb2, kv_pb2, worker_pb2
 

@@ -15,7 +15,7 @@ import grpc
 from decode_helpers import MAX_MODEL_LEN, collect_stream, decode_request
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 
 READY = re.compile(r"serving splitserve\.v1\.DecodeWorker on ([\d.]+:\d+).*metrics on :(\d+)")

@@ -24,7 +24,7 @@ from helpers_procs import ProcessGroup, ServiceProcess, free_port
 from prometheus_client.parser import text_string_to_metric_families
 from router_helpers import assert_workers_free, greedy, ids_request, wait_until, worker_flags, worker_load
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2
 
 CLEAN_PROMPT = [1, 44, 45, 46, 200, 201, 202]

@@ -1,6 +1,6 @@
 """Bad input against a real router process: bytes that are no GenerateRequest at all (sent through
 a generic channel with identity serializers), random field values (hypothesis), and a table of
-stated refusals. Undecodable bytes are INVALID_ARGUMENT naming the message type (engine/grpc_guard.py;
+stated refusals. Undecodable bytes are INVALID_ARGUMENT naming the message type (service/grpc_guard.py;
 the servicer never runs), a decodable but invalid request is INVALID_ARGUMENT before any worker
 is touched; nothing else ever comes back, no traceback is logged, and the services keep serving."""
 

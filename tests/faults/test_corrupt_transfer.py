@@ -12,7 +12,7 @@ import pytest
 from fault_helpers import Ledger, finish_case, metric, start_worker
 from router_helpers import greedy, router_config, running_router
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 
 PROMPT = [1] + list(range(120, 150))  # 30 tokens: 8 blocks
 

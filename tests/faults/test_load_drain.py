@@ -15,7 +15,7 @@ from helpers_procs import health_status
 from grpc_health.v1.health_pb2 import HealthCheckResponse
 from router_helpers import SERVING, greedy, router_config, running_router, wait_until
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 
 NOT_SERVING = HealthCheckResponse.NOT_SERVING
 pytestmark = pytest.mark.slow  # one of the suite's slowest files (a burst on small pools, a drain)

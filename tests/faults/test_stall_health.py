@@ -15,7 +15,7 @@ import helpers_procs
 from fault_helpers import start_worker
 from grpc_health.v1 import health_pb2
 
-from splitserve.engine.stall_watch import StallWatch
+from splitserve.worker.stall_watch import StallWatch
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING

@@ -23,7 +23,7 @@ from fault_helpers import (
 )
 from router_helpers import greedy, router_config, running_router, wait_until
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2_grpc
 
 PROMPT = [1, 44, 45, 46, 200, 201, 202]

@@ -171,7 +171,7 @@ def test_ops_dispatch_by_token_count():
 def test_model_decode_with_triton_kernels_matches_reference(tiny_qwen2):
     """The whole model with every op forced to Triton (fused small-M GEMVs at decode, composed
     norm + matmul at prefill) gives the reference logits and greedy tokens: qkv bias, tied head."""
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine_config import EngineConfig
     from splitserve.engine.model_runner import DecodeLane, ModelRunner, PrefillChunk
 
     runner = ModelRunner(EngineConfig(model_path=str(tiny_qwen2), cache={"num_blocks": 32, "block_size": 4}))

@@ -121,10 +121,10 @@ class Stack:
 
 def make_oracle(model):
     """(prompt ids, SamplingParams) -> the OfflineEngine Completion (tokens, text, finish reason)."""
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine_config import EngineConfig
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.offline import OfflineEngine
-    from splitserve.engine.tokenizer import Tokenizer
+    from splitserve.request.tokenizer import Tokenizer
 
     runner = ModelRunner(EngineConfig(model_path=str(model), device="cpu",
                                       cache={"num_blocks": 512, "block_size": BLOCK_SIZE},

@@ -13,7 +13,7 @@ import pytest
 from helpers_procs import cli_command
 from openai_helpers import BLOCK_SIZE, MODEL
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2
 
 PROMPT = "The quick brown fox jumps over"

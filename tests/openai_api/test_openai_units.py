@@ -12,8 +12,8 @@ import shutil
 import grpc
 import pytest
 
-from splitserve.engine.errors import RequestError
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.request.errors import RequestError
+from splitserve.request.tokenizer import Tokenizer
 from splitserve.router.chat_template import chat_prompt_ids, render_chat
 from splitserve.router.openai_protocol import ChatCompletionRequest, error_from_request_error, parse
 

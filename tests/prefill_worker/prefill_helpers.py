@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from splitserve.engine.grpc_service import channel_options
+from splitserve.service.grpc_service import channel_options
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.engine import PrefillEngine
 from splitserve.prefill_worker.worker import PrefillWorker

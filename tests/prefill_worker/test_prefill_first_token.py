@@ -10,7 +10,7 @@ import torch
 from prefill_helpers import prefill_request, release, serving, worker_config
 
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
-from splitserve.engine.proto_convert import sampling_params_from_proto
+from splitserve.service.proto_convert import sampling_params_from_proto
 from splitserve.engine.sampler import Sampler, SeqSamplingInfo
 from splitserve.protos import generate_pb2
 

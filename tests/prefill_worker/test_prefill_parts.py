@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from splitserve.engine.block_allocator import BlockAllocator
-from splitserve.engine.block_hash import ROOT_HASH, block_hashes, chain_hash
-from splitserve.engine.config import SchedulerConfig
-from splitserve.engine.config_file import ConfigError
-from splitserve.engine.errors import RequestError
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.block_allocator import BlockAllocator
+from splitserve.request.block_hash import ROOT_HASH, block_hashes, chain_hash
+from splitserve.config.engine_config import SchedulerConfig
+from splitserve.config.files import ConfigError
+from splitserve.request.errors import RequestError
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.leases import LeaseTable
 from splitserve.prefill_worker.prefix_cache import PrefixCache

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from prefill_helpers import prefill_request, release, serving, worker_config
 
-from splitserve.engine.errors import RequestError
-from splitserve.engine.proto_convert import (
+from splitserve.request.errors import RequestError
+from splitserve.service.proto_convert import (
     finish_reason_to_proto,
     sampling_params_from_proto,
     stop_reason_to_proto,

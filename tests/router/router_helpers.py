@@ -14,12 +14,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers_procs import ProcessGroup
 
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.grpc_service import channel_options
+from splitserve.config.engine_config import EngineConfig
+from splitserve.service.grpc_service import channel_options
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.offline import OfflineEngine
-from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.request.sampling_params import SamplingParams
+from splitserve.request.tokenizer import Tokenizer
 from splitserve.protos import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.router.config import RouterConfig
 from splitserve.router.server import Router

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.engine.block_hash import block_hashes
-from splitserve.engine.config_file import ConfigError
+from splitserve.request.block_hash import block_hashes
+from splitserve.config.files import ConfigError
 from splitserve.router.config import PrefixPolicyConfig, RouterConfig
 from splitserve.router.policies import (
     LeastLoaded,

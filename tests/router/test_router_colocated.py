@@ -21,8 +21,8 @@ from router_helpers import (
 )
 
 from splitserve.cli import router_cmd
-from splitserve.engine.config_file import ConfigError
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.config.files import ConfigError
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2, router_pb2, router_pb2_grpc
 from splitserve.router.config import RouterConfig
 

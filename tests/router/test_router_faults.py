@@ -23,7 +23,7 @@ from router_helpers import (
     worker_load,
 )
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2
 
 PROMPTS = [[1, 44, 45, 46, 200, 201, 202], [1, 50, 60, 70], [1] + list(range(300, 320)), [1, 7, 8, 9, 10]]

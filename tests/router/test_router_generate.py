@@ -24,7 +24,7 @@ from router_helpers import (
     worker_load,
 )
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2
 from splitserve.router.policies import cached_prefix_blocks
 

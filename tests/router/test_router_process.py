@@ -50,7 +50,7 @@ def test_bad_flags_are_one_line_and_exit_code_2(tiny_llama):
 
 
 def _greedy(n: int):
-    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.request.sampling_params import SamplingParams
 
     return SamplingParams(temperature=0, max_tokens=n)
 

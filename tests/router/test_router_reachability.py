@@ -13,7 +13,7 @@ import grpc
 from helpers_procs import free_port
 from router_helpers import generate, greedy, ids_request, router_config, rpc_error, running_router, wait_until
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.protos import generate_pb2, router_pb2, router_pb2_grpc

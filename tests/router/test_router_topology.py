@@ -24,7 +24,7 @@ from router_helpers import (
     worker_flags,
 )
 
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 
 PROMPTS = [[1, 44, 45, 46, 200, 201, 202], [1, 50, 60, 70], [1] + list(range(300, 320)), [1, 7, 8, 9, 10],
            [1] + list(range(100, 137)), [1, 400, 401, 402, 403, 404], [1, 11, 12], [1] + list(range(60, 90))]

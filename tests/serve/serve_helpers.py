@@ -102,11 +102,11 @@ def start_serve(log_dir: Path, *args: str) -> Serve:
 
 def make_oracle(model):
     """(prompt text, max_tokens) -> greedy Completion of the single-process engine."""
-    from splitserve.engine.config import EngineConfig
+    from splitserve.config.engine_config import EngineConfig
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.offline import OfflineEngine
-    from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.engine.tokenizer import Tokenizer
+    from splitserve.request.sampling_params import SamplingParams
+    from splitserve.request.tokenizer import Tokenizer
 
     runner = ModelRunner(EngineConfig(model_path=str(model), device="cpu",
                                       cache={"num_blocks": 256, "block_size": BLOCK_SIZE},

@@ -9,8 +9,8 @@ ODD_VOCAB = 509  # the tokenizer keeps 512 ids; tests feed and sample ids < 509 
 
 
 def _odd(preset: str, tmp_path_factory):
-    from splitserve.engine.make_model import make_model
-    from splitserve.engine.presets import PRESETS
+    from splitserve.cli.make_model import make_model
+    from splitserve.cli.presets import PRESETS
 
     name = f"{preset}-odd-vocab"
     with pytest.MonkeyPatch.context() as mp:

@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from splitserve.engine.config import RopeScaling
-from splitserve.engine.presets import PRESETS
+from splitserve.config.engine_config import RopeScaling
+from splitserve.cli.presets import PRESETS
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_tp.py"
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitserve.engine.config import EngineConfig, ParallelConfig
+from splitserve.config.engine_config import EngineConfig, ParallelConfig
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
 from splitserve.engine.offline import OfflineEngine
-from splitserve.engine.sampling_params import SamplingParams
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.engine.tp_control import start_ranks
 
 # ids on both sides of the 2-rank vocab split (254 | 255 | 256) and the last id of a 509-row vocab

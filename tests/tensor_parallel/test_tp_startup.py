@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from splitserve.engine.config import EngineConfig
+from splitserve.config.engine_config import EngineConfig
 from splitserve.engine.model_runner import PrefillChunk
 from splitserve.engine.parallel import check_devices, destroy_tp
 from splitserve.engine.tp_control import start_ranks

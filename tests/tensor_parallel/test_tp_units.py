@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from splitserve.engine.config import ParallelConfig
-from splitserve.engine.hf_config import load_model_config
+from splitserve.config.engine_config import ParallelConfig
+from splitserve.config.hf_config import load_model_config
 from splitserve.engine.model import CausalLM
 from splitserve.engine.parallel import TPGroup
 from splitserve.engine.weights import load_weights

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 
 from splitserve.engine import parallel, weights
-from splitserve.engine.config import EngineConfig
-from splitserve.engine.hf_config import load_model_config
+from splitserve.config.engine_config import EngineConfig
+from splitserve.config.hf_config import load_model_config
 from splitserve.engine.model import CausalLM
 from splitserve.engine.model_runner import DecodeLane, ModelRunner, PrefillChunk
 from splitserve.engine.parallel import TPGroup

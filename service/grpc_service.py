@@ -32,9 +32,9 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from splitserve.engine.grpc_guard import RejectMalformed
-from splitserve.engine.net import advertised_host, is_wildcard
-from splitserve.engine.service_process import EXIT_DEADLINE
+from splitserve.service.grpc_guard import RejectMalformed
+from splitserve.service.net import advertised_host, is_wildcard
+from splitserve.service.service_process import EXIT_DEADLINE
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class ServerConfig(BaseModel):
     @property
     def public_host(self) -> str:
         """The host peers should dial: advertise_host, else the bound IP; bound to every interface,
-        the routable IP (default route's, else the first non-loopback one: engine/net.py), never
+        the routable IP (default route's, else the first non-loopback one: service/net.py), never
         the host name, which peers often cannot resolve."""
         return advertised_host(self.host, self.advertise_host)
 

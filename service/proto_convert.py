@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from splitserve.engine.errors import RequestError
-from splitserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, validate_against_vocab
+from splitserve.request.errors import RequestError
+from splitserve.request.sampling_params import MAX_LOGPROBS, SamplingParams, validate_against_vocab
 from splitserve.protos import generate_pb2
 
 if TYPE_CHECKING:  # the sampler imports torch, which the router (a user of this module) does not need

@@ -129,4 +129,4 @@ class EngineConfig(_Frozen):
     parallel: ParallelConfig = ParallelConfig()
     stall_timeout_s: float = Field(60.0, gt=0, description="health NOT_SERVING while work is queued and the engine "
                                                            "has not finished a step for this long; SERVING again "
-                                                           "once it does (engine/stall_watch.py)")
+                                                           "once it does (worker/stall_watch.py)")

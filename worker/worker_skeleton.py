@@ -3,7 +3,7 @@ add only their engine, servicer and KV side).
 
     start():  gRPC bound (health NOT_SERVING; health answers from here on)
               -> start_engine(): model load + warm-up (+ tensor-parallel ranks), KV transfer
-              -> health SERVING -> the stall watch (engine/stall_watch.py)
+              -> health SERVING -> the stall watch (worker/stall_watch.py)
     rank lost (tensor parallel): fail_in_flight(), then NOT_SERVING, exit 1 (tp_lifecycle.py)
     stop():   the stall watch ends -> drain (health NOT_SERVING for good, in-flight calls get
               the grace) -> stop_engine() (UCX first, then the engine) -> ranks closed;
@@ -19,9 +19,9 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from splitserve.engine.grpc_service import GrpcServer
-from splitserve.engine.stall_watch import StallWatch
-from splitserve.engine.tp_lifecycle import exit_after_rank_loss, serve_until_lost
+from splitserve.service.grpc_service import GrpcServer
+from splitserve.worker.stall_watch import StallWatch
+from splitserve.worker.tp_lifecycle import exit_after_rank_loss, serve_until_lost
 
 log = logging.getLogger(__name__)
 

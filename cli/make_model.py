@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from splitserve.engine.presets import PRESETS, TOKENIZER_VOCAB
-from splitserve.engine.tiny_tokenizer import write_byte_level_tokenizer
-from splitserve.engine.tokenizer import Tokenizer
+from splitserve.cli.presets import PRESETS, TOKENIZER_VOCAB
+from splitserve.cli.tiny_tokenizer import write_byte_level_tokenizer
+from splitserve.request.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

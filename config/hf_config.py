@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from splitserve.engine.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from splitserve.config.engine_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 
 
 class UnsupportedModelError(ValueError):

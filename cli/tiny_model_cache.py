@@ -6,7 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
-from splitserve.engine.make_model import make_model
+from splitserve.cli.make_model import make_model
 
 
 def default_model_dir() -> Path:
