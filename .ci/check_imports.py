@@ -36,8 +36,9 @@ def main() -> int:
         shutil.copy2(ROOT / "pyproject.toml", Path(tmp) / "pyproject.toml")
         env = {**os.environ, "PYTHONPATH": tmp}
         lint = Path(sys.executable).with_name("lint-imports")
-        return subprocess.run([str(lint) if lint.exists() else "lint-imports", "--no-cache"], cwd=tmp,
-                              env=env).returncode
+        return subprocess.run(
+            [str(lint) if lint.exists() else "lint-imports", "--no-cache"], cwd=tmp, env=env
+        ).returncode
 
 
 if __name__ == "__main__":

@@ -28,16 +28,31 @@ from pathlib import Path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", required=True, help="checkpoint folder (the preset is written there if empty)")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="\n".join(__doc__.splitlines()[2:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model-dir",
+        required=True,
+        help="checkpoint folder (the preset is written there if empty)",
+    )
     p.add_argument("--preset", default="llama-3.2-1b")
     p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
-    p.add_argument("--context", type=int, default=512, help="tokens per sequence when timing starts")
+    p.add_argument(
+        "--context", type=int, default=512, help="tokens per sequence when timing starts"
+    )
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per measurement")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--hf-batch-sizes", default="1,64", help="transformers peer batch sizes ('' to skip)")
-    p.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a smoke test of the script)")
+    p.add_argument(
+        "--hf-batch-sizes", default="1,64", help="transformers peer batch sizes ('' to skip)"
+    )
+    p.add_argument(
+        "--device",
+        default="cuda",
+        help="cuda (the measurement) or cpu (a smoke test of the script)",
+    )
     p.add_argument("--out", help="write the JSON result here")
     return p.parse_args(argv)
 
@@ -68,7 +83,7 @@ def copy_bandwidth(torch, device: str, nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     time_ms(torch, lambda: dst.copy_(src), 3)
     secs = time_ms(torch, lambda: dst.copy_(src), 10) / 1e3
-    del src, dst
+    src = dst = None  # free the buffers now (the closures above hold the names)
     return 2 * nbytes / secs
 
 
@@ -84,10 +99,22 @@ def fake_sequences(engine, batch: int, context: int, room: int):
     for i in range(batch):
         got = engine.allocator.allocate(per_seq)
         if got is None:
-            raise MemoryError("KV pool too small for this batch; lower --context or the batch sizes")
+            raise MemoryError(
+                "KV pool too small for this batch; lower --context or the batch sizes"
+            )
         stop = StopChecker(params, (), engine.runner.max_model_len, context)
-        seqs.append(DecodeSequence(f"b{i}", [1] * context, params, stop, lambda out: None, None, [5],
-                                   list(got.block_ids)))
+        seqs.append(
+            DecodeSequence(
+                f"b{i}",
+                [1] * context,
+                params,
+                stop,
+                lambda out: None,
+                None,
+                [5],
+                list(got.block_ids),
+            )
+        )
     return seqs
 
 
@@ -97,7 +124,9 @@ def kernel_times(torch, engine, eager_runner, batch: int, args) -> dict:
     size = g.dispatch[batch]
     out = {"graph_size": size}
     with torch.inference_mode():
-        g.read(g.launch(seqs, changed=True))  # full prepare; positions then advance inside the graph
+        g.read(
+            g.launch(seqs, changed=True)
+        )  # full prepare; positions then advance inside the graph
         if size:
             graph = g._graphs[size]
             time_ms(torch, graph.replay, 3)
@@ -120,7 +149,11 @@ def engine_time(engine, batch: int, args) -> float:
     params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
     for i in range(batch):
         got = engine.allocator.allocate(-(-args.context // engine.runner.block_size))
-        engine.admit(DecodeInput(f"e{i}", [1] * args.context, 5, params), list(got.block_ids), lambda out: None)
+        engine.admit(
+            DecodeInput(f"e{i}", [1] * args.context, 5, params),
+            list(got.block_ids),
+            lambda out: None,
+        )
     engine.step()  # admission + full prepare
     t0 = time.perf_counter()
     steps = 0
@@ -148,15 +181,19 @@ def hf_peer(torch, model_dir: str, batch: int, args) -> dict:
         if cache == "static":
             kw["cache_implementation"] = "static"
         try:
+
             def gen(n: int) -> float:
                 sync()
                 t0 = time.perf_counter()
                 model.generate(ids, min_new_tokens=n, max_new_tokens=n, **kw)
                 sync()
                 return time.perf_counter() - t0
+
             gen(args.steps + 1)  # warm-up (and compile, for the static cache)
             per_token = (gen(args.steps + 1) - gen(1)) / args.steps
-            result.update(cache=cache, hf_step_ms=per_token * 1e3, hf_tokens_per_s=batch / per_token)
+            result.update(
+                cache=cache, hf_step_ms=per_token * 1e3, hf_tokens_per_s=batch / per_token
+            )
             return result
         except Exception as exc:  # noqa: BLE001 - the peer is best effort; say why
             log(f"transformers generate with the {cache} cache failed: {exc!r}")
@@ -169,13 +206,16 @@ def main(argv=None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("decode benchmark: needs a CUDA GPU (run it through the device tool); --device cpu "
-              "--preset tiny smoke-tests the script", file=sys.stderr)
+        print(
+            "decode benchmark: needs a CUDA GPU (run it through the device tool); --device cpu "
+            "--preset tiny smoke-tests the script",
+            file=sys.stderr,
+        )
         return 2
+    from splitserve.cli.make_model import make_model
     from splitserve.decode_worker.config import DecodeWorkerConfig
     from splitserve.decode_worker.engine import DecodeEngine
     from splitserve.decode_worker.graph_runner import GraphRunner
-    from splitserve.cli.make_model import make_model
 
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
     model_dir = Path(args.model_dir)
@@ -185,10 +225,14 @@ def main(argv=None) -> int:
     max_len = 1 << (args.context + 3 * args.steps + 16).bit_length()
     blocks = max(sizes) * -(-max_len // args.block_size) + 2
     cfg = DecodeWorkerConfig(
-        engine={"model_path": str(model_dir), "device": args.device,
-                "cache": {"block_size": args.block_size, "num_blocks": blocks},
-                "scheduler": {"max_batch_size": max(sizes), "max_model_len": max_len}},
-        cuda_graph_sizes=tuple(sizes))
+        engine={
+            "model_path": str(model_dir),
+            "device": args.device,
+            "cache": {"block_size": args.block_size, "num_blocks": blocks},
+            "scheduler": {"max_batch_size": max(sizes), "max_model_len": max_len},
+        },
+        cuda_graph_sizes=tuple(sizes),
+    )
     log(f"loading {model_dir} (max_model_len {max_len}, {blocks} KV blocks)")
     engine = DecodeEngine(cfg)
     t0 = time.perf_counter()
@@ -198,7 +242,9 @@ def main(argv=None) -> int:
     bw = copy_bandwidth(torch, args.device, (2 << 30) if args.device == "cuda" else (64 << 20))
     log(f"device copy bandwidth {bw / 1e9:.0f} GB/s")
     r = engine.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in r.model.parameters())  # lm_head tied: once
+    weight_bytes = sum(
+        p.numel() * p.element_size() for p in r.model.parameters()
+    )  # lm_head tied: once
     kv_per_token = r.geometry.bytes_per_block // r.block_size
     results = []
     for b in sizes:
@@ -206,10 +252,19 @@ def main(argv=None) -> int:
         avg_ctx = args.context + 1 + args.steps / 2
         roof = (weight_bytes + b * avg_ctx * kv_per_token) / bw * 1e3
         step = row.get("graph_step_ms", row["eager_step_ms"])
-        row.update(tokens_per_s=b / step * 1e3, roofline_ms=roof, roofline_ratio=roof / step,
-                   graph_speedup=row["eager_step_ms"] / step, engine_step_ms=engine_time(engine, b, args))
+        row.update(
+            tokens_per_s=b / step * 1e3,
+            roofline_ms=roof,
+            roofline_ratio=roof / step,
+            graph_speedup=row["eager_step_ms"] / step,
+            engine_step_ms=engine_time(engine, b, args),
+        )
         row["engine_tokens_per_s"] = b / row["engine_step_ms"] * 1e3
-        log("  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        log(
+            "  ".join(
+                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+            )
+        )
         results.append(row)
     engine.close()
     del eager_runner, engine
@@ -224,10 +279,19 @@ def main(argv=None) -> int:
             peer["splitserve_speedup"] = peer["hf_step_ms"] / ours["engine_step_ms"]
         log(str(peer))
         hf.append(peer)
-    out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__, "model": args.preset,
-           "context": args.context, "steps": args.steps, "block_size": args.block_size,
-           "copy_bandwidth_gbs": bw / 1e9, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
-           "results": results, "transformers": hf}
+    out = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": args.preset,
+        "context": args.context,
+        "steps": args.steps,
+        "block_size": args.block_size,
+        "copy_bandwidth_gbs": bw / 1e9,
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_per_token,
+        "results": results,
+        "transformers": hf,
+    }
     text = json.dumps(out, indent=2)
     if args.out:
         Path(args.out).write_text(text)

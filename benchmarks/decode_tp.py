@@ -33,16 +33,30 @@ from decode import engine_time, log
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[2:]),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-dir", required=True, help="folder of the checkpoints, one per preset (DIR/<preset>)")
-    p.add_argument("--presets", "--preset", default="llama-3.2-1b,llama-3.1-8b", help="comma-separated presets")
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="\n".join(__doc__.splitlines()[2:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model-dir",
+        required=True,
+        help="folder of the checkpoints, one per preset (DIR/<preset>)",
+    )
+    p.add_argument(
+        "--presets", "--preset", default="llama-3.2-1b,llama-3.1-8b", help="comma-separated presets"
+    )
     p.add_argument("--tp-sizes", default="1,2")
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--check-prompts", type=int, default=4, help="prompts of the greedy TP1-vs-TPn check (0: skip)")
+    p.add_argument(
+        "--check-prompts",
+        type=int,
+        default=4,
+        help="prompts of the greedy TP1-vs-TPn check (0: skip)",
+    )
     p.add_argument("--check-tokens", type=int, default=32, help="greedy tokens per check prompt")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", help="write the JSON result here")
@@ -66,10 +80,15 @@ def greedy_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[lis
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     out: list[list[int]] = [[] for _ in prompts]
     for i, prompt in enumerate(prompts):
-        engine.submit(DecodeInput(f"check{i}", prompt, None, params), lambda o, i=i: out[i].extend(o.token_ids))
+        engine.submit(
+            DecodeInput(f"check{i}", prompt, None, params),
+            lambda o, i=i: out[i].extend(o.token_ids),
+        )
     while engine.has_work:
         engine.step()
-    assert engine.allocator.num_free == engine.allocator.num_usable, "KV blocks leaked by the greedy check"
+    assert engine.allocator.num_free == engine.allocator.num_usable, (
+        "KV blocks leaked by the greedy check"
+    )
     return out
 
 
@@ -83,7 +102,9 @@ def first_mismatch(ref: list[list[int]], got: list[list[int]]) -> dict | None:
     return None
 
 
-def measure(model_dir: Path, tp: int, sizes: list[int], prompts, args) -> tuple[dict[int, float], list]:
+def measure(
+    model_dir: Path, tp: int, sizes: list[int], prompts, args
+) -> tuple[dict[int, float], list]:
     from splitserve.decode_worker.config import DecodeWorkerConfig
     from splitserve.decode_worker.engine import DecodeEngine
     from splitserve.decode_worker.tp_follower import decode_follower_main
@@ -92,17 +113,26 @@ def measure(model_dir: Path, tp: int, sizes: list[int], prompts, args) -> tuple[
     max_len = 1 << (args.context + 2 * args.steps + 16).bit_length()
     blocks = max(max(sizes), len(prompts)) * -(-max_len // args.block_size) + 2
     cfg = DecodeWorkerConfig(
-        engine={"model_path": str(model_dir), "device": args.device,
-                "cache": {"block_size": args.block_size, "num_blocks": blocks},
-                "scheduler": {"max_batch_size": max(max(sizes), len(prompts)), "max_model_len": max_len},
-                "parallel": {"tensor_parallel_size": tp}},
-        cuda_graph_sizes=tuple(sizes))
+        engine={
+            "model_path": str(model_dir),
+            "device": args.device,
+            "cache": {"block_size": args.block_size, "num_blocks": blocks},
+            "scheduler": {
+                "max_batch_size": max(max(sizes), len(prompts)),
+                "max_model_len": max_len,
+            },
+            "parallel": {"tensor_parallel_size": tp},
+        },
+        cuda_graph_sizes=tuple(sizes),
+    )
     ranks = start_ranks(cfg.engine, decode_follower_main, cfg)
     engine = DecodeEngine(cfg, ranks.runner)
     try:
         t0 = time.perf_counter()
         engine.warm_up()
-        log(f"TP{tp}: graphs {engine.graphs.captured_sizes} captured in {time.perf_counter() - t0:.1f}s")
+        log(
+            f"TP{tp}: graphs {engine.graphs.captured_sizes} captured in {time.perf_counter() - t0:.1f}s"
+        )
         tokens = greedy_tokens(engine, prompts, args.check_tokens) if prompts else []
         out = {}
         for b in sizes:
@@ -116,8 +146,8 @@ def measure(model_dir: Path, tp: int, sizes: list[int], prompts, args) -> tuple[
 
 
 def run_preset(preset: str, args, tps: list[int], sizes: list[int]) -> dict:
-    from splitserve.config.hf_config import load_model_config
     from splitserve.cli.make_model import make_model
+    from splitserve.config.hf_config import load_model_config
 
     model_dir = Path(args.model_dir) / preset
     if not (model_dir / "config.json").is_file():
@@ -127,16 +157,37 @@ def run_preset(preset: str, args, tps: list[int], sizes: list[int]) -> dict:
     steps, tokens = {}, {}
     for tp in tps:
         steps[tp], tokens[tp] = measure(model_dir, tp, sizes, prompts, args)
-    rows = [{"batch": b, **{f"tp{tp}_step_ms": steps[tp][b] for tp in tps},
-             **{f"tp{tp}_speedup": steps[tps[0]][b] / steps[tp][b] for tp in tps[1:]}} for b in sizes]
-    greedy = {f"tp{tp}": {"greedy_match": tokens[tp] == tokens[tps[0]],
-                          "first_mismatch": first_mismatch(tokens[tps[0]], tokens[tp])} for tp in tps[1:]}
+    rows = [
+        {
+            "batch": b,
+            **{f"tp{tp}_step_ms": steps[tp][b] for tp in tps},
+            **{f"tp{tp}_speedup": steps[tps[0]][b] / steps[tp][b] for tp in tps[1:]},
+        }
+        for b in sizes
+    ]
+    greedy = {
+        f"tp{tp}": {
+            "greedy_match": tokens[tp] == tokens[tps[0]],
+            "first_mismatch": first_mismatch(tokens[tps[0]], tokens[tp]),
+        }
+        for tp in tps[1:]
+    }
     for row in rows:
-        log(f"{preset}  " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        log(
+            f"{preset}  "
+            + "  ".join(
+                f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+            )
+        )
     for name, g in greedy.items():
-        log(f"{preset}  {name} greedy tokens vs tp{tps[0]}: "
-            f"{'match' if g['greedy_match'] else 'MISMATCH at ' + json.dumps(g['first_mismatch'])}")
-    return {"results": rows, "greedy_check": {"prompts": len(prompts), "tokens": args.check_tokens, **greedy}}
+        log(
+            f"{preset}  {name} greedy tokens vs tp{tps[0]}: "
+            f"{'match' if g['greedy_match'] else 'MISMATCH at ' + json.dumps(g['first_mismatch'])}"
+        )
+    return {
+        "results": rows,
+        "greedy_check": {"prompts": len(prompts), "tokens": args.check_tokens, **greedy},
+    }
 
 
 def main(argv=None) -> int:
@@ -145,19 +196,30 @@ def main(argv=None) -> int:
 
     tps = [int(s) for s in args.tp_sizes.split(",") if s]
     if args.device == "cuda" and torch.cuda.device_count() < max(tps):
-        print(f"decode_tp benchmark: needs {max(tps)} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        print(
+            f"decode_tp benchmark: needs {max(tps)} GPUs, found {torch.cuda.device_count()}",
+            file=sys.stderr,
+        )
         return 2
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
     presets = [s for s in args.presets.split(",") if s]
-    out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "context": args.context,
-           "steps": args.steps, "tp_sizes": tps,
-           "presets": {preset: run_preset(preset, args, tps, sizes) for preset in presets}}
+    out = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "context": args.context,
+        "steps": args.steps,
+        "tp_sizes": tps,
+        "presets": {preset: run_preset(preset, args, tps, sizes) for preset in presets},
+    }
     text = json.dumps(out, indent=2)
     if args.out:
         Path(args.out).write_text(text)
     print(text)
-    ok = all(g["greedy_match"] for p in out["presets"].values() for k, g in p["greedy_check"].items()
-             if k.startswith("tp"))
+    ok = all(
+        g["greedy_match"]
+        for p in out["presets"].values()
+        for k, g in p["greedy_check"].items()
+        if k.startswith("tp")
+    )
     return 0 if ok else 1
 
 

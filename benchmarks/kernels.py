@@ -26,7 +26,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kernels_linear, also when imported
 from kernels_linear import add_linear_cases, check_linear_cases, sweep_linear  # noqa: E402
 
-
 # Shapes (Llama-3.2-1B: hidden 2048, intermediate 8192, 32 q heads, 8 kv heads, head_dim 64, 16 layers).
 MODEL = dict(hidden=2048, inter=8192, hq=32, hkv=8, d=64, layers=16, block_size=16)
 TOKENS = (64, 8192)  # elementwise ops: a decode batch and a prefill chunk
@@ -39,17 +38,31 @@ DEVICE = "cuda"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default=None, help="write the JSON result here")
-    p.add_argument("--iters", type=int, default=50, help="timed runs per measurement (median reported)")
+    p.add_argument(
+        "--iters", type=int, default=50, help="timed runs per measurement (median reported)"
+    )
     p.add_argument("--only", default=None, help="regex: run only cases whose name matches")
     p.add_argument("--no-reference", action="store_true", help="skip the torch reference timings")
-    p.add_argument("--no-check", action="store_true", help="skip the output check against the reference")
-    p.add_argument("--sweep", action="store_true",
-                   help="also time decode-attention tile variants (BLOCK_N x num_stages x num_warps) per shape")
-    p.add_argument("--sweep-linear", action="store_true",
-                   help="also time small-M linear tile variants (BLOCK_N x BLOCK_K x num_warps x num_stages) per shape")
-    p.add_argument("--linear-m", default="1", help="comma-separated token counts for the small-M linear cases")
+    p.add_argument(
+        "--no-check", action="store_true", help="skip the output check against the reference"
+    )
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time decode-attention tile variants (BLOCK_N x num_stages x num_warps) per shape",
+    )
+    p.add_argument(
+        "--sweep-linear",
+        action="store_true",
+        help="also time small-M linear tile variants (BLOCK_N x BLOCK_K x num_warps x num_stages) per shape",
+    )
+    p.add_argument(
+        "--linear-m", default="1", help="comma-separated token counts for the small-M linear cases"
+    )
     return p.parse_args(argv)
 
 
@@ -88,7 +101,10 @@ class Timer:
                 fn()
             run = g.replay
         torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.iters)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(self.iters)
+        ]
         for start, end in events:
             self.flush.zero_()
             start.record()
@@ -108,7 +124,7 @@ def copy_bandwidth(torch, timer: Timer) -> float:
     # not graphed: a captured copy_ becomes a memcpy node served by the copy engines (~2.8 TB/s
     # on the H200), while the eager copy runs as an SM kernel at full HBM speed.
     ms = timer(lambda: dst.copy_(src), graph=False)
-    del src, dst
+    src = dst = None  # free the buffers now (the closures above hold the names)
     return 2 * n / (ms * 1e-3)
 
 
@@ -132,16 +148,22 @@ def main(argv=None) -> int:
     el = 2  # bytes per bf16 element
     gen = torch.Generator(device=dev).manual_seed(0)
     timer = Timer(torch, args.iters)
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    print(
+        f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}"
+    )
     copy_bw = copy_bandwidth(torch, timer)
     print(f"device copy bandwidth (read + write): {copy_bw / 1e9:.0f} GB/s")
 
     def rnd(*shape, dtype=bf16):
         return torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).to(dtype)
 
-    hidden, inter, hq, hkv, d, layers, bs = (MODEL[k] for k in ("hidden", "inter", "hq", "hkv", "d", "layers", "block_size"))
+    hidden, inter, hq, hkv, d, layers, bs = (
+        MODEL[k] for k in ("hidden", "inter", "hq", "hkv", "d", "layers", "block_size")
+    )
     scale = d**-0.5
-    cases: list[tuple[Case, object, object]] = []  # (case, triton fn, (ref name, ref fn, graphable))
+    cases: list[
+        tuple[Case, object, object]
+    ] = []  # (case, triton fn, (ref name, ref fn, graphable))
 
     def add(case, fn, ref=None) -> bool:
         if args.only is None or re.search(args.only, case.name):
@@ -152,49 +174,122 @@ def main(argv=None) -> int:
     # --- elementwise ops -------------------------------------------------------------------
     for t in TOKENS:
         x, r, w = rnd(t, hidden), rnd(t, hidden), rnd(hidden)
-        add(Case(f"rms_norm T={t} H={hidden}", "rms_norm", dict(T=t, H=hidden), (2 * t + 1) * hidden * el),
-            lambda x=x, w=w: tri.rms_norm(x, w, 1e-5), ("eager", lambda x=x, w=w: reference.rms_norm(x, w, 1e-5), True))
-        add(Case(f"fused_add_rms_norm T={t} H={hidden}", "fused_add_rms_norm", dict(T=t, H=hidden),
-                 (4 * t + 1) * hidden * el),
+        add(
+            Case(
+                f"rms_norm T={t} H={hidden}",
+                "rms_norm",
+                dict(T=t, H=hidden),
+                (2 * t + 1) * hidden * el,
+            ),
+            lambda x=x, w=w: tri.rms_norm(x, w, 1e-5),
+            ("eager", lambda x=x, w=w: reference.rms_norm(x, w, 1e-5), True),
+        )
+        add(
+            Case(
+                f"fused_add_rms_norm T={t} H={hidden}",
+                "fused_add_rms_norm",
+                dict(T=t, H=hidden),
+                (4 * t + 1) * hidden * el,
+            ),
             lambda x=x, r=r, w=w: tri.fused_add_rms_norm(x, r, w, 1e-5),
-            ("eager", lambda x=x, r=r, w=w: reference.fused_add_rms_norm(x, r, w, 1e-5), True))
+            ("eager", lambda x=x, r=r, w=w: reference.fused_add_rms_norm(x, r, w, 1e-5), True),
+        )
         gu = rnd(t, 2 * inter)
-        add(Case(f"silu_and_mul T={t} I={inter}", "silu_and_mul", dict(T=t, I=inter), 3 * t * inter * el),
-            lambda gu=gu: tri.silu_and_mul(gu), ("eager", lambda gu=gu: reference.silu_and_mul(gu), True))
+        add(
+            Case(
+                f"silu_and_mul T={t} I={inter}",
+                "silu_and_mul",
+                dict(T=t, I=inter),
+                3 * t * inter * el,
+            ),
+            lambda gu=gu: tri.silu_and_mul(gu),
+            ("eager", lambda gu=gu: reference.silu_and_mul(gu), True),
+        )
 
         q, k, v = rnd(t, hq, d), rnd(t, hkv, d), rnd(t, hkv, d)
         pos = torch.randint(0, 8192, (t,), device=dev, generator=gen)
         inv = 1.0 / 500000.0 ** (torch.arange(0, d, 2, device=dev, dtype=torch.float32) / d)
         freqs = torch.arange(8192, device=dev, dtype=torch.float32)[:, None] * inv
         cs = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
-        add(Case(f"apply_rope T={t}", "apply_rope", dict(T=t, Hq=hq, Hkv=hkv, D=d),
-                 2 * t * (hq + hkv) * d * el + t * d * 4),
+        add(
+            Case(
+                f"apply_rope T={t}",
+                "apply_rope",
+                dict(T=t, Hq=hq, Hkv=hkv, D=d),
+                2 * t * (hq + hkv) * d * el + t * d * 4,
+            ),
             lambda q=q, k=k, pos=pos, cs=cs: tri.apply_rope(q, k, pos, cs),
-            ("eager", lambda q=q, k=k, pos=pos, cs=cs: reference.apply_rope(q, k, pos, cs), True))
+            ("eager", lambda q=q, k=k, pos=pos, cs=cs: reference.apply_rope(q, k, pos, cs), True),
+        )
         nb = t // bs + 8
         kc, vc = rnd(nb, bs, hkv, d), rnd(nb, bs, hkv, d)
         slots = torch.randperm(nb * bs, device=dev, generator=gen)[:t]
-        add(Case(f"rope_and_write_kv T={t}", "rope_and_write_kv", dict(T=t, Hq=hq, Hkv=hkv, D=d),
-                 2 * t * (hq + 2 * hkv) * d * el + t * d * 4),
-            lambda q=q, k=k, v=v, pos=pos, cs=cs, kc=kc, vc=vc, s=slots: tri.rope_and_write_kv(q, k, v, pos, cs, kc, vc, s),
-            ("eager", lambda q=q, k=k, v=v, pos=pos, cs=cs, kc=kc, vc=vc, s=slots:
-             reference.rope_and_write_kv(q, k, v, pos, cs, kc, vc, s), True))
-        add(Case(f"write_kv_cache T={t}", "write_kv_cache", dict(T=t, Hkv=hkv, D=d), 4 * t * hkv * d * el),
+        add(
+            Case(
+                f"rope_and_write_kv T={t}",
+                "rope_and_write_kv",
+                dict(T=t, Hq=hq, Hkv=hkv, D=d),
+                2 * t * (hq + 2 * hkv) * d * el + t * d * 4,
+            ),
+            lambda q=q, k=k, v=v, pos=pos, cs=cs, kc=kc, vc=vc, s=slots: tri.rope_and_write_kv(
+                q, k, v, pos, cs, kc, vc, s
+            ),
+            (
+                "eager",
+                lambda q=q, k=k, v=v, pos=pos, cs=cs, kc=kc, vc=vc, s=slots: (
+                    reference.rope_and_write_kv(q, k, v, pos, cs, kc, vc, s)
+                ),
+                True,
+            ),
+        )
+        add(
+            Case(
+                f"write_kv_cache T={t}",
+                "write_kv_cache",
+                dict(T=t, Hkv=hkv, D=d),
+                4 * t * hkv * d * el,
+            ),
             lambda k=k, v=v, kc=kc, vc=vc, s=slots: tri.write_kv_cache(k, v, kc, vc, s),
-            ("eager", lambda k=k, v=v, kc=kc, vc=vc, s=slots: reference.write_kv_cache(k, v, kc, vc, s), True))
+            (
+                "eager",
+                lambda k=k, v=v, kc=kc, vc=vc, s=slots: reference.write_kv_cache(k, v, kc, vc, s),
+                True,
+            ),
+        )
 
     for n in PACK_BLOCKS:
         pool = rnd(layers, 2, 2 * n + 16, bs, hkv, d)
         ids = torch.randperm(2 * n + 16, device=dev, generator=gen)[:n]
         nbytes = 2 * layers * 2 * n * bs * hkv * d * el
         packed = tri.pack_kv_blocks(pool, ids)
-        add(Case(f"pack_kv_blocks n={n} L={layers}", "pack_kv_blocks", dict(n=n, L=layers, BS=bs, Hkv=hkv, D=d), nbytes),
+        add(
+            Case(
+                f"pack_kv_blocks n={n} L={layers}",
+                "pack_kv_blocks",
+                dict(n=n, L=layers, BS=bs, Hkv=hkv, D=d),
+                nbytes,
+            ),
             lambda pool=pool, ids=ids, out=packed: tri.pack_kv_blocks(pool, ids, out),
-            ("eager", lambda pool=pool, ids=ids, out=packed: reference.pack_kv_blocks(pool, ids, out), True))
-        add(Case(f"unpack_kv_blocks n={n} L={layers}", "unpack_kv_blocks", dict(n=n, L=layers, BS=bs, Hkv=hkv, D=d),
-                 nbytes),
+            (
+                "eager",
+                lambda pool=pool, ids=ids, out=packed: reference.pack_kv_blocks(pool, ids, out),
+                True,
+            ),
+        )
+        add(
+            Case(
+                f"unpack_kv_blocks n={n} L={layers}",
+                "unpack_kv_blocks",
+                dict(n=n, L=layers, BS=bs, Hkv=hkv, D=d),
+                nbytes,
+            ),
             lambda pool=pool, ids=ids, p=packed: tri.unpack_kv_blocks(p, pool, ids),
-            ("eager", lambda pool=pool, ids=ids, p=packed: reference.unpack_kv_blocks(p, pool, ids), True))
+            (
+                "eager",
+                lambda pool=pool, ids=ids, p=packed: reference.unpack_kv_blocks(p, pool, ids),
+                True,
+            ),
+        )
 
     # --- decode attention ---------------------------------------------------------------
     decode_inputs = {}
@@ -202,7 +297,9 @@ def main(argv=None) -> int:
         mb = ctx // bs
         nb = batch * mb + 1
         kc, vc = rnd(nb, bs, hkv, d), rnd(nb, bs, hkv, d)
-        tables = (torch.randperm(nb - 1, device=dev, generator=gen) + 1)[: batch * mb].view(batch, mb)
+        tables = (torch.randperm(nb - 1, device=dev, generator=gen) + 1)[: batch * mb].view(
+            batch, mb
+        )
         tables32, tables64 = tables.to(torch.int32), tables.long()
         lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
         q = rnd(batch, hq, d)
@@ -212,53 +309,104 @@ def main(argv=None) -> int:
         def sdpa_paged(q=q, kc=kc, vc=vc, t=tables64, batch=batch, ctx=ctx):
             k = kc[t].view(batch, -1, hkv, d)[:, :ctx].transpose(1, 2)
             v = vc[t].view(batch, -1, hkv, d)[:, :ctx].transpose(1, 2)
-            return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)[:, :, 0]
+            return F.scaled_dot_product_attention(
+                q[:, :, None], k, v, scale=scale, enable_gqa=True
+            )[:, :, 0]
 
         decode_inputs[f"paged_decode_attention B={batch} ctx={ctx}"] = (q, kc, vc, tables32, lens)
-        add(Case(f"paged_decode_attention B={batch} ctx={ctx}", "paged_decode_attention",
-                 dict(B=batch, ctx=ctx, Hq=hq, Hkv=hkv, D=d, BS=bs, num_splits=splits), nbytes,
-                 flops=4.0 * batch * hq * ctx * d),
-            lambda q=q, kc=kc, vc=vc, t=tables32, lens=lens: tri.paged_decode_attention(q, kc, vc, t, lens, scale),
-            ("gather+sdpa", sdpa_paged, True))
+        add(
+            Case(
+                f"paged_decode_attention B={batch} ctx={ctx}",
+                "paged_decode_attention",
+                dict(B=batch, ctx=ctx, Hq=hq, Hkv=hkv, D=d, BS=bs, num_splits=splits),
+                nbytes,
+                flops=4.0 * batch * hq * ctx * d,
+            ),
+            lambda q=q, kc=kc, vc=vc, t=tables32, lens=lens: tri.paged_decode_attention(
+                q, kc, vc, t, lens, scale
+            ),
+            ("gather+sdpa", sdpa_paged, True),
+        )
 
     # --- prefill attention ------------------------------------------------------------
     for nseq, qlen in PREFILL_SHAPES:
         mb = qlen // bs
         nb = nseq * mb + 1
         kc, vc = rnd(nb, bs, hkv, d), rnd(nb, bs, hkv, d)
-        tables = ((torch.randperm(nb - 1, device=dev, generator=gen) + 1)[: nseq * mb].view(nseq, mb)).to(torch.int32)
+        tables = (
+            (torch.randperm(nb - 1, device=dev, generator=gen) + 1)[: nseq * mb].view(nseq, mb)
+        ).to(torch.int32)
         lens = torch.full((nseq,), qlen, dtype=torch.int32, device=dev)
         cu = torch.arange(0, nseq + 1, device=dev, dtype=torch.int32) * qlen
         q = rnd(nseq * qlen, hq, d)
         # dense contiguous K/V with the q-head count: the best case for torch's flash SDPA
-        kd = kc[tables.long()].view(nseq, qlen, hkv, d).repeat_interleave(hq // hkv, dim=2).transpose(1, 2).contiguous()
-        vd = vc[tables.long()].view(nseq, qlen, hkv, d).repeat_interleave(hq // hkv, dim=2).transpose(1, 2).contiguous()
+        kd = (
+            kc[tables.long()]
+            .view(nseq, qlen, hkv, d)
+            .repeat_interleave(hq // hkv, dim=2)
+            .transpose(1, 2)
+            .contiguous()
+        )
+        vd = (
+            vc[tables.long()]
+            .view(nseq, qlen, hkv, d)
+            .repeat_interleave(hq // hkv, dim=2)
+            .transpose(1, 2)
+            .contiguous()
+        )
         qd = q.view(nseq, qlen, hq, d).transpose(1, 2).contiguous()
         nbytes = 2 * q.numel() * el + 2 * nseq * qlen * hkv * d * el
-        flops = 4.0 * nseq * hq * d * qlen * (qlen + 1) / 2  # causal: QK^T and PV over the lower triangle
+        flops = (
+            4.0 * nseq * hq * d * qlen * (qlen + 1) / 2
+        )  # causal: QK^T and PV over the lower triangle
         added = add(
-            Case(f"prefill_attention {nseq}x{qlen}", "prefill_attention",
-                 dict(num_seqs=nseq, q_len=qlen, Hq=hq, Hkv=hkv, D=d, BS=bs), nbytes, flops=flops),
-            lambda q=q, kc=kc, vc=vc, t=tables, cu=cu, lens=lens, m=qlen:
-                tri.prefill_attention(q, kc, vc, t, cu, lens, m, scale),
-            ("dense sdpa (flash)", lambda qd=qd, kd=kd, vd=vd:
-                F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale), True))
+            Case(
+                f"prefill_attention {nseq}x{qlen}",
+                "prefill_attention",
+                dict(num_seqs=nseq, q_len=qlen, Hq=hq, Hkv=hkv, D=d, BS=bs),
+                nbytes,
+                flops=flops,
+            ),
+            lambda q=q, kc=kc, vc=vc, t=tables, cu=cu, lens=lens, m=qlen: tri.prefill_attention(
+                q, kc, vc, t, cu, lens, m, scale
+            ),
+            (
+                "dense sdpa (flash)",
+                lambda qd=qd, kd=kd, vd=vd: F.scaled_dot_product_attention(
+                    qd, kd, vd, is_causal=True, scale=scale
+                ),
+                True,
+            ),
+        )
         if added and not args.no_check:  # same values as the dense SDPA inputs: check agreement
-            out = tri.prefill_attention(q, kc, vc, tables, cu, lens, qlen, scale).view(nseq, qlen, hq, d)
-            ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale).transpose(1, 2)
-            cases[-1][0].results["max_abs_err_vs_sdpa"] = (out.float() - ref.float()).abs().max().item()
+            out = tri.prefill_attention(q, kc, vc, tables, cu, lens, qlen, scale).view(
+                nseq, qlen, hq, d
+            )
+            ref = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale).transpose(
+                1, 2
+            )
+            cases[-1][0].results["max_abs_err_vs_sdpa"] = (
+                (out.float() - ref.float()).abs().max().item()
+            )
 
     # --- small-M linear (decode GEMV) --------------------------------------------------
-    linear_inputs = add_linear_cases(add, Case, rnd, torch, tri, [int(m) for m in args.linear_m.split(",")], el)
+    linear_inputs = add_linear_cases(
+        add, Case, rnd, torch, tri, [int(m) for m in args.linear_m.split(",")], el
+    )
 
     if not args.no_check:  # decode: Triton vs gather + SDPA on the benchmark inputs
         for case, fn, ref in cases:
             if case.kernel == "paged_decode_attention":
-                case.results["max_abs_err_vs_sdpa"] = (fn().float() - ref[1]().float()).abs().max().item()
+                case.results["max_abs_err_vs_sdpa"] = (
+                    (fn().float() - ref[1]().float()).abs().max().item()
+                )
         check_linear_cases(cases, torch)
 
     rows = []
-    header = f"{'case':44s} {'triton us':>10s} {'GB/s':>8s} {'%copy':>6s} {'TFLOP/s':>8s} {'ref':>20s} {'ref us':>10s} {'speedup':>8s}"
+    header = (
+        f"{'case':44s} {'triton us':>10s} {'GB/s':>8s} {'%copy':>6s} {'TFLOP/s':>8s} "
+        f"{'ref':>20s} {'ref us':>10s} {'speedup':>8s}"
+    )
     print(header)
     bar = tqdm(cases, desc="kernels", unit="case", file=sys.stderr)
     t0 = time.time()
@@ -276,9 +424,11 @@ def main(argv=None) -> int:
             ref_ms = timer(ref_fn, graph=graphable)
             res.update(ref=ref_name, ref_us=ref_ms * 1e3, speedup_vs_ref=ref_ms / ms)
         tflops = f"{res['TFLOPs']:8.1f}" if case.flops else f"{'':8s}"
-        bar.write(f"{case.name:44s} {res['triton_us']:10.1f} {res['GBps']:8.0f} {100 * res['frac_copy_bw']:5.1f}% "
-                  f"{tflops} {res.get('ref', '-'):>20s} {res.get('ref_us', math.nan):10.1f} "
-                  f"{res.get('speedup_vs_ref', math.nan):7.2f}x")
+        bar.write(
+            f"{case.name:44s} {res['triton_us']:10.1f} {res['GBps']:8.0f} {100 * res['frac_copy_bw']:5.1f}% "
+            f"{tflops} {res.get('ref', '-'):>20s} {res.get('ref_us', math.nan):10.1f} "
+            f"{res.get('speedup_vs_ref', math.nan):7.2f}x"
+        )
         rows.append(asdict(case))
     print(f"done: {len(rows)} cases in {time.time() - t0:.0f} s")
 
@@ -289,23 +439,52 @@ def main(argv=None) -> int:
             fn_inputs = decode_inputs[case.name]
             for bn, st, nw in tqdm(variants, desc=f"sweep {case.name}", file=sys.stderr):
                 try:
-                    ms = timer(lambda: paged_decode_attention_impl(*fn_inputs, scale, block_n=bn, num_stages=st,
-                                                                   num_warps=nw))
+                    ms = timer(
+                        lambda: paged_decode_attention_impl(
+                            *fn_inputs, scale, block_n=bn, num_stages=st, num_warps=nw
+                        )
+                    )
                 except Exception as exc:  # e.g. out of shared memory for a big tile
-                    sweep.append(dict(case=case.name, block_n=bn, num_stages=st, num_warps=nw, error=str(exc)[:200]))
+                    sweep.append(
+                        dict(
+                            case=case.name,
+                            block_n=bn,
+                            num_stages=st,
+                            num_warps=nw,
+                            error=str(exc)[:200],
+                        )
+                    )
                     continue
                 frac = case.bytes / (ms * 1e-3) / copy_bw
-                sweep.append(dict(case=case.name, block_n=bn, num_stages=st, num_warps=nw, us=ms * 1e3,
-                                  frac_copy_bw=frac))
-                tqdm.write(f"  {case.name:40s} BLOCK_N={bn:3d} stages={st} warps={nw}: {ms * 1e3:8.1f} us "
-                           f"{100 * frac:5.1f}% copy bw")
+                sweep.append(
+                    dict(
+                        case=case.name,
+                        block_n=bn,
+                        num_stages=st,
+                        num_warps=nw,
+                        us=ms * 1e3,
+                        frac_copy_bw=frac,
+                    )
+                )
+                tqdm.write(
+                    f"  {case.name:40s} BLOCK_N={bn:3d} stages={st} warps={nw}: {ms * 1e3:8.1f} us "
+                    f"{100 * frac:5.1f}% copy bw"
+                )
 
-    linear_sweep = sweep_linear(cases, linear_inputs, timer, copy_bw, tqdm) if args.sweep_linear else []
+    linear_sweep = (
+        sweep_linear(cases, linear_inputs, timer, copy_bw, tqdm) if args.sweep_linear else []
+    )
 
     result = dict(
-        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        python=platform.python_version(), copy_bandwidth_GBps=copy_bw / 1e9, iters=args.iters, cases=rows,
-        decode_sweep=sweep, linear_sweep=linear_sweep,
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        copy_bandwidth_GBps=copy_bw / 1e9,
+        iters=args.iters,
+        cases=rows,
+        decode_sweep=sweep,
+        linear_sweep=linear_sweep,
     )
     if args.out:
         import pathlib

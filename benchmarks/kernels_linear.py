@@ -18,7 +18,10 @@ LINEAR_SHAPES = {
     "lm_head": ("norm", 2048, 128256),
 }
 SWEEP_BLOCK_N = (2, 4, 8, 16)
-SWEEP_K_VECTORS = (1, 2)  # BLOCK_K = this many 16-byte vectors per thread and row (1 = the automatic size)
+SWEEP_K_VECTORS = (
+    1,
+    2,
+)  # BLOCK_K = this many 16-byte vectors per thread and row (1 = the automatic size)
 SWEEP_WARPS = (4, 8)
 SWEEP_STAGES = (1, 3)
 SWEEP_MAX_ACC = 32  # skip BLOCK_M * BLOCK_N above this (register spills)
@@ -35,7 +38,9 @@ def add_linear_cases(add, Case, rnd, torch, tri, ms, el=2) -> dict:
         nbytes = n * k * el + m * n * el  # weight + output
         if op == "norm":
             x, r, nw = rnd(m, k), rnd(m, k), rnd(k)
-            nbytes += 4 * m * k * el  # x, residual in, new residual out: compulsory bytes (re-reads hit L2)
+            nbytes += (
+                4 * m * k * el
+            )  # x, residual in, new residual out: compulsory bytes (re-reads hit L2)
             args = (x, r, nw, 1e-5, w, None)
 
             def fn(a=args):
@@ -71,8 +76,17 @@ def add_linear_cases(add, Case, rnd, torch, tri, ms, el=2) -> dict:
 
             ref_name = "F.linear"
         case_name = f"small_m_linear {name} M={m} N={n} K={k}"
-        if add(Case(case_name, f"small_m_linear_{op}", dict(M=m, N=n, K=k, op=op), nbytes,
-                    flops=2.0 * m * n * k), fn, (ref_name, ref, True)):
+        if add(
+            Case(
+                case_name,
+                f"small_m_linear_{op}",
+                dict(M=m, N=n, K=k, op=op),
+                nbytes,
+                flops=2.0 * m * n * k,
+            ),
+            fn,
+            (ref_name, ref, True),
+        ):
             inputs[case_name] = (op, args)
     return inputs
 
@@ -83,7 +97,9 @@ def check_linear_cases(cases, torch) -> None:
         if case.kernel.startswith("small_m_linear"):
             out, exp = fn(), ref[1]()
             if isinstance(out, tuple):
-                case.results["max_abs_err_residual"] = (out[1].float() - exp[1].float()).abs().max().item()
+                case.results["max_abs_err_residual"] = (
+                    (out[1].float() - exp[1].float()).abs().max().item()
+                )
                 out, exp = out[0], exp[0]
             case.results["max_abs_err_vs_unfused"] = (out.float() - exp.float()).abs().max().item()
 
@@ -91,7 +107,9 @@ def check_linear_cases(cases, torch) -> None:
 def sweep_variants(m: int, k: int, vec: int = 8):
     """(block_n, block_k, num_warps, num_stages) tiles worth timing for M tokens and width K."""
     bm = 1 << (m - 1).bit_length()
-    for bn, kv, nw, st in itertools.product(SWEEP_BLOCK_N, SWEEP_K_VECTORS, SWEEP_WARPS, SWEEP_STAGES):
+    for bn, kv, nw, st in itertools.product(
+        SWEEP_BLOCK_N, SWEEP_K_VECTORS, SWEEP_WARPS, SWEEP_STAGES
+    ):
         bk = kv * vec * 32 * nw
         if bm * bn <= SWEEP_MAX_ACC and bn * kv <= SWEEP_MAX_W_VECTORS and (kv == 1 or bk <= k):
             yield bn, (0 if kv == 1 else bk), nw, st
@@ -100,8 +118,11 @@ def sweep_variants(m: int, k: int, vec: int = 8):
 def sweep_linear(cases, inputs, timer, copy_bw, tqdm) -> list[dict]:
     from splitserve.kernels import triton_fused_linear as tfl
 
-    impl = {"norm": tfl.fused_add_rms_norm_linear_impl, "silu": tfl.silu_mul_linear_impl,
-            "plain": tfl.linear_small_m_impl}
+    impl = {
+        "norm": tfl.fused_add_rms_norm_linear_impl,
+        "silu": tfl.silu_mul_linear_impl,
+        "plain": tfl.linear_small_m_impl,
+    }
     out = []
     for case, _, _ in (c for c in cases if c[0].name in inputs):
         op, args = inputs[case.name]
@@ -122,9 +143,13 @@ def sweep_linear(cases, inputs, timer, copy_bw, tqdm) -> list[dict]:
                 best = row
         if best is not None:
             default = case.results.get("triton_us", float("nan"))
-            best["tuned_entry"] = (f"({op!r}, {1 << (m - 1).bit_length()}, {case.shape['N']}, {k}): GemvConfig("
-                                   f"block_n={best['block_n']}, num_warps={best['num_warps']}, "
-                                   f"num_stages={best['num_stages']}, block_k={best['block_k']}),")
-            tqdm.write(f"  best {case.name}: {best['us']:.1f} us ({100 * best['frac_copy_bw']:.1f}% copy bw; "
-                       f"default config {default:.1f} us)\n    TUNED entry: {best['tuned_entry']}")
+            best["tuned_entry"] = (
+                f"({op!r}, {1 << (m - 1).bit_length()}, {case.shape['N']}, {k}): GemvConfig("
+                f"block_n={best['block_n']}, num_warps={best['num_warps']}, "
+                f"num_stages={best['num_stages']}, block_k={best['block_k']}),"
+            )
+            tqdm.write(
+                f"  best {case.name}: {best['us']:.1f} us ({100 * best['frac_copy_bw']:.1f}% copy bw; "
+                f"default config {default:.1f} us)\n    TUNED entry: {best['tuned_entry']}"
+            )
     return out

@@ -25,7 +25,9 @@ LLAMA_1B = dict(layers=16, heads=8, head_dim=64, elem=2)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--sizes-mib", default="1,4,16,64,256,1024", help="payload sizes in MiB")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--device", default="auto")
@@ -40,7 +42,9 @@ def _pool_for(nbytes: int, device):
     g = LLAMA_1B
     block_bytes = 2 * g["layers"] * 16 * g["heads"] * g["head_dim"] * g["elem"]
     n = max(1, nbytes // block_bytes)
-    pool = torch.randn(g["layers"], 2, n + 1, 16, g["heads"], g["head_dim"], device=device).to(torch.bfloat16)
+    pool = torch.randn(g["layers"], 2, n + 1, 16, g["heads"], g["head_dim"], device=device).to(
+        torch.bfloat16
+    )
     return pool, n
 
 
@@ -69,7 +73,11 @@ def _server(port_q, cmd_q, sizes, device):
             pool, n = _pool_for(nbytes, device)
             srv = KvTransferServer(pool, PoolSpec.of(pool, "bench"), Leases(n), KvTransferConfig())
             await srv.start()
-            buf = torch.empty(n * (pool[0, 0, 0].numel() * 2 * pool.shape[0]) * 2, dtype=torch.uint8, device=device)
+            buf = torch.empty(
+                n * (pool[0, 0, 0].numel() * 2 * pool.shape[0]) * 2,
+                dtype=torch.uint8,
+                device=device,
+            )
 
             async def raw_handler(ep, buf=buf):
                 from splitserve.kvtransfer.buffers import ucx_view
@@ -100,15 +108,20 @@ def main(argv=None) -> int:
     from splitserve.kvtransfer.config import KvTransferConfig
     from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if args.device == "auto" else args.device))
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     g = LLAMA_1B
     per_token = 2 * g["layers"] * g["heads"] * g["head_dim"] * g["elem"]
     cases = [(f"{m} MiB", m * MIB) for m in map(int, args.sizes_mib.split(","))]
     cases += [("1k-token prompt", 1024 * per_token), ("8k-token prompt", 8192 * per_token)]
     ctx = mp.get_context("spawn")
     port_q, cmd_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_server, args=(port_q, cmd_q, [c[1] for c in cases], str(device)), daemon=True)
+    proc = ctx.Process(
+        target=_server, args=(port_q, cmd_q, [c[1] for c in cases], str(device)), daemon=True
+    )
     proc.start()
     ports = [port_q.get(timeout=300) for _ in cases]
     rows = []
@@ -116,12 +129,22 @@ def main(argv=None) -> int:
     async def measure():
         import ucxx
 
-        for (name, _), (kv_port, raw_port, n) in tqdm(list(zip(cases, ports)), desc="kv transfer", unit="size"):
+        for (name, _), (kv_port, raw_port, n) in tqdm(
+            list(zip(cases, ports)), desc="kv transfer", unit="size"
+        ):
             pool, _ = _pool_for(n * per_token * 16, device)
             client = KvTransferClient(pool, PoolSpec.of(pool, "bench"), KvTransferConfig())
             spec = PoolSpec.of(pool, "bench")
-            handle = make_handle(spec, host="127.0.0.1", port=kv_port, lease_id="L", request_id="r",
-                                 num_blocks=n, num_tokens=n * 16, ttl_s=60)
+            handle = make_handle(
+                spec,
+                host="127.0.0.1",
+                port=kv_port,
+                lease_id="L",
+                request_id="r",
+                num_blocks=n,
+                num_tokens=n * 16,
+                ttl_s=60,
+            )
             nbytes = n * spec.block_bytes()
             ep = await ucxx.create_endpoint("127.0.0.1", raw_port)
             raw_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -143,15 +166,25 @@ def main(argv=None) -> int:
                 if i:  # first round warms endpoints, kernels and allocators
                     t_path.append(t1 - t0), t_raw.append(t2 - t1), t_copy.append(t3 - t2)
             med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-            row = dict(case=name, bytes=nbytes, path_ms=med(t_path) * 1e3, raw_ms=med(t_raw) * 1e3,
-                       copy_ms=med(t_copy) * 1e3)
-            row |= dict(path_GBps=nbytes / med(t_path) / 1e9, raw_GBps=nbytes / med(t_raw) / 1e9,
-                        copy_GBps=2 * nbytes / med(t_copy) / 1e9,
-                        path_vs_raw=med(t_raw) / med(t_path))
+            row = dict(
+                case=name,
+                bytes=nbytes,
+                path_ms=med(t_path) * 1e3,
+                raw_ms=med(t_raw) * 1e3,
+                copy_ms=med(t_copy) * 1e3,
+            )
+            row |= dict(
+                path_GBps=nbytes / med(t_path) / 1e9,
+                raw_GBps=nbytes / med(t_raw) / 1e9,
+                copy_GBps=2 * nbytes / med(t_copy) / 1e9,
+                path_vs_raw=med(t_raw) / med(t_path),
+            )
             rows.append(row)
-            tqdm.write(f"{name:>16}  path {row['path_ms']:8.3f} ms {row['path_GBps']:7.1f} GB/s | raw ucxx "
-                       f"{row['raw_ms']:8.3f} ms {row['raw_GBps']:7.1f} GB/s | d2d copy {row['copy_ms']:7.3f} ms"
-                       f" | path/raw bandwidth {row['path_vs_raw']:.2f}")
+            tqdm.write(
+                f"{name:>16}  path {row['path_ms']:8.3f} ms {row['path_GBps']:7.1f} GB/s | raw ucxx "
+                f"{row['raw_ms']:8.3f} ms {row['raw_GBps']:7.1f} GB/s | d2d copy {row['copy_ms']:7.3f} ms"
+                f" | path/raw bandwidth {row['path_vs_raw']:.2f}"
+            )
             await ep.close()
             client.close()
 

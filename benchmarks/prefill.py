@@ -31,20 +31,37 @@ from pathlib import Path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="llama-3.2-1b", help="make_model preset whose shape is benchmarked")
-    p.add_argument("--model-dir", default=None, help="checkpoint folder; written from --preset when it has no "
-                   "config.json (default: $SPLITSERVE_CACHE or the temp dir, per preset)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--preset", default="llama-3.2-1b", help="make_model preset whose shape is benchmarked"
+    )
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="checkpoint folder; written from --preset when it has no "
+        "config.json (default: $SPLITSERVE_CACHE or the temp dir, per preset)",
+    )
     p.add_argument("--device", default="cuda")
-    p.add_argument("--lengths", default="512,2048,8192", help="comma-separated single-prompt lengths")
-    p.add_argument("--mixed", default="64,300,512,1000,1500,2048,2800",
-                   help="comma-separated prompt lengths of the mixed batch ('' to skip)")
+    p.add_argument(
+        "--lengths", default="512,2048,8192", help="comma-separated single-prompt lengths"
+    )
+    p.add_argument(
+        "--mixed",
+        default="64,300,512,1000,1500,2048,2800",
+        help="comma-separated prompt lengths of the mixed batch ('' to skip)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="engine step budget")
-    p.add_argument("--iters", type=int, default=5, help="timed runs per measurement (median reported)")
+    p.add_argument(
+        "--iters", type=int, default=5, help="timed runs per measurement (median reported)"
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--no-engine", action="store_true", help="skip the end-to-end engine measurement")
+    p.add_argument(
+        "--no-engine", action="store_true", help="skip the end-to-end engine measurement"
+    )
     p.add_argument("--out", default=None, help="write the JSON result here")
     return p.parse_args(argv)
 
@@ -93,7 +110,10 @@ def model_flops(mc, lengths: list[int]) -> float:
 
 
 def prompts_for(lengths: list[int], vocab: int) -> list[list[int]]:
-    return [[(7919 * (i + 1) + 104729 * j) % (vocab - 3) + 3 for j in range(n)] for i, n in enumerate(lengths)]
+    return [
+        [(7919 * (i + 1) + 104729 * j) % (vocab - 3) + 3 for j in range(n)]
+        for i, n in enumerate(lengths)
+    ]
 
 
 def run_runner(bench: Bench, runner, prompts) -> float:
@@ -110,13 +130,15 @@ def run_runner(bench: Bench, runner, prompts) -> float:
 def run_engine(bench: Bench, runner, cfg, prompts) -> float:
     import asyncio
 
-    from splitserve.request.sampling_params import SamplingParams
     from splitserve.prefill_worker.engine import PrefillEngine
+    from splitserve.request.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
 
     async def all_prompts(engine, tag: str) -> None:
-        results = await asyncio.gather(*(engine.prefill(f"{tag}-{i}", p, params, 60.0) for i, p in enumerate(prompts)))
+        results = await asyncio.gather(
+            *(engine.prefill(f"{tag}-{i}", p, params, 60.0) for i, p in enumerate(prompts))
+        )
         for r in results:
             engine.release_lease(r.lease.lease_id)
 
@@ -144,11 +166,13 @@ def run_transformers(bench: Bench, hf, prompts) -> float:
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, :len(p)] = torch.tensor(p)
-        mask[i, :len(p)] = 1
+        ids[i, : len(p)] = torch.tensor(p)
+        mask[i, : len(p)] = 1
     ids, mask = ids.to(bench.device), mask.to(bench.device)
     kwargs = {} if len(prompts) == 1 else {"attention_mask": mask}
-    accepted = inspect.signature(hf.forward).parameters  # num_logits_to_keep before transformers 4.50
+    accepted = inspect.signature(
+        hf.forward
+    ).parameters  # num_logits_to_keep before transformers 4.50
     keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in accepted), None)
     if keep:
         kwargs[keep] = 1
@@ -165,8 +189,8 @@ def main(argv=None) -> int:
     import torch
     from tqdm import tqdm
 
-    from splitserve.config.engine_config import EngineConfig
     from splitserve.cli.make_model import make_model
+    from splitserve.config.engine_config import EngineConfig
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.prefill_worker.config import PrefillWorkerConfig
 
@@ -182,10 +206,15 @@ def main(argv=None) -> int:
     bs = args.block_size
     longest = max(max(lengths) for _, lengths in cases)
     blocks = max(sum(-(-n // bs) for n in lengths) for _, lengths in cases) + 1
-    engine_cfg = EngineConfig(model_path=str(model_dir), device=args.device,
-                              cache={"block_size": bs, "num_blocks": blocks + 1},
-                              scheduler={"max_model_len": longest + 16,
-                                         "max_num_batched_tokens": args.max_num_batched_tokens})
+    engine_cfg = EngineConfig(
+        model_path=str(model_dir),
+        device=args.device,
+        cache={"block_size": bs, "num_blocks": blocks + 1},
+        scheduler={
+            "max_model_len": longest + 16,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+        },
+    )
     runner = ModelRunner(engine_cfg)
     bench = Bench(args, torch)
     peak = bench.matmul_flops()
@@ -195,16 +224,24 @@ def main(argv=None) -> int:
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=runner.dtype, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=runner.dtype, attn_implementation="sdpa"
+        )
         hf = hf.to(bench.device).eval()
 
     cuda = bench.device.type == "cuda"
     result = {
-        "benchmark": "prefill", "preset": args.preset, "device": str(bench.device),
+        "benchmark": "prefill",
+        "preset": args.preset,
+        "device": str(bench.device),
         "device_name": torch.cuda.get_device_name(bench.device) if cuda else platform.processor(),
-        "dtype": str(runner.dtype).removeprefix("torch."), "block_size": bs,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "iters": args.iters,
-        "matmul_tflops": peak / 1e12, "torch": torch.__version__, "cases": [],
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "block_size": bs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "iters": args.iters,
+        "matmul_tflops": peak / 1e12,
+        "torch": torch.__version__,
+        "cases": [],
     }
     print(f"bf16 matmul rate: {peak / 1e12:.1f} TFLOP/s", file=sys.stderr)
     bar = tqdm(cases, desc="prefill cases", unit="case", file=sys.stderr)
@@ -219,14 +256,27 @@ def main(argv=None) -> int:
         if hf is not None:
             timings["transformers"] = run_transformers(bench, hf, prompts)
         for impl, secs in timings.items():
-            row[impl] = {"ms": secs * 1e3, "tokens_per_s": tokens / secs, "mfu": flops / secs / peak}
+            row[impl] = {
+                "ms": secs * 1e3,
+                "tokens_per_s": tokens / secs,
+                "mfu": flops / secs / peak,
+            }
         if hf is not None:
             row["runner_vs_transformers"] = timings["transformers"] / timings["runner"]
         result["cases"].append(row)
-        tqdm.write(f"{name:>6}: " + "  ".join(
-            f"{impl} {row[impl]['tokens_per_s']:,.0f} tok/s (MFU {row[impl]['mfu']:.1%})" for impl in timings)
-            + (f"  runner/transformers speed-up {row['runner_vs_transformers']:.2f}x" if hf is not None else ""),
-            file=sys.stderr)
+        tqdm.write(
+            f"{name:>6}: "
+            + "  ".join(
+                f"{impl} {row[impl]['tokens_per_s']:,.0f} tok/s (MFU {row[impl]['mfu']:.1%})"
+                for impl in timings
+            )
+            + (
+                f"  runner/transformers speed-up {row['runner_vs_transformers']:.2f}x"
+                if hf is not None
+                else ""
+            ),
+            file=sys.stderr,
+        )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

@@ -17,7 +17,9 @@ import time
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-dir", required=True)
     p.add_argument("--phase", choices=["decode", "prefill"], default="decode")
     p.add_argument("--batch", type=int, default=1, help="decode: sequences")
@@ -28,17 +30,23 @@ def main(argv=None) -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from splitserve.config.engine_config import EngineConfig
     from splitserve.cli.make_model import make_model
+    from splitserve.config.engine_config import EngineConfig
     from splitserve.engine.model_runner import DecodeLane, ModelRunner, PrefillChunk
 
     if not os.path.exists(f"{args.model_dir}/config.json"):
         make_model("llama-3.2-1b", args.model_dir)
-    runner = ModelRunner(EngineConfig(model_path=args.model_dir, scheduler={"max_model_len": 8192},
-                                      cache={"num_blocks": 4096}))
+    runner = ModelRunner(
+        EngineConfig(
+            model_path=args.model_dir, scheduler={"max_model_len": 8192}, cache={"num_blocks": 4096}
+        )
+    )
     if args.phase == "decode":
         per = -(-(args.context + 1) // runner.block_size)
-        lanes = [DecodeLane(5, args.context, list(range(1 + b * per, 1 + (b + 1) * per))) for b in range(args.batch)]
+        lanes = [
+            DecodeLane(5, args.context, list(range(1 + b * per, 1 + (b + 1) * per)))
+            for b in range(args.batch)
+        ]
         step = lambda: runner.decode(lanes)  # noqa: E731
         what = f"decode batch {args.batch}, context {args.context}"
     else:
@@ -63,8 +71,10 @@ def main(argv=None) -> int:
     gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us = sum(e.device_time_total for e in gpu) / n
     launches = sum(e.count for e in gpu) / n
-    print(f"{what}: wall {wall * 1e3:.3f} ms per step, GPU kernel time {gpu_us / 1e3:.3f} ms, "
-          f"{launches:.0f} kernels per step")
+    print(
+        f"{what}: wall {wall * 1e3:.3f} ms per step, GPU kernel time {gpu_us / 1e3:.3f} ms, "
+        f"{launches:.0f} kernels per step"
+    )
     print("top GPU kernels (us per step, launches per step):")
     for e in sorted(gpu, key=lambda e: -e.device_time_total)[: args.top]:
         print(f"  {e.device_time_total / n:9.1f}  {e.count / n:5.0f}x  {e.key[:90]}")

@@ -22,12 +22,20 @@ import tempfile
 import time
 from pathlib import Path
 
-METRICS = [("ttft_ms", "median"), ("ttft_ms", "p99"), ("itl_ms", "median"), ("itl_ms", "p99"),
-           ("tpot_ms", "median"), ("tpot_ms", "p99")]
+METRICS = [
+    ("ttft_ms", "median"),
+    ("ttft_ms", "p99"),
+    ("itl_ms", "median"),
+    ("itl_ms", "p99"),
+    ("tpot_ms", "median"),
+    ("tpot_ms", "p99"),
+]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model-dir", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--num-prompts", type=int, default=160)
@@ -50,30 +58,80 @@ def write_workload(path: Path, args) -> None:
     with open(path, "w") as f:
         for _ in range(args.num_prompts):
             long = rng.random() < args.long_share
-            n, out = (args.long_len, args.long_output) if long else (args.short_len, args.short_output)
-            f.write(json.dumps({"prompt_token_ids": [rng.randrange(10, vocab) for _ in range(n)],
-                                "output_len": out}) + "\n")
+            n, out = (
+                (args.long_len, args.long_output) if long else (args.short_len, args.short_output)
+            )
+            f.write(
+                json.dumps(
+                    {
+                        "prompt_token_ids": [rng.randrange(10, vocab) for _ in range(n)],
+                        "output_len": out,
+                    }
+                )
+                + "\n"
+            )
 
 
 def run_mode(mode: str, args, workload: Path, tmp: Path) -> dict:
-    cmd = [sys.executable, "-m", "splitserve.cli.main", "serve", "--model", args.model_dir, "--device", args.device,
-           "--num-blocks", str(args.num_blocks), "--max-model-len", str(args.max_model_len), "--port", "0",
-           "--no-http", "--start-timeout", "300"] + (["--colocated"] if mode == "colocated" else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.cli.main",
+        "serve",
+        "--model",
+        args.model_dir,
+        "--device",
+        args.device,
+        "--num-blocks",
+        str(args.num_blocks),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--port",
+        "0",
+        "--no-http",
+        "--start-timeout",
+        "300",
+    ] + (["--colocated"] if mode == "colocated" else [])
     log = open(tmp / f"serve_{mode}.log", "w")  # noqa: SIM115
     serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 320
-        while not (ready := re.search(r"^ready: router on (\S+)", (tmp / f"serve_{mode}.log").read_text(), re.M)):
+        while not (
+            ready := re.search(
+                r"^ready: router on (\S+)", (tmp / f"serve_{mode}.log").read_text(), re.M
+            )
+        ):
             if serve.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"serve ({mode}) did not start:\n{(tmp / f'serve_{mode}.log').read_text()[-2000:]}")
+                raise SystemExit(
+                    f"serve ({mode}) did not start:\n{(tmp / f'serve_{mode}.log').read_text()[-2000:]}"
+                )
             time.sleep(0.5)
         address = ready.group(1)
         print(f"[{mode}] services ready; running the workload", flush=True)
         out = tmp / f"bench_{mode}.json"
-        subprocess.run([sys.executable, "-m", "splitserve.cli.main", "bench", "--address", address,
-                        "--dataset", str(workload), "--num-prompts", str(args.num_prompts),
-                        "--request-rate", str(args.request_rate), "--slo", args.slo, "--json-out", str(out),
-                        "--no-progress"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "splitserve.cli.main",
+                "bench",
+                "--address",
+                address,
+                "--dataset",
+                str(workload),
+                "--num-prompts",
+                str(args.num_prompts),
+                "--request-rate",
+                str(args.request_rate),
+                "--slo",
+                args.slo,
+                "--json-out",
+                str(out),
+                "--no-progress",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         return json.loads(out.read_text())
     finally:
         serve.send_signal(signal.SIGTERM)
@@ -87,11 +145,15 @@ def main(argv=None) -> int:
         tmp = Path(d)
         workload = tmp / "mixed.jsonl"
         write_workload(workload, args)
-        results = {mode: run_mode(mode, args, workload, tmp) for mode in ("disaggregated", "colocated")}
+        results = {
+            mode: run_mode(mode, args, workload, tmp) for mode in ("disaggregated", "colocated")
+        }
     dis, col = results["disaggregated"], results["colocated"]
-    print(f"mixed workload: {args.num_prompts} requests at {args.request_rate}/s, {args.long_share:.0%} with "
-          f"{args.long_len}-token prompts ({args.long_output} out), the rest {args.short_len} in / "
-          f"{args.short_output} out; SLO {args.slo}")
+    print(
+        f"mixed workload: {args.num_prompts} requests at {args.request_rate}/s, {args.long_share:.0%} with "
+        f"{args.long_len}-token prompts ({args.long_output} out), the rest {args.short_len} in / "
+        f"{args.short_output} out; SLO {args.slo}"
+    )
     print(f"{'metric':14s} {'disaggregated':>14s} {'colocated':>10s} {'coloc/disagg':>13s}")
     rows = {}
     for key, stat in METRICS:
@@ -103,7 +165,9 @@ def main(argv=None) -> int:
         rows[key] = dict(disaggregated=a, colocated=b, ratio=b / a if a else None)
         print(f"{key:14s} {a:14.2f} {b:10.2f} {b / a if a else float('nan'):12.2f}x")
     if args.out:
-        Path(args.out).write_text(json.dumps({"config": vars(args), "rows": rows, "raw": results}, indent=2))
+        Path(args.out).write_text(
+            json.dumps({"config": vars(args), "rows": rows, "raw": results}, indent=2)
+        )
         print(f"wrote {args.out}")
     return 0
 

@@ -35,7 +35,9 @@ def _rate(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected requests per second or inf, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected requests per second or inf, got {text!r}"
+        ) from None
     return value
 
 
@@ -43,37 +45,74 @@ DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--backend", choices=("grpc", "openai"), default="grpc",
-                   help="grpc: the router's Generate (default); openai: streamed /v1/completions over HTTP")
-    p.add_argument("--address", metavar="HOST:PORT",
-                   help=f"router address (default ${client.ADDRESS_ENV}, else 127.0.0.1:{client.DEFAULT_PORT})")
-    p.add_argument("--base-url", metavar="URL",
-                   help=f"--backend openai: the API's base URL (default $OPENAI_BASE_URL, else {DEFAULT_BASE_URL})")
+    p.add_argument(
+        "--backend",
+        choices=("grpc", "openai"),
+        default="grpc",
+        help="grpc: the router's Generate (default); openai: streamed /v1/completions over HTTP",
+    )
+    p.add_argument(
+        "--address",
+        metavar="HOST:PORT",
+        help=f"router address (default ${client.ADDRESS_ENV}, else 127.0.0.1:{client.DEFAULT_PORT})",
+    )
+    p.add_argument(
+        "--base-url",
+        metavar="URL",
+        help=f"--backend openai: the API's base URL (default $OPENAI_BASE_URL, else {DEFAULT_BASE_URL})",
+    )
     p.add_argument("--num-prompts", type=int, default=100, help="requests to send (default 100)")
-    p.add_argument("--dataset", metavar="FILE.jsonl",
-                   help='prompts, one JSON object a line: {"prompt": TEXT} or {"prompt_token_ids": [...]}')
-    p.add_argument("--input-len", type=int, default=128, help="random prompt length in tokens (default 128)")
+    p.add_argument(
+        "--dataset",
+        metavar="FILE.jsonl",
+        help='prompts, one JSON object a line: {"prompt": TEXT} or {"prompt_token_ids": [...]}',
+    )
+    p.add_argument(
+        "--input-len", type=int, default=128, help="random prompt length in tokens (default 128)"
+    )
     p.add_argument("--output-len", type=int, default=128, help="tokens per request (default 128)")
-    p.add_argument("--request-rate", type=_rate, default=float("inf"),
-                   help="requests per second, Poisson arrivals (default inf: all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)")
+    p.add_argument(
+        "--request-rate",
+        type=_rate,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (default inf: all at once)",
+    )
+    p.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1: Poisson)"
+    )
     p.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)"
+    )
     p.add_argument("--no-ignore-eos", action="store_true", help="let EOS end a request early")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrival times")
-    p.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests sent first (default 1)")
-    p.add_argument("--timeout", type=float, default=600.0, help="deadline of each request in seconds")
-    p.add_argument("--slo", type=parse_slo, metavar="KEY:MS,...",
-                   help="service-level objectives for goodput, e.g. ttft:500,tpot:50 (keys ttft tpot itl e2el)")
-    p.add_argument("--json-out", metavar="FILE", help="write the summary and per-request rows as JSON")
+    p.add_argument(
+        "--num-warmups", type=int, default=1, help="unmeasured requests sent first (default 1)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="deadline of each request in seconds"
+    )
+    p.add_argument(
+        "--slo",
+        type=parse_slo,
+        metavar="KEY:MS,...",
+        help="service-level objectives for goodput, e.g. ttft:500,tpot:50 (keys ttft tpot itl e2el)",
+    )
+    p.add_argument(
+        "--json-out", metavar="FILE", help="write the summary and per-request rows as JSON"
+    )
     p.add_argument("--plot", metavar="FILE.png", help="plot the latency CDFs (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _announce(cfg, model: str, workers: dict[str, int]) -> None:
-    print(f"bench: {cfg.num_prompts} requests to {cfg.address} over {cfg.backend} ({model}; "
-          f"{workers.get('prefill', 0)} prefill + {workers.get('decode', 0)} decode healthy), rate "
-          f"{cfg.request_rate:g}/s, max concurrency {cfg.max_concurrency or 'none'}", file=sys.stderr, flush=True)
+    print(
+        f"bench: {cfg.num_prompts} requests to {cfg.address} over {cfg.backend} ({model}; "
+        f"{workers.get('prefill', 0)} prefill + {workers.get('decode', 0)} decode healthy), rate "
+        f"{cfg.request_rate:g}/s, max concurrency {cfg.max_concurrency or 'none'}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 async def _run_grpc(cfg, progress) -> tuple[dict, list, float]:
@@ -81,8 +120,8 @@ async def _run_grpc(cfg, progress) -> tuple[dict, list, float]:
 
     from splitserve.cli.bench import runner
     from splitserve.cli.bench.workload import arrival_offsets, make_prompts
-    from splitserve.service.grpc_service import channel_options
     from splitserve.protos import generate_pb2_grpc
+    from splitserve.service.grpc_service import channel_options
 
     async with grpc.aio.insecure_channel(cfg.address, options=channel_options()) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
@@ -96,9 +135,16 @@ async def _run_grpc(cfg, progress) -> tuple[dict, list, float]:
         _announce(cfg, info.model_name, workers)
         await runner.warm_up(stub, cfg, prompts)
         with progress() as bar:
-            results, duration = await runner.run_requests(stub, cfg, prompts, offsets, on_done=lambda r: bar.update(1))
-    server = {"address": cfg.address, "model_name": info.model_name, "max_model_len": info.max_model_len,
-              "block_size": info.block_size, "healthy_workers": workers}
+            results, duration = await runner.run_requests(
+                stub, cfg, prompts, offsets, on_done=lambda r: bar.update(1)
+            )
+    server = {
+        "address": cfg.address,
+        "model_name": info.model_name,
+        "max_model_len": info.max_model_len,
+        "block_size": info.block_size,
+        "healthy_workers": workers,
+    }
     return server, results, duration
 
 
@@ -109,8 +155,10 @@ async def _run_openai(cfg, progress) -> tuple[dict, list, float]:
     api = await openai_runner.OpenAIClient.connect(cfg.address)
     try:
         if api.vocab_size is None and cfg.dataset is None:
-            raise runner.BenchError(f"{cfg.address}/models does not give vocab_size, which random prompts need; "
-                                    "pass --dataset FILE.jsonl")
+            raise runner.BenchError(
+                f"{cfg.address}/models does not give vocab_size, which random prompts need; "
+                "pass --dataset FILE.jsonl"
+            )
         prompts = make_prompts(cfg, api.vocab_size or 0)
         if api.max_model_len:
             runner.check_lengths(prompts, api.max_model_len)
@@ -118,12 +166,22 @@ async def _run_openai(cfg, progress) -> tuple[dict, list, float]:
         _announce(cfg, api.model, api.workers)
         await runner.warm_up(api, cfg, prompts, send=openai_runner.send_one)
         with progress() as bar:
-            results, duration = await runner.run_requests(api, cfg, prompts, offsets, on_done=lambda r: bar.update(1),
-                                                          send=openai_runner.send_one)
+            results, duration = await runner.run_requests(
+                api,
+                cfg,
+                prompts,
+                offsets,
+                on_done=lambda r: bar.update(1),
+                send=openai_runner.send_one,
+            )
     finally:
         await api.close()
-    server = {"address": cfg.address, "model_name": api.model, "max_model_len": api.max_model_len,
-              "healthy_workers": api.workers}
+    server = {
+        "address": cfg.address,
+        "model_name": api.model,
+        "max_model_len": api.max_model_len,
+        "healthy_workers": api.workers,
+    }
     return server, results, duration
 
 
@@ -140,11 +198,18 @@ async def _bench(args: argparse.Namespace) -> int:
     cfg = BenchConfig.from_args(args, address)
     if args.plot:
         from splitserve.cli.bench.plot import require_matplotlib
+
         require_matplotlib()
 
     def progress():
-        return tqdm(total=cfg.num_prompts, desc="requests", unit="req", file=sys.stderr,
-                    disable=args.no_progress or None)
+        return tqdm(
+            total=cfg.num_prompts,
+            desc="requests",
+            unit="req",
+            file=sys.stderr,
+            disable=args.no_progress or None,
+        )
+
     run = _run_openai if cfg.backend == "openai" else _run_grpc
     server, results, duration = await run(cfg, progress)
     model_name = server["model_name"]
@@ -155,12 +220,18 @@ async def _bench(args: argparse.Namespace) -> int:
         print(f"wrote {args.json_out}", file=sys.stderr)
     if args.plot:
         from splitserve.cli.bench.plot import plot_cdfs
-        plot_cdfs(args.plot, metrics.latency_samples(results), f"splitserve bench: {model_name}, "
-                  f"{cfg.num_prompts} req, rate {cfg.request_rate:g}/s")
+
+        plot_cdfs(
+            args.plot,
+            metrics.latency_samples(results),
+            f"splitserve bench: {model_name}, {cfg.num_prompts} req, rate {cfg.request_rate:g}/s",
+        )
         print(f"wrote {args.plot}", file=sys.stderr)
     if summary["completed"] == 0:
         first = next((r.error for r in results if r.error), "no request completed")
-        print(f"splitserve bench: error: every request failed; first error: {first}", file=sys.stderr)
+        print(
+            f"splitserve bench: error: every request failed; first error: {first}", file=sys.stderr
+        )
         return 1
     return 0
 

@@ -43,26 +43,53 @@ def _nonneg_int(text: str) -> int:
 
 def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int | None = 64) -> None:
     g = p.add_argument_group("sampling (the router checks ranges; a bad value is INVALID_ARGUMENT)")
-    g.add_argument("--max-tokens", type=_nonneg_int, default=max_tokens,
-                   help=f"tokens to generate (default {max_tokens})")
+    g.add_argument(
+        "--max-tokens",
+        type=_nonneg_int,
+        default=max_tokens,
+        help=f"tokens to generate (default {max_tokens})",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, help="nucleus mass in (0, 1]")
-    g.add_argument("--top-k", type=_nonneg_int, default=0, help="keep the k most likely tokens (0: off)")
-    g.add_argument("--seed", type=_nonneg_int, help="per-request sampling seed (reproducible sampling)")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    g.add_argument("--logprobs", type=_nonneg_int, metavar="N", help="return each token's logprob and N alternatives")
+    g.add_argument(
+        "--top-k", type=_nonneg_int, default=0, help="keep the k most likely tokens (0: off)"
+    )
+    g.add_argument(
+        "--seed", type=_nonneg_int, help="per-request sampling seed (reproducible sampling)"
+    )
+    g.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)"
+    )
+    g.add_argument(
+        "--logprobs",
+        type=_nonneg_int,
+        metavar="N",
+        help="return each token's logprob and N alternatives",
+    )
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    g.add_argument("--timeout", type=float, default=120.0, help="deadline of the whole call in seconds (default 120)")
-    g.add_argument("--json", action="store_true", help="print one JSON object at the end (text, token_ids, "
-                                                       "finish_reason, usage, ...) instead of streaming text")
-    g.add_argument("--json-chunks", action="store_true", help="print one JSON object per streamed chunk")
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        help="deadline of the whole call in seconds (default 120)",
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object at the end (text, token_ids, "
+        "finish_reason, usage, ...) instead of streaming text",
+    )
+    g.add_argument(
+        "--json-chunks", action="store_true", help="print one JSON object per streamed chunk"
+    )
 
 
 def sampling_from_args(args: argparse.Namespace):
     from splitserve.protos import generate_pb2
 
-    sp = generate_pb2.SamplingParams(temperature=args.temperature, top_k=args.top_k, stop=args.stop,
-                                     ignore_eos=args.ignore_eos)
+    sp = generate_pb2.SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, stop=args.stop, ignore_eos=args.ignore_eos
+    )
     for name in ("max_tokens", "top_p", "seed", "logprobs"):
         if getattr(args, name) is not None:
             setattr(sp, name, getattr(args, name))
@@ -96,27 +123,46 @@ class Result:
         self.request_id = chunk.request_id
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
-        lps = [{"token_id": lp.token_id, "logprob": lp.logprob,
-                "top": [{"token_id": t.token_id, "logprob": t.logprob} for t in lp.top_logprobs]}
-               for lp in chunk.logprobs]
+        lps = [
+            {
+                "token_id": lp.token_id,
+                "logprob": lp.logprob,
+                "top": [{"token_id": t.token_id, "logprob": t.logprob} for t in lp.top_logprobs],
+            }
+            for lp in chunk.logprobs
+        ]
         self.logprobs.extend(lps)
         d = {"request_id": chunk.request_id, "text": chunk.text, "token_ids": list(chunk.token_ids)}
         if lps:
             d["logprobs"] = lps
         if chunk.finish_reason:
             self.finish_reason = FINISH.get(chunk.finish_reason, str(chunk.finish_reason))
-            which = chunk.stop_reason.WhichOneof("reason") if chunk.HasField("stop_reason") else None
+            which = (
+                chunk.stop_reason.WhichOneof("reason") if chunk.HasField("stop_reason") else None
+            )
             self.stop_reason = getattr(chunk.stop_reason, which) if which else None
             u = chunk.usage
-            self.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                          "cached_prompt_tokens": u.cached_prompt_tokens}
-            d.update(finish_reason=self.finish_reason, stop_reason=self.stop_reason, usage=self.usage)
+            self.usage = {
+                "prompt_tokens": u.prompt_tokens,
+                "completion_tokens": u.completion_tokens,
+                "cached_prompt_tokens": u.cached_prompt_tokens,
+            }
+            d.update(
+                finish_reason=self.finish_reason, stop_reason=self.stop_reason, usage=self.usage
+            )
         return d
 
     def as_json(self) -> dict:
-        d = {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
-             "finish_reason": self.finish_reason, "stop_reason": self.stop_reason, "usage": self.usage,
-             "ttft_s": self.ttft_s, "e2e_s": self.e2e_s}
+        d = {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+            "usage": self.usage,
+            "ttft_s": self.ttft_s,
+            "e2e_s": self.e2e_s,
+        }
         if self.logprobs:
             d["logprobs"] = self.logprobs
         return d
@@ -127,14 +173,15 @@ def make_request(prompt: str | list[int], sampling, request_id: str = ""):
 
     if isinstance(prompt, str):
         return generate_pb2.GenerateRequest(request_id=request_id, text=prompt, sampling=sampling)
-    return generate_pb2.GenerateRequest(request_id=request_id, token_ids=generate_pb2.TokenIds(ids=prompt),
-                                        sampling=sampling)
+    return generate_pb2.GenerateRequest(
+        request_id=request_id, token_ids=generate_pb2.TokenIds(ids=prompt), sampling=sampling
+    )
 
 
 def generate(address: str, request, timeout: float | None, on_chunk=None) -> Result:
     """One Generate call; `on_chunk(result, chunk_dict)` after each chunk. GenerateError on failure."""
-    from splitserve.service.grpc_service import channel_options
     from splitserve.protos import generate_pb2_grpc
+    from splitserve.service.grpc_service import channel_options
 
     result = Result()
     t0 = time.monotonic()
@@ -153,8 +200,13 @@ def generate(address: str, request, timeout: float | None, on_chunk=None) -> Res
     return result
 
 
-def stream_to(out: TextIO, address: str, prompt: str | list[int], args: argparse.Namespace,
-              err: TextIO | None = None) -> Result:
+def stream_to(
+    out: TextIO,
+    address: str,
+    prompt: str | list[int],
+    args: argparse.Namespace,
+    err: TextIO | None = None,
+) -> Result:
     """Runs the call and prints: streamed text (default), JSON lines per chunk (--json-chunks)
     or one JSON object (--json). A summary goes to `err` in text mode."""
     err = err or sys.stderr
@@ -168,19 +220,30 @@ def stream_to(out: TextIO, address: str, prompt: str | list[int], args: argparse
             out.write(json.dumps(d) + "\n")
             out.flush()
 
-    result = generate(address, make_request(prompt, sampling_from_args(args)), args.timeout, on_chunk)
+    result = generate(
+        address, make_request(prompt, sampling_from_args(args)), args.timeout, on_chunk
+    )
     if mode == "json":
         out.write(json.dumps(result.as_json()) + "\n")
     elif mode == "text":
         out.write("\n")
         for lp in result.logprobs:
             top = ", ".join(f"{t['token_id']}:{t['logprob']:.3f}" for t in lp["top"])
-            err.write(f"  token {lp['token_id']:>6}  logprob {lp['logprob']:8.4f}{'  top ' + top if top else ''}\n")
+            err.write(
+                f"  token {lp['token_id']:>6}  logprob {lp['logprob']:8.4f}{'  top ' + top if top else ''}\n"
+            )
         u = result.usage
-        rate = (f", {(len(result.token_ids) - 1) / (result.e2e_s - result.ttft_s):.1f} tok/s after the first"
-                if result.ttft_s is not None and len(result.token_ids) > 1 and result.e2e_s > result.ttft_s else "")
+        rate = (
+            f", {(len(result.token_ids) - 1) / (result.e2e_s - result.ttft_s):.1f} tok/s after the first"
+            if result.ttft_s is not None
+            and len(result.token_ids) > 1
+            and result.e2e_s > result.ttft_s
+            else ""
+        )
         ttft = f", ttft {result.ttft_s * 1000:.0f} ms" if result.ttft_s is not None else ""
-        err.write(f"[{u.get('completion_tokens', len(result.token_ids))} tokens, prompt {u.get('prompt_tokens', '?')}, "
-                  f"finish_reason={result.finish_reason}{ttft}{rate}]\n")
+        err.write(
+            f"[{u.get('completion_tokens', len(result.token_ids))} tokens, prompt {u.get('prompt_tokens', '?')}, "
+            f"finish_reason={result.finish_reason}{ttft}{rate}]\n"
+        )
     out.flush()
     return result

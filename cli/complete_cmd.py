@@ -8,9 +8,13 @@ import sys
 
 
 def register(sub) -> None:
-    p = sub.add_parser("complete", help="generate text for a prompt in-process (no router or workers)")
+    p = sub.add_parser(
+        "complete", help="generate text for a prompt in-process (no router or workers)"
+    )
     p.add_argument("prompt")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the embedded tiny model)")
+    p.add_argument(
+        "--model", default=None, help="checkpoint folder (default: the embedded tiny model)"
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -19,15 +23,17 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from splitserve.cli.tiny_model_cache import default_model_dir
     from splitserve.config.engine_config import EngineConfig
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.offline import OfflineEngine
     from splitserve.request.sampling_params import SamplingParams
-    from splitserve.cli.tiny_model_cache import default_model_dir
     from splitserve.request.tokenizer import Tokenizer
 
     model_dir = args.model or str(default_model_dir())
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+    )
     runner = ModelRunner(EngineConfig(model_path=model_dir, device=args.device))
     tok = Tokenizer.from_dir(model_dir)
     engine = OfflineEngine(runner, tok)

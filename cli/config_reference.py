@@ -19,8 +19,11 @@ def _models() -> list[tuple[str, type[BaseModel]]]:
     from splitserve.prefill_worker.config import PrefillWorkerConfig
     from splitserve.router.config import RouterConfig
 
-    return [("splitserve router", RouterConfig), ("splitserve prefill-worker", PrefillWorkerConfig),
-            ("splitserve decode-worker", DecodeWorkerConfig)]
+    return [
+        ("splitserve router", RouterConfig),
+        ("splitserve prefill-worker", PrefillWorkerConfig),
+        ("splitserve decode-worker", DecodeWorkerConfig),
+    ]
 
 
 def _type_name(annotation) -> str:
@@ -36,7 +39,11 @@ def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             rows += _rows(ann, key + ".")
             continue
-        default = "required" if field.is_required() else f"`{field.get_default(call_default_factory=True)!r}`"
+        default = (
+            "required"
+            if field.is_required()
+            else f"`{field.get_default(call_default_factory=True)!r}`"
+        )
         limits = ", ".join(f"`{m!r}`" for m in field.metadata)
         desc = (field.description or "").replace("|", "\\|")
         rows.append(f"| `{key}` | `{_type_name(ann)}` | {default} | {limits} | {desc} |")
@@ -44,20 +51,32 @@ def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 def render() -> str:
-    out = ["# Configuration reference", "",
-           "Generated from the pydantic models by `python -m splitserve.cli.config_reference`; "
-           "a test fails when it is stale. Each service loads YAML with `--config FILE` and its flags "
-           "override single keys; unknown keys and out-of-range values fail at start with one line "
-           "naming the key.", ""]
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from the pydantic models by `python -m splitserve.cli.config_reference`; "
+        "a test fails when it is stale. Each service loads YAML with `--config FILE` and its flags "
+        "override single keys; unknown keys and out-of-range values fail at start with one line "
+        "naming the key.",
+        "",
+    ]
     for title, model in _models():
-        out += [f"## `{title}` ({model.__name__})", "", "| key | type | default | limits | meaning |",
-                "| --- | --- | --- | --- | --- |", *_rows(model), ""]
+        out += [
+            f"## `{title}` ({model.__name__})",
+            "",
+            "| key | type | default | limits | meaning |",
+            "| --- | --- | --- | --- | --- |",
+            *_rows(model),
+            "",
+        ]
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="exit 1 when docs/configuration.md is stale")
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 when docs/configuration.md is stale"
+    )
     args = p.parse_args(argv)
     text = render()
     if args.check:

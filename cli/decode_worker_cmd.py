@@ -27,11 +27,15 @@ def _sizes(text: str) -> list[int]:
     try:
         return [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated batch sizes like 1,2,4,8,16, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated batch sizes like 1,2,4,8,16, got {text!r}"
+        ) from None
 
 
 def register(sub) -> None:
-    p = sub.add_parser("decode-worker", help="continue prefilled requests in a CUDA-graph decode batch")
+    p = sub.add_parser(
+        "decode-worker", help="continue prefilled requests in a CUDA-graph decode batch"
+    )
     add_arguments(p)
     p.set_defaults(func=run)
 
@@ -39,14 +43,29 @@ def register(sub) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_shared_arguments(p, "DecodeWorkerConfig")
     p.add_argument("--max-batch-size", type=int, help="sequences decoded per step (default 256)")
-    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_const", const=False, default=None,
-                   help="run every decode step eagerly (no CUDA graph capture)")
-    p.add_argument("--cuda-graph-sizes", type=_sizes, metavar="N,N,...",
-                   help="batch sizes to capture (default 1,2,4,8, then steps of 8 up to --max-batch-size)")
-    p.add_argument("--kv-failure-policy", choices=["recompute", "fail"],
-                   help="a failed KV pull: recompute the prompt here (default) or end with UNAVAILABLE")
+    p.add_argument(
+        "--no-cuda-graph",
+        dest="cuda_graph",
+        action="store_const",
+        const=False,
+        default=None,
+        help="run every decode step eagerly (no CUDA graph capture)",
+    )
+    p.add_argument(
+        "--cuda-graph-sizes",
+        type=_sizes,
+        metavar="N,N,...",
+        help="batch sizes to capture (default 1,2,4,8, then steps of 8 up to --max-batch-size)",
+    )
+    p.add_argument(
+        "--kv-failure-policy",
+        choices=["recompute", "fail"],
+        help="a failed KV pull: recompute the prompt here (default) or end with UNAVAILABLE",
+    )
     p.add_argument("--kv-connect-timeout-s", type=float, help="UCX connect timeout (default 5)")
-    p.add_argument("--kv-data-timeout-s", type=float, help="KV payload receive timeout (default 30)")
+    p.add_argument(
+        "--kv-data-timeout-s", type=float, help="KV payload receive timeout (default 30)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

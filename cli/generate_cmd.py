@@ -25,9 +25,15 @@ def register(sub) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="prompt text (or token ids with --token-ids, e.g. '1,2,3')")
-    p.add_argument("--address", default=None, metavar="HOST:PORT",
-                   help=f"router address (default ${client.ADDRESS_ENV}, else 127.0.0.1:{client.DEFAULT_PORT})")
-    p.add_argument("--token-ids", action="store_true", help="PROMPT is comma-separated token ids, not text")
+    p.add_argument(
+        "--address",
+        default=None,
+        metavar="HOST:PORT",
+        help=f"router address (default ${client.ADDRESS_ENV}, else 127.0.0.1:{client.DEFAULT_PORT})",
+    )
+    p.add_argument(
+        "--token-ids", action="store_true", help="PROMPT is comma-separated token ids, not text"
+    )
     client.add_sampling_arguments(p)
 
 
@@ -37,7 +43,9 @@ def parse_prompt(args: argparse.Namespace) -> str | list[int]:
     try:
         return [int(t) for t in args.prompt.replace(" ", "").split(",") if t]
     except ValueError:
-        raise ValueError(f"--token-ids wants comma-separated integers like 1,2,3, got {args.prompt!r}") from None
+        raise ValueError(
+            f"--token-ids wants comma-separated integers like 1,2,3, got {args.prompt!r}"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,16 +15,23 @@ import sys
 
 
 def register(sub) -> None:
-    p = sub.add_parser("health", help="check a service's grpc.health.v1 status (exit 0 when SERVING)")
+    p = sub.add_parser(
+        "health", help="check a service's grpc.health.v1 status (exit 0 when SERVING)"
+    )
     add_arguments(p)
     p.set_defaults(func=run)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("address", metavar="HOST:PORT", help="the service's gRPC address")
-    p.add_argument("--service", default="", help="service name, e.g. splitserve.v1.DecodeWorker (default '': "
-                                                 "the whole server)")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)")
+    p.add_argument(
+        "--service",
+        default="",
+        help="service name, e.g. splitserve.v1.DecodeWorker (default '': the whole server)",
+    )
+    p.add_argument(
+        "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,15 +40,23 @@ def run(args: argparse.Namespace) -> int:
 
     with grpc.insecure_channel(args.address) as channel:
         try:
-            status = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout).status
+            status = (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
+                .status
+            )
         except grpc.RpcError as err:
-            print(f"splitserve health: {args.address}: {err.code().name}: {' '.join((err.details() or '').split())}",
-                  file=sys.stderr)
+            print(
+                f"splitserve health: {args.address}: {err.code().name}: {' '.join((err.details() or '').split())}",
+                file=sys.stderr,
+            )
             return 1
     name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
     if status != health_pb2.HealthCheckResponse.SERVING:
-        print(f"splitserve health: {args.address} {args.service or '(server)'} is {name}", file=sys.stderr)
+        print(
+            f"splitserve health: {args.address} {args.service or '(server)'} is {name}",
+            file=sys.stderr,
+        )
         return 1
     print(name)
     return 0

@@ -54,7 +54,11 @@ def cli_argv(subcommand: str) -> list[str]:
         runnable = hasattr(importlib.import_module(module), "main")
     except ImportError:
         runnable = False
-    return [sys.executable, "-m", module] if runnable else [sys.executable, "-m", "splitserve.cli.main", subcommand]
+    return (
+        [sys.executable, "-m", module]
+        if runnable
+        else [sys.executable, "-m", "splitserve.cli.main", subcommand]
+    )
 
 
 def _exited_unreaped(proc: subprocess.Popen, deadline: float) -> bool:
@@ -87,7 +91,9 @@ def log_tail(path: Path, lines: int = TAIL_LINES, since: int = 0, width: int = 3
 class Child:
     name: str
     subcommand: str
-    args: Callable[[], list[str]] | list[str]  # without --host/--port; a callable sees current addresses
+    args: (
+        Callable[[], list[str]] | list[str]
+    )  # without --host/--port; a callable sees current addresses
     service: str  # grpc.health.v1 service whose SERVING means ready
     host: str
     fixed_port: int | None = None
@@ -121,8 +127,11 @@ class Child:
         if self._channel is None:
             self._channel = grpc.insecure_channel(self.address)
         try:
-            return health_pb2_grpc.HealthStub(self._channel).Check(
-                health_pb2.HealthCheckRequest(service=self.service), timeout=timeout).status
+            return (
+                health_pb2_grpc.HealthStub(self._channel)
+                .Check(health_pb2.HealthCheckRequest(service=self.service), timeout=timeout)
+                .status
+            )
         except grpc.RpcError:
             return None
 
@@ -136,18 +145,43 @@ class Child:
 
 
 class Launcher:
-    def __init__(self, log_dir: str | Path, on_event: Callable[[str], None] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: str | Path,
+        on_event: Callable[[str], None] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
         self._say = on_event or (lambda msg: None)
-        self._env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._env = {
+            **os.environ,
+            "UCX_WARN_UNUSED_ENV_VARS": "n",
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
 
-    def add(self, name: str, subcommand: str, args, service: str, host: str = "127.0.0.1",
-            port: int | None = None, depends_on: tuple[Child, ...] = ()) -> Child:
-        child = Child(name, subcommand, args, service, host, fixed_port=port or None, depends_on=depends_on,
-                      log_path=self.log_dir / f"{name}.log")
+    def add(
+        self,
+        name: str,
+        subcommand: str,
+        args,
+        service: str,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        depends_on: tuple[Child, ...] = (),
+    ) -> Child:
+        child = Child(
+            name,
+            subcommand,
+            args,
+            service,
+            host,
+            fixed_port=port or None,
+            depends_on=depends_on,
+            log_path=self.log_dir / f"{name}.log",
+        )
         child.port = port or free_port(host)
         self.children.append(child)
         return child
@@ -165,10 +199,18 @@ class Launcher:
         # no preexec_fn (Python between fork and exec, next to live gRPC threads): the child sets
         # its own death signal from PARENT_ENV (service/service_process.py)
         env = {**self._env, PARENT_ENV: str(os.getpid())}
-        child.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=child._log_file, stderr=subprocess.STDOUT,
-                                      env=env, process_group=0)
+        child.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=child._log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            process_group=0,
+        )
         child.started = time.monotonic()
-        self._say(f"started {child.name} on {child.address} (pid {child.pid}, log {child.log_path})")
+        self._say(
+            f"started {child.name} on {child.address} (pid {child.pid}, log {child.log_path})"
+        )
 
     def start_all(self) -> None:
         for child in self.children:
@@ -186,12 +228,19 @@ class Launcher:
 
     def _failed(self, child: Child, what: str) -> StartError:
         tail = child.tail()
-        return StartError(f"{child.name} {what} (exit code {child.proc.returncode})"
-                          f"{': ' + tail if tail else ''} [log: {child.log_path}]")
+        return StartError(
+            f"{child.name} {what} (exit code {child.proc.returncode})"
+            f"{': ' + tail if tail else ''} [log: {child.log_path}]"
+        )
 
-    def wait_healthy(self, timeout: float, stop: threading.Event | None = None,
-                     on_healthy: Callable[[Child], None] | None = None, on_poll: Callable[[], None] | None = None,
-                     poll_s: float = 0.2) -> None:
+    def wait_healthy(
+        self,
+        timeout: float,
+        stop: threading.Event | None = None,
+        on_healthy: Callable[[Child], None] | None = None,
+        on_poll: Callable[[], None] | None = None,
+        poll_s: float = 0.2,
+    ) -> None:
         """Returns once every child's service is SERVING; StartError when one exits first, or at
         `timeout`; KeyboardInterrupt when `stop` is set meanwhile."""
         deadline = time.monotonic() + timeout
@@ -200,7 +249,11 @@ class Launcher:
                 if child.healthy:
                     continue
                 if not child.alive():
-                    if child.fixed_port is None and child.retries > 0 and PORT_TAKEN in child.tail():
+                    if (
+                        child.fixed_port is None
+                        and child.retries > 0
+                        and PORT_TAKEN in child.tail()
+                    ):
                         self._relaunch_on_new_port(child)
                         continue
                     raise self._failed(child, "exited before it was healthy")
@@ -213,9 +266,13 @@ class Launcher:
             if on_poll is not None:
                 on_poll()
             if time.monotonic() > deadline:
-                waiting = ", ".join(f"{c.name} [log: {c.log_path}]" for c in self.children if not c.healthy)
-                raise StartError(f"not healthy within {timeout:.0f}s: {waiting}; raise --start-timeout if the "
-                                 "model is large, else see the log")
+                waiting = ", ".join(
+                    f"{c.name} [log: {c.log_path}]" for c in self.children if not c.healthy
+                )
+                raise StartError(
+                    f"not healthy within {timeout:.0f}s: {waiting}; raise --start-timeout if the "
+                    "model is large, else see the log"
+                )
             if stop is not None and stop.wait(poll_s):
                 raise KeyboardInterrupt
             if stop is None:
@@ -246,7 +303,9 @@ class Launcher:
             child.proc.wait()
             child.close()
 
-    def stop(self, grace_s: float = 30.0, first: tuple[str, ...] = ("router",)) -> dict[str, int | None]:
+    def stop(
+        self, grace_s: float = 30.0, first: tuple[str, ...] = ("router",)
+    ) -> dict[str, int | None]:
         """SIGTERM the `first` subcommands (the router drains its streams), then the rest;
         kill what is left after `grace_s` per stage. Idempotent; returns name -> exit code."""
         head = [c for c in self.children if c.subcommand in first]

@@ -27,8 +27,17 @@ class CliError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (serve_cmd, generate_cmd, bench_cmd, make_model_cmd, complete_cmd, prefill_worker_cmd,
-                   decode_worker_cmd, router_cmd, health_cmd):
+    for module in (
+        serve_cmd,
+        generate_cmd,
+        bench_cmd,
+        make_model_cmd,
+        complete_cmd,
+        prefill_worker_cmd,
+        decode_worker_cmd,
+        router_cmd,
+        health_cmd,
+    ):
         module.register(sub)
     return parser
 

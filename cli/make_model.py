@@ -26,22 +26,32 @@ def _tensor_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = cfg.get("head_dim", h // cfg["num_attention_heads"])
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+    }
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
     qwen = cfg["model_type"] == "qwen2"
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes |= {
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         }
         if qwen:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
     return shapes
 
 
@@ -56,7 +66,10 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tens
 
 
 def make_model(
-    preset: str, folder: str | Path, seed: int = 0, max_shard_bytes: int = 2 * 2**30,
+    preset: str,
+    folder: str | Path,
+    seed: int = 0,
+    max_shard_bytes: int = 2 * 2**30,
     progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     if preset not in PRESETS:
@@ -65,8 +78,13 @@ def make_model(
     folder.mkdir(parents=True, exist_ok=True)
     write_byte_level_tokenizer(folder, TOKENIZER_VOCAB)
     tok = Tokenizer.from_dir(folder)
-    cfg = {**PRESETS[preset], "hidden_act": "silu", "bos_token_id": tok.bos_token_id,
-           "eos_token_id": tok.eos_token_id, "attention_bias": False}
+    cfg = {
+        **PRESETS[preset],
+        "hidden_act": "silu",
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "attention_bias": False,
+    }
     dtype = _DTYPES[cfg["torch_dtype"]]
     gen = torch.Generator().manual_seed(seed)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -96,8 +114,11 @@ def make_model(
             weight_map |= dict.fromkeys(shard, fname)
         total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps(index, indent=2, sort_keys=True)
+        )
     (folder / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
     (folder / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}, indent=2))
+        json.dumps({"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}, indent=2)
+    )
     return folder

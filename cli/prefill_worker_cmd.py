@@ -16,14 +16,18 @@ _OVERRIDES = {"lease_ttl_s": "lease_ttl_s"}  # prefill-only flag dest -> config 
 
 
 def register(sub) -> None:
-    p = sub.add_parser("prefill-worker", help="serve prompts (context-only) and hand their KV to decode workers")
+    p = sub.add_parser(
+        "prefill-worker", help="serve prompts (context-only) and hand their KV to decode workers"
+    )
     add_arguments(p)
     p.set_defaults(func=run)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_shared_arguments(p, "PrefillWorkerConfig")
-    p.add_argument("--lease-ttl-s", type=float, help="seconds finished KV stays pinned for the decode side")
+    p.add_argument(
+        "--lease-ttl-s", type=float, help="seconds finished KV stays pinned for the decode side"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-
-from splitserve.service.service_process import run_service_process
 import sys
 
 from splitserve.cli.arg_types import port
+from splitserve.service.service_process import run_service_process
 
 # flag dest -> dotted config field
 _OVERRIDES = {
@@ -41,43 +40,92 @@ POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 def _policy(text: str) -> str:
     name = text.replace("-", "_")
     if name not in POLICIES:
-        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; choose round-robin, least-loaded or prefix-aware")
+        raise argparse.ArgumentTypeError(
+            f"unknown policy {text!r}; choose round-robin, least-loaded or prefix-aware"
+        )
     return name
 
 
 def register(sub) -> None:
-    p = sub.add_parser("router", help="serve the public Generate API over prefill and decode workers")
+    p = sub.add_parser(
+        "router", help="serve the public Generate API over prefill and decode workers"
+    )
     add_arguments(p)
     p.set_defaults(func=run)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help="checkpoint folder: tokenizer.json and config.json (no weights read)")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="checkpoint folder: tokenizer.json and config.json (no weights read)",
+    )
     p.add_argument("--config", metavar="YAML", help="RouterConfig file; flags override it")
-    p.add_argument("--model-name", help="model name reported by GetServerInfo (default: the folder name)")
-    p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's); "
-                                                     "as the workers'")
+    p.add_argument(
+        "--model-name", help="model name reported by GetServerInfo (default: the folder name)"
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="longest prompt + output (default: the model's); as the workers'",
+    )
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=port, help="gRPC port (default 0: a free one, printed at start)")
-    p.add_argument("--advertise-host", help="host that clients and workers use to reach this one (default: "
-                                                  "--host; bound to 0.0.0.0, this machine's routable IP)")
+    p.add_argument(
+        "--advertise-host",
+        help="host that clients and workers use to reach this one (default: "
+        "--host; bound to 0.0.0.0, this machine's routable IP)",
+    )
     p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics on this port")
-    p.add_argument("--http-port", type=port, help="serve the OpenAI-compatible HTTP API (/v1/completions, "
-                                                 "/v1/chat/completions, ...) on this port (0: a free one; "
-                                                 "default: off)")
-    p.add_argument("--drain-grace-s", type=float, help="seconds in-flight streams get to finish on SIGTERM")
-    p.add_argument("--drain-announce-s", type=float,
-                   help="seconds health says NOT_SERVING on SIGTERM before the port closes")
-    p.add_argument("--prefill", action="append", metavar="HOST:PORT",
-                   help="a prefill worker (repeat for several; more may register over RouterControl)")
-    p.add_argument("--decode", action="append", metavar="HOST:PORT", help="a decode worker (repeat for several)")
-    p.add_argument("--colocated", action="store_true", default=None,
-                   help="no prefill workers: decode workers compute the prompt and decode in one batch loop "
-                        "(to compare against disaggregated serving); refused together with --prefill")
-    p.add_argument("--prefill-policy", type=_policy, metavar="POLICY",
-                   help="prefix-aware (default), least-loaded or round-robin")
-    p.add_argument("--decode-policy", type=_policy, metavar="POLICY", help="least-loaded (default) or round-robin")
-    p.add_argument("--poll-interval-s", type=float, help="seconds between health/load probes of each worker")
+    p.add_argument(
+        "--http-port",
+        type=port,
+        help="serve the OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, ...) on this port (0: a free one; "
+        "default: off)",
+    )
+    p.add_argument(
+        "--drain-grace-s", type=float, help="seconds in-flight streams get to finish on SIGTERM"
+    )
+    p.add_argument(
+        "--drain-announce-s",
+        type=float,
+        help="seconds health says NOT_SERVING on SIGTERM before the port closes",
+    )
+    p.add_argument(
+        "--prefill",
+        action="append",
+        metavar="HOST:PORT",
+        help="a prefill worker (repeat for several; more may register over RouterControl)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        metavar="HOST:PORT",
+        help="a decode worker (repeat for several)",
+    )
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        default=None,
+        help="no prefill workers: decode workers compute the prompt and decode in one batch loop "
+        "(to compare against disaggregated serving); refused together with --prefill",
+    )
+    p.add_argument(
+        "--prefill-policy",
+        type=_policy,
+        metavar="POLICY",
+        help="prefix-aware (default), least-loaded or round-robin",
+    )
+    p.add_argument(
+        "--decode-policy",
+        type=_policy,
+        metavar="POLICY",
+        help="least-loaded (default) or round-robin",
+    )
+    p.add_argument(
+        "--poll-interval-s", type=float, help="seconds between health/load probes of each worker"
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -87,8 +135,12 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.model and not args.config:
         raise ValueError("give the checkpoint folder with --model DIR (or model_path in --config)")
-    cfg = RouterConfig.load(args.config, {field: getattr(args, dest) for dest, field in _OVERRIDES.items()})
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = RouterConfig.load(
+        args.config, {field: getattr(args, dest) for dest, field in _OVERRIDES.items()}
+    )
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return run_service_process(lambda: run_router(cfg))
 
 

@@ -19,8 +19,10 @@ import argparse
 def tp_sizes(args: argparse.Namespace) -> tuple[int, int]:
     """(prefill TP, decode TP): each defaults to --tensor-parallel-size, itself 1 by default."""
     both = 1 if args.tensor_parallel_size is None else args.tensor_parallel_size
-    sizes = tuple(both if n is None else n for n in (args.prefill_tensor_parallel_size,
-                                                     args.decode_tensor_parallel_size))
+    sizes = tuple(
+        both if n is None else n
+        for n in (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size)
+    )
     for flag, n in zip(("--prefill-tensor-parallel-size", "--decode-tensor-parallel-size"), sizes):
         if n < 1:
             raise ValueError(f"{flag} must be >= 1, got {n}")
@@ -37,8 +39,9 @@ def _cuda_base(device: str | None) -> int | None:
     return int(index or 0)
 
 
-def worker_flags(args: argparse.Namespace, num_prefill: int, num_decode: int,
-                 gpu_count: int | None = None) -> tuple[list[list[str]], list[list[str]]]:
+def worker_flags(
+    args: argparse.Namespace, num_prefill: int, num_decode: int, gpu_count: int | None = None
+) -> tuple[list[list[str]], list[list[str]]]:
     """Per prefill worker and per decode worker, the --device / --tensor-parallel-size flags;
     `gpu_count` (None: ask torch) only matters with --device cuda[:N]. ValueError when the GPUs
     are too few."""
@@ -58,11 +61,15 @@ def worker_flags(args: argparse.Namespace, num_prefill: int, num_decode: int,
         if base + needed > gpu_count:
             if p_tp == d_tp == 1 and base < gpu_count:  # TP1 workers share the GPU, as before
                 return [flags(args.device, 1)] * num_prefill, [flags(args.device, 1)] * num_decode
-            raise ValueError(f"{num_prefill} prefill worker(s) x TP{p_tp} + {num_decode} decode worker(s) x TP{d_tp} "
-                             f"need {needed} GPUs from cuda:{base} (each worker its own), but {gpu_count} are "
-                             "visible; lower --num-prefill/--num-decode or the tensor-parallel sizes")
+            raise ValueError(
+                f"{num_prefill} prefill worker(s) x TP{p_tp} + {num_decode} decode worker(s) x TP{d_tp} "
+                f"need {needed} GPUs from cuda:{base} (each worker its own), but {gpu_count} are "
+                "visible; lower --num-prefill/--num-decode or the tensor-parallel sizes"
+            )
         firsts = [base + i * p_tp for i in range(num_prefill)]
         firsts += [base + num_prefill * p_tp + j * d_tp for j in range(num_decode)]
-        return ([flags(f"cuda:{f}", p_tp) for f in firsts[:num_prefill]],
-                [flags(f"cuda:{f}", d_tp) for f in firsts[num_prefill:]])
+        return (
+            [flags(f"cuda:{f}", p_tp) for f in firsts[:num_prefill]],
+            [flags(f"cuda:{f}", d_tp) for f in firsts[num_prefill:]],
+        )
     return [flags(args.device, p_tp)] * num_prefill, [flags(args.device, d_tp)] * num_decode

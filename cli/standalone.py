@@ -10,10 +10,17 @@ from collections.abc import Callable
 from splitserve.service.service_process import die_with_launcher, end_cli
 
 
-def standalone_main(command: str, doc: str, add_arguments: Callable[[argparse.ArgumentParser], None],
-                    run: Callable[[argparse.Namespace], int], argv: list[str] | None = None) -> int:
+def standalone_main(
+    command: str,
+    doc: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    argv: list[str] | None = None,
+) -> int:
     die_with_launcher()
-    parser = argparse.ArgumentParser(prog=f"splitserve {command}", description=doc.strip().splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog=f"splitserve {command}", description=doc.strip().splitlines()[0]
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

@@ -95,7 +95,9 @@ def write_byte_level_tokenizer(folder: Path, vocab_size: int, model_max_length: 
     """
     minimum = len(SPECIAL_TOKENS) + NUM_BYTES
     if vocab_size < minimum:
-        raise ValueError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least {minimum}")
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least {minimum}"
+        )
     tok = _build(vocab_size)
     got = tok.get_vocab_size(with_added_tokens=True)
     if got != vocab_size:
@@ -118,4 +120,6 @@ def write_byte_level_tokenizer(folder: Path, vocab_size: int, model_max_length: 
         "model_max_length": model_max_length,
         "chat_template": CHAT_TEMPLATE,
     }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2) + "\n", encoding="utf-8"
+    )

@@ -34,25 +34,55 @@ SHARED_OVERRIDES = {
 
 
 def add_shared_arguments(p: argparse.ArgumentParser, config_name: str) -> None:
-    p.add_argument("--model", metavar="DIR", help="checkpoint folder (or engine.model_path in --config)")
+    p.add_argument(
+        "--model", metavar="DIR", help="checkpoint folder (or engine.model_path in --config)"
+    )
     p.add_argument("--config", metavar="YAML", help=f"{config_name} file; flags override it")
     p.add_argument("--host", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=port, help="gRPC port (default 0: a free one, printed at start)")
-    p.add_argument("--advertise-host", help="host the router (and decode workers, for KV) dial (default: --host; "
-                                            "bound to 0.0.0.0, this machine's routable IP)")
+    p.add_argument(
+        "--advertise-host",
+        help="host the router (and decode workers, for KV) dial (default: --host; "
+        "bound to 0.0.0.0, this machine's routable IP)",
+    )
     p.add_argument("--metrics-port", type=port, help="serve Prometheus /metrics on this port")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (power of two; the same on every worker)")
-    p.add_argument("--num-blocks", type=int, help="KV pool size in blocks (default: from free memory)")
-    p.add_argument("--max-num-batched-tokens", type=int, help="prompt tokens per step (longer prompts are chunked)")
-    p.add_argument("--max-model-len", type=int, help="longest prompt + output (default: the model's)")
-    p.add_argument("--tensor-parallel-size", type=int, metavar="N",
-                   help="split the model over N ranks (processes; GPUs device..device+N-1), spawned by this one")
-    p.add_argument("--drain-grace-s", type=float, help="seconds in-flight calls get to finish on SIGTERM")
-    p.add_argument("--drain-announce-s", type=float,
-                   help="seconds health says NOT_SERVING on SIGTERM before the port closes")
-    p.add_argument("--stall-timeout-s", type=float, metavar="S",
-                   help="health NOT_SERVING while work waits and no engine step finished for S seconds")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        help="tokens per KV block (power of two; the same on every worker)",
+    )
+    p.add_argument(
+        "--num-blocks", type=int, help="KV pool size in blocks (default: from free memory)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="prompt tokens per step (longer prompts are chunked)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, help="longest prompt + output (default: the model's)"
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="split the model over N ranks (processes; GPUs device..device+N-1), spawned by this one",
+    )
+    p.add_argument(
+        "--drain-grace-s", type=float, help="seconds in-flight calls get to finish on SIGTERM"
+    )
+    p.add_argument(
+        "--drain-announce-s",
+        type=float,
+        help="seconds health says NOT_SERVING on SIGTERM before the port closes",
+    )
+    p.add_argument(
+        "--stall-timeout-s",
+        type=float,
+        metavar="S",
+        help="health NOT_SERVING while work waits and no engine step finished for S seconds",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -61,14 +91,22 @@ def config_overrides(args: argparse.Namespace, overrides: Mapping[str, str]) -> 
     return {field: getattr(args, dest) for dest, field in {**SHARED_OVERRIDES, **overrides}.items()}
 
 
-def run_worker_command(args: argparse.Namespace, overrides: Mapping[str, str],
-                       load: Callable[[str | None, dict[str, Any]], Any], serve: Callable[[Any], Any]) -> int:
+def run_worker_command(
+    args: argparse.Namespace,
+    overrides: Mapping[str, str],
+    load: Callable[[str | None, dict[str, Any]], Any],
+    serve: Callable[[Any], Any],
+) -> int:
     """Config from --config + flags (`overrides`: this command's own flag -> field), logging,
     then the worker until SIGTERM (`serve(cfg)`: a coroutine function)."""
     from splitserve.service.service_process import run_service_process
 
     if not args.model and not args.config:
-        raise ValueError("give the checkpoint folder with --model DIR (or engine.model_path in --config)")
+        raise ValueError(
+            "give the checkpoint folder with --model DIR (or engine.model_path in --config)"
+        )
     cfg = load(args.config, config_overrides(args, overrides))
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return run_service_process(lambda: serve(cfg))

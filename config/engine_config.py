@@ -36,7 +36,9 @@ class RopeScaling(_Frozen):
                 if getattr(self, f) is None
             ]
             if missing:
-                raise ValueError(f"rope_scaling type 'llama3' needs {', '.join(missing)} in config.json")
+                raise ValueError(
+                    f"rope_scaling type 'llama3' needs {', '.join(missing)} in config.json"
+                )
         return self
 
 
@@ -76,8 +78,10 @@ class ModelConfig(_Frozen):
         """Raises ValueError (one line naming the field) when the model cannot split over `tp` ranks."""
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
             if getattr(self, name) % tp:
-                raise ValueError(f"parallel.tensor_parallel_size {tp} does not divide the model's {name} "
-                                 f"({getattr(self, name)}); pick a tensor_parallel_size that divides it")
+                raise ValueError(
+                    f"parallel.tensor_parallel_size {tp} does not divide the model's {name} "
+                    f"({getattr(self, name)}); pick a tensor_parallel_size that divides it"
+                )
 
     @property
     def q_size(self) -> int:
@@ -93,8 +97,12 @@ class CacheConfig(_Frozen):
     waste per sequence; kernels gather tokens by slot, so larger blocks buy them little."""
 
     block_size: int = Field(16, ge=1, le=1024)
-    num_blocks: int | None = Field(None, ge=2, description="explicit pool size; None sizes from memory")
-    memory_fraction: float = Field(0.85, gt=0, le=0.98, description="share of free device memory for the pool")
+    num_blocks: int | None = Field(
+        None, ge=2, description="explicit pool size; None sizes from memory"
+    )
+    memory_fraction: float = Field(
+        0.85, gt=0, le=0.98, description="share of free device memory for the pool"
+    )
     cpu_num_blocks: int = Field(512, ge=2, description="pool size on CPU when num_blocks is None")
 
     @model_validator(mode="after")
@@ -105,7 +113,9 @@ class CacheConfig(_Frozen):
 
 
 class SchedulerConfig(_Frozen):
-    max_model_len: int | None = Field(None, gt=0, description="None: the model's max_position_embeddings")
+    max_model_len: int | None = Field(
+        None, gt=0, description="None: the model's max_position_embeddings"
+    )
     max_num_batched_tokens: int = Field(8192, gt=0, description="prefill token budget per step")
     max_batch_size: int = Field(256, gt=0, description="sequences decoded per step")
     max_queue_len: int = Field(1024, gt=0, description="waiting requests before RESOURCE_EXHAUSTED")
@@ -116,7 +126,9 @@ class ParallelConfig(_Frozen):
     per rank, NCCL on CUDA, gloo on CPU). The model's num_attention_heads, num_key_value_heads and
     intermediate_size must divide by it (checked at load; KV heads are not replicated)."""
 
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="ranks (processes, one GPU each) per worker")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="ranks (processes, one GPU each) per worker"
+    )
 
 
 class EngineConfig(_Frozen):
@@ -127,6 +139,10 @@ class EngineConfig(_Frozen):
     cache: CacheConfig = CacheConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
-    stall_timeout_s: float = Field(60.0, gt=0, description="health NOT_SERVING while work is queued and the engine "
-                                                           "has not finished a step for this long; SERVING again "
-                                                           "once it does (worker/stall_watch.py)")
+    stall_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="health NOT_SERVING while work is queued and the engine "
+        "has not finished a step for this long; SERVING again "
+        "once it does (worker/stall_watch.py)",
+    )

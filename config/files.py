@@ -54,16 +54,21 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {' '.join(str(exc).split())}") from None
+        raise ConfigError(
+            f"config file {path} is not valid YAML: {' '.join(str(exc).split())}"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top, not {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping at the top, not {type(data).__name__}"
+        )
     return data
 
 
-def load_config(model_cls: type[M], path: str | Path | None = None,
-                overrides: Mapping[str, Any] | None = None) -> M:
+def load_config(
+    model_cls: type[M], path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> M:
     values = read_yaml(path) if path else {}
     for dotted, value in (overrides or {}).items():
         if value is not None:
@@ -71,4 +76,6 @@ def load_config(model_cls: type[M], path: str | Path | None = None,
     try:
         return model_cls.model_validate(values)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, f"config{f' ({path})' if path else ''}")) from None
+        raise ConfigError(
+            format_validation_error(exc, f"config{f' ({path})' if path else ''}")
+        ) from None

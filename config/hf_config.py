@@ -17,7 +17,12 @@ class UnsupportedModelError(ValueError):
     """The checkpoint needs something the engine does not implement."""
 
 
-_TORCH_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32"}
+_TORCH_DTYPES = {
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "fp32": "float32",
+}
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
@@ -32,8 +37,16 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling]:
         raise UnsupportedModelError(
             f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
         )
-    fields = {k: merged[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
-                                     "original_max_position_embeddings") if merged.get(k) is not None}
+    fields = {
+        k: merged[k]
+        for k in (
+            "factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        )
+        if merged.get(k) is not None
+    }
     if rope_type == "default":
         fields = {}
     return theta, RopeScaling(rope_type=rope_type, **fields)
@@ -57,14 +70,18 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
             "use a checkpoint with sliding_window null"
         )
     if raw.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported for this architecture")
+        raise UnsupportedModelError(
+            "partial_rotary_factor != 1.0 is not supported for this architecture"
+        )
     heads = raw["num_attention_heads"]
     theta, scaling = _rope(raw)
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     dtype = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
     if dtype not in _TORCH_DTYPES:
-        raise UnsupportedModelError(f"checkpoint dtype {dtype!r} is not supported (float32, bfloat16, float16)")
+        raise UnsupportedModelError(
+            f"checkpoint dtype {dtype!r} is not supported (float32, bfloat16, float16)"
+        )
     is_qwen2 = arch == "Qwen2ForCausalLM"
     attention_bias = bool(raw.get("attention_bias", False))
     return ModelConfig(
@@ -94,5 +111,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"no config.json in {model_dir}: pass a Hugging Face checkpoint folder")
+        raise FileNotFoundError(
+            f"no config.json in {model_dir}: pass a Hugging Face checkpoint folder"
+        )
     return parse_hf_config(json.loads(path.read_text()))

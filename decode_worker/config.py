@@ -32,8 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from splitserve.config.engine_config import EngineConfig
 from splitserve.config.files import load_config
-from splitserve.service.grpc_service import ServerConfig
 from splitserve.kvtransfer.config import KvTransferConfig, RequestFaults
+from splitserve.service.grpc_service import ServerConfig
 
 GRAPH_STEP = 8  # capture sizes go 1, 2, 4, 8, then in steps of this
 
@@ -42,11 +42,19 @@ class DecodeFaults(RequestFaults):
     """For tests only (tests/faults): delays on purpose, so a test can land a cancel or a kill
     between a request's arrival and its admission, or stall the engine. Off by default."""
 
-    delay_before_pull_s: float = Field(0.0, ge=0, description="test only: a handed-off request waits this long "
-                                                              "with its blocks reserved before the KV pull")
+    delay_before_pull_s: float = Field(
+        0.0,
+        ge=0,
+        description="test only: a handed-off request waits this long "
+        "with its blocks reserved before the KV pull",
+    )
 
-    step_delay_s: float = Field(0.0, ge=0, description="test only: a decode step holding a request this hits "
-                                                       "first sleeps this long on the engine thread (a stuck engine)")
+    step_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="test only: a decode step holding a request this hits "
+        "first sleeps this long on the engine thread (a stuck engine)",
+    )
 
     def pull_delay(self, request_id: str) -> float:
         return self.delay_before_pull_s if self.hits(request_id) else 0.0
@@ -61,11 +69,17 @@ class DecodeWorkerConfig(BaseModel):
     engine: EngineConfig
     server: ServerConfig = ServerConfig()
     kv_transfer: KvTransferConfig = KvTransferConfig()
-    cuda_graph: bool = Field(True, description="capture the decode step as CUDA graphs (ignored on CPU)")
+    cuda_graph: bool = Field(
+        True, description="capture the decode step as CUDA graphs (ignored on CPU)"
+    )
     cuda_graph_sizes: tuple[int, ...] | None = Field(
-        None, description="batch sizes to capture; None: 1, 2, 4, 8, then steps of 8 up to max_batch_size")
+        None,
+        description="batch sizes to capture; None: 1, 2, 4, 8, then steps of 8 up to max_batch_size",
+    )
     overlap: bool = Field(True, description="enqueue step N+1 before reading step N's tokens")
-    warmup_steps: int = Field(2, ge=1, le=16, description="eager runs of each graph size before capture")
+    warmup_steps: int = Field(
+        2, ge=1, le=16, description="eager runs of each graph size before capture"
+    )
     faults: DecodeFaults = DecodeFaults()
 
     @field_validator("cuda_graph_sizes")
@@ -90,7 +104,9 @@ def capture_sizes(cfg: DecodeWorkerConfig, max_batch_size: int, usable_blocks: i
     return sorted({s for s in wanted if s <= cap})
 
 
-def load(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> DecodeWorkerConfig:
+def load(
+    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> DecodeWorkerConfig:
     """YAML file (optional) with dotted-key overrides on top, e.g. {"engine.cache.block_size": 8};
     a bad value raises ConfigError (a ValueError), one line naming the field."""
     return load_config(DecodeWorkerConfig, path, overrides)

@@ -30,11 +30,11 @@ from splitserve.decode_worker.graph_runner import GraphRunner, StepHandle
 from splitserve.decode_worker.metrics import DecodeMetrics
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
+from splitserve.engine.model_runner import ModelRunner, PrefillChunk
+from splitserve.engine.sampler import Sampler, SeqSamplingInfo, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.detokenizer import IncrementalDetokenizer
 from splitserve.request.errors import RequestError
-from splitserve.engine.model_runner import ModelRunner, PrefillChunk
-from splitserve.engine.sampler import Sampler, SeqSamplingInfo, TokenLogprobs
 from splitserve.request.stop_checker import StopChecker
 
 log = logging.getLogger(__name__)
@@ -49,8 +49,13 @@ class LoadSnapshot:
 
 
 class DecodeEngine:
-    def __init__(self, cfg: DecodeWorkerConfig, runner: ModelRunner | None = None, tokenizer=None,
-                 metrics: DecodeMetrics | None = None) -> None:
+    def __init__(
+        self,
+        cfg: DecodeWorkerConfig,
+        runner: ModelRunner | None = None,
+        tokenizer=None,
+        metrics: DecodeMetrics | None = None,
+    ) -> None:
         self.cfg = cfg
         self.runner = runner or ModelRunner(cfg.engine)
         self.tokenizer = tokenizer
@@ -58,14 +63,22 @@ class DecodeEngine:
         sc = cfg.engine.scheduler
         self.allocator = BlockAllocator(self.runner.num_blocks)
         self.max_batch_size = sc.max_batch_size
-        self.scheduler = DecodeScheduler(self.allocator, self.runner.block_size, sc.max_batch_size,
-                                         self.runner.max_model_len, sc.max_queue_len, sc.max_num_batched_tokens)
+        self.scheduler = DecodeScheduler(
+            self.allocator,
+            self.runner.block_size,
+            sc.max_batch_size,
+            self.runner.max_model_len,
+            sc.max_queue_len,
+            sc.max_num_batched_tokens,
+        )
         self.graphs = GraphRunner(self.runner, sc.max_batch_size)
         self.sampler = Sampler(cfg.engine.seed)
         self.eos = tuple(self.runner.model_config.eos_token_ids)
         self.vocab_size = self.runner.model_config.vocab_size
         self._inflight: StepHandle | None = None
-        self.load = LoadSnapshot(free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_usable)
+        self.load = LoadSnapshot(
+            free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_usable
+        )
 
     # ---- start-up --------------------------------------------------------------------------------
     def warm_up(self) -> list[int]:
@@ -76,7 +89,9 @@ class DecodeEngine:
         return self.graphs.captured_sizes
 
     # ---- requests --------------------------------------------------------------------------------
-    def _new_sequence(self, inp: DecodeInput, sink: Sink) -> tuple[DecodeSequence, StepOutput | None]:
+    def _new_sequence(
+        self, inp: DecodeInput, sink: Sink
+    ) -> tuple[DecodeSequence, StepOutput | None]:
         """`inp` was validated at this worker's trust boundary (servicer.py: prompt, vocabulary,
         sampling, stop strings only with a tokenizer); the engine builds on it unchecked."""
         prompt = list(inp.prompt_token_ids)
@@ -87,7 +102,11 @@ class DecodeEngine:
         if inp.first_token_id is None:  # colocated: admission computes the prompt, samples out[0]
             return seq, None
         first = stop.update(inp.first_token_id, detok.add(inp.first_token_id) if detok else "")
-        done = StepOutput(inp.request_id, (), (), first.finish_reason, first.stop_reason) if first.finished else None
+        done = (
+            StepOutput(inp.request_id, (), (), first.finish_reason, first.stop_reason)
+            if first.finished
+            else None
+        )
         return seq, done
 
     def submit(self, inp: DecodeInput, sink: Sink) -> None:
@@ -104,8 +123,10 @@ class DecodeEngine:
         by the caller, e.g. the KV-transfer pull); the engine owns the blocks from here on."""
         try:
             if inp.first_token_id is None:
-                raise RequestError.invalid("a request with KV needs first_token_id; pass the token the prefill "
-                                           "worker returned with the handle")
+                raise RequestError.invalid(
+                    "a request with KV needs first_token_id; pass the token the prefill "
+                    "worker returned with the handle"
+                )
             seq, done = self._new_sequence(inp, sink)
         except RequestError:
             self.allocator.free(block_ids)
@@ -157,10 +178,14 @@ class DecodeEngine:
             seqs = [s for s in batch.seqs if not s.finished]  # a sampled first token may end one
             if seqs:  # (rows changed whenever something was recomputed: new rows were admitted)
                 handle = self.graphs.launch(seqs, batch.changed, batch.new_blocks)
-                (self.metrics.graph_replays if handle.graph_size else self.metrics.eager_steps).inc()
+                (
+                    self.metrics.graph_replays if handle.graph_size else self.metrics.eager_steps
+                ).inc()
                 self.metrics.batch_size.observe(len(seqs))
         elif prev is None and self.scheduler.by_id:
-            raise RuntimeError("decode scheduler stalled: requests wait but nothing can run or is in flight")
+            raise RuntimeError(
+                "decode scheduler stalled: requests wait but nothing can run or is in flight"
+            )
         if prev is not None:
             self._complete(prev)
         if handle is not None:
@@ -189,11 +214,15 @@ class DecodeEngine:
         used = 0
         for seq in seqs:
             tokens = seq.recompute_tokens()
-            (self.metrics.prompt_tokens if seq.needs_first_token else self.metrics.recomputed_tokens).inc(len(tokens))
+            (
+                self.metrics.prompt_tokens
+                if seq.needs_first_token
+                else self.metrics.recomputed_tokens
+            ).inc(len(tokens))
             start = 0
             while start < len(tokens):
                 take = min(len(tokens) - start, budget - used)
-                chunks.append(PrefillChunk(tokens[start:start + take], start, seq.block_ids))
+                chunks.append(PrefillChunk(tokens[start : start + take], start, seq.block_ids))
                 start += take
                 used += take
                 if start == len(tokens) and seq.needs_first_token:
@@ -209,7 +238,9 @@ class DecodeEngine:
     def _sample_first(self, seqs: list[DecodeSequence], logits: torch.Tensor) -> None:
         """Colocated: out[0] of prompts computed here, sampled on the host as the prefill worker
         does (step 0, same seed rule), then accepted like any token (stops, logprobs, stream)."""
-        out = self.sampler.sample(logits, [SeqSamplingInfo(s.params, s.prompt_token_ids, []) for s in seqs])
+        out = self.sampler.sample(
+            logits, [SeqSamplingInfo(s.params, s.prompt_token_ids, []) for s in seqs]
+        )
         now = time.monotonic()
         for seq, tok, lp in zip(seqs, out.token_ids, out.logprobs):
             self._accept(seq, tok, lp, now)
@@ -219,7 +250,9 @@ class DecodeEngine:
         logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
         if handle.sampler_rows:
             rows = [handle.seqs[i] for i in handle.sampler_rows]
-            infos = [SeqSamplingInfo(s.params, s.prompt_token_ids, s.output_token_ids) for s in rows]
+            infos = [
+                SeqSamplingInfo(s.params, s.prompt_token_ids, s.output_token_ids) for s in rows
+            ]
             out = self.sampler.sample(handle.sampler_logits, infos)
             for j, i in enumerate(handle.sampler_rows):
                 tokens[i] = out.token_ids[j]
@@ -231,7 +264,9 @@ class DecodeEngine:
             if not seq.finished:
                 self._accept(seq, tok, lp, now)
 
-    def _accept(self, seq: DecodeSequence, token: int, logprob: TokenLogprobs | None, now: float) -> None:
+    def _accept(
+        self, seq: DecodeSequence, token: int, logprob: TokenLogprobs | None, now: float
+    ) -> None:
         seq.output_token_ids.append(token)
         delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
         result = seq.stop.update(token, delta)
@@ -241,7 +276,12 @@ class DecodeEngine:
         if result.finished:
             self.scheduler.finish(seq)
             self.metrics.finished.labels(result.finish_reason).inc()
-        self._emit(seq, StepOutput(seq.request_id, (token,), (logprob,), result.finish_reason, result.stop_reason))
+        self._emit(
+            seq,
+            StepOutput(
+                seq.request_id, (token,), (logprob,), result.finish_reason, result.stop_reason
+            ),
+        )
 
     def _emit(self, seq: DecodeSequence, out: StepOutput) -> None:
         try:
@@ -252,8 +292,12 @@ class DecodeEngine:
 
     def _snapshot(self) -> None:
         free = self.allocator.num_free
-        self.load = LoadSnapshot(len(self.scheduler.running), len(self.scheduler.waiting), free,
-                                 self.allocator.num_usable)
+        self.load = LoadSnapshot(
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            free,
+            self.allocator.num_usable,
+        )
         m = self.metrics
         m.kv_blocks_free.set(free)
         m.kv_blocks_used.set(self.allocator.num_usable - free)
@@ -263,6 +307,11 @@ class DecodeEngine:
     def close(self, error: RequestError | None = None) -> None:
         """Ends what is left with `error` (default UNAVAILABLE) and releases the graphs; idempotent."""
         self._inflight = None
-        self.abort_all("error", error or RequestError.unavailable(
-            "the decode worker is shutting down; retry on another decode worker"))
+        self.abort_all(
+            "error",
+            error
+            or RequestError.unavailable(
+                "the decode worker is shutting down; retry on another decode worker"
+            ),
+        )
         self.graphs.release()

@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, engine: DecodeEngine, on_fatal: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self, engine: DecodeEngine, on_fatal: Callable[[BaseException], None] | None = None
+    ) -> None:
         self.engine = engine
         self.fatal: BaseException | None = None
         self.progress = 0  # bumped after every step and every batch of commands (stall_watch.py)
@@ -72,13 +74,17 @@ class EngineLoop:
 
     def _refusal(self) -> RequestError:
         if self.fatal is not None:
-            return RequestError.unavailable(f"the decode engine failed ({self.fatal!r}); retry on another "
-                                            "decode worker")
-        return RequestError.unavailable("the decode worker is shutting down; retry on another decode worker")
+            return RequestError.unavailable(
+                f"the decode engine failed ({self.fatal!r}); retry on another decode worker"
+            )
+        return RequestError.unavailable(
+            "the decode worker is shutting down; retry on another decode worker"
+        )
 
     def submit(self, inp: DecodeInput, sink: Sink, block_ids: Sequence[int] | None = None) -> None:
         """Queues a request (KV present in `block_ids`, or None: recompute it). A refusal
         arrives through `sink` as a final StepOutput with finish_reason "error"."""
+
         def cmd() -> None:
             try:
                 if block_ids is None:
@@ -105,9 +111,8 @@ class EngineLoop:
             got = self.engine.allocator.allocate(num_blocks)
             fut.set_result(None if got is None else list(got.block_ids))
 
-        if not self._post(cmd):
-            if fut.set_running_or_notify_cancel():
-                fut.set_result(None)
+        if not self._post(cmd) and fut.set_running_or_notify_cancel():
+            fut.set_result(None)
         return fut
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
@@ -128,9 +133,8 @@ class EngineLoop:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
 
-        if not self._post(cmd):
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(RuntimeError("the decode engine is not running"))
+        if not self._post(cmd) and fut.set_running_or_notify_cancel():
+            fut.set_exception(RuntimeError("the decode engine is not running"))
         return fut
 
     def abort(self, request_id: str) -> Future[bool]:
@@ -141,9 +145,8 @@ class EngineLoop:
             if fut.set_running_or_notify_cancel():
                 fut.set_result(found)
 
-        if not self._post(cmd):
-            if fut.set_running_or_notify_cancel():
-                fut.set_result(False)
+        if not self._post(cmd) and fut.set_running_or_notify_cancel():
+            fut.set_result(False)
         return fut
 
     # ---- the thread ------------------------------------------------------------------------------
@@ -165,7 +168,9 @@ class EngineLoop:
                 if stopping:
                     break
                 if self.engine.has_work:
-                    if delay := self.engine.cfg.faults.step_delay(self.engine.scheduler.by_id):  # tests only
+                    if delay := self.engine.cfg.faults.step_delay(
+                        self.engine.scheduler.by_id
+                    ):  # tests only
                         time.sleep(delay)
                     self.engine.step()
                     self.progress += 1

@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.attention_metadata import AttentionMetadata
-from splitserve.request.block_allocator import NULL_BLOCK
-from splitserve.engine.model_runner import ModelRunner
 from splitserve.decode_worker.sequence import DecodeSequence
 from splitserve.decode_worker.step_buffers import DecodeBuffers, StagingSlot
+from splitserve.engine.attention_metadata import AttentionMetadata
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.request.block_allocator import NULL_BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ class StepHandle:
     slot: StagingSlot
     graph_size: int  # 0: eager
     sampler_rows: list[int] = field(default_factory=list)
-    sampler_logits: torch.Tensor | None = None  # [len(sampler_rows), V], cloned right after the step
+    sampler_logits: torch.Tensor | None = (
+        None  # [len(sampler_rows), V], cloned right after the step
+    )
 
     @property
     def needs_host_sampling(self) -> bool:
@@ -65,7 +67,9 @@ class GraphRunner:
         self.runner = runner
         self.device = runner.device
         self.max_batch_size = max_batch_size
-        self.bufs = DecodeBuffers(max_batch_size, runner.max_blocks_per_seq, runner.block_size, runner.device)
+        self.bufs = DecodeBuffers(
+            max_batch_size, runner.max_blocks_per_seq, runner.block_size, runner.device
+        )
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._graph_logits: dict[int, torch.Tensor] = {}
         self._pool = None
@@ -82,8 +86,12 @@ class GraphRunner:
     def _body(self, n: int) -> torch.Tensor:
         b, r = self.bufs, self.runner
         b.derive_metadata(n)
-        meta = AttentionMetadata(slot_mapping=b.slot_mapping[:n], block_tables=b.block_tables[:n],
-                                 context_lens=b.context_lens[:n], is_prefill=False)
+        meta = AttentionMetadata(
+            slot_mapping=b.slot_mapping[:n],
+            block_tables=b.block_tables[:n],
+            context_lens=b.context_lens[:n],
+            is_prefill=False,
+        )
         logits = r.model.logits(b.input_ids[:n], b.positions[:n], r.kv_cache, r.cos_sin, meta)
         b.sampled[:n].copy_(logits.argmax(dim=-1))
         r.tp.broadcast_(b.sampled[:n])  # rank 0's choice everywhere (a no-op without TP)
@@ -131,7 +139,9 @@ class GraphRunner:
 
     def _build_dispatch(self) -> None:
         sizes = sorted(self._graphs)
-        self.dispatch = [next((s for s in sizes if s >= n), 0) for n in range(self.max_batch_size + 1)]
+        self.dispatch = [
+            next((s for s in sizes if s >= n), 0) for n in range(self.max_batch_size + 1)
+        ]
         self.dispatch[0] = 0
 
     def release(self) -> None:
@@ -157,8 +167,12 @@ class GraphRunner:
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
-    def launch(self, seqs: Sequence[DecodeSequence], changed: bool,
-               new_blocks: Sequence[tuple[DecodeSequence, int, int]] = ()) -> StepHandle:
+    def launch(
+        self,
+        seqs: Sequence[DecodeSequence],
+        changed: bool,
+        new_blocks: Sequence[tuple[DecodeSequence, int, int]] = (),
+    ) -> StepHandle:
         """Enqueues one decode step for `seqs` (their KV up to next_position present, their
         blocks allocated); returns at once (on CUDA) with a handle for `read`."""
         n = len(seqs)
@@ -170,10 +184,17 @@ class GraphRunner:
         if changed or not self._rows:
             lost = [s.request_id for s in seqs if s.in_flight and s.uid not in self._rows]
             if lost:  # its next token exists only on the device, in a row we no longer know
-                raise RuntimeError(f"sequences {lost} have a token in flight but were not in the last step")
-            prep = ("prepare", size, [list(s.block_ids) for s in seqs], [s.next_position for s in seqs],
-                    [s.output_token_ids[-1] if s.in_flight == 0 else 0 for s in seqs],
-                    [self._rows.get(s.uid, -1) if s.in_flight else -1 for s in seqs])
+                raise RuntimeError(
+                    f"sequences {lost} have a token in flight but were not in the last step"
+                )
+            prep = (
+                "prepare",
+                size,
+                [list(s.block_ids) for s in seqs],
+                [s.next_position for s in seqs],
+                [s.output_token_ids[-1] if s.in_flight == 0 else 0 for s in seqs],
+                [self._rows.get(s.uid, -1) if s.in_flight else -1 for s in seqs],
+            )
             self._rows = {s.uid: i for i, s in enumerate(seqs)}
         elif new_blocks:
             prep = ("patch", [(self._rows[s.uid], col, blk) for s, col, blk in new_blocks])
@@ -193,7 +214,9 @@ class GraphRunner:
         return handle
 
     @torch.inference_mode()
-    def run_step(self, slot: StagingSlot, n: int, graph_size: int, prep: tuple | None) -> torch.Tensor:
+    def run_step(
+        self, slot: StagingSlot, n: int, graph_size: int, prep: tuple | None
+    ) -> torch.Tensor:
         """The device side of one step: fill the inputs (`prep`: a full prepare, a table patch or
         nothing), then replay graph `graph_size` (0: eager body). Followers call it directly."""
         if prep is not None and prep[0] == "prepare":

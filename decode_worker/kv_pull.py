@@ -19,15 +19,17 @@ import grpc
 
 from splitserve.decode_worker.config import DecodeFaults
 from splitserve.decode_worker.engine_loop import EngineLoop
-from splitserve.request.errors import RequestError
 from splitserve.kvtransfer.client import KvTransferClient, KvTransferError
 from splitserve.protos import kv_pb2
+from splitserve.request.errors import RequestError
 
 log = logging.getLogger(__name__)
 
 
 class KvPuller:
-    def __init__(self, client: KvTransferClient, policy: str, faults: DecodeFaults | None = None) -> None:
+    def __init__(
+        self, client: KvTransferClient, policy: str, faults: DecodeFaults | None = None
+    ) -> None:
         self.client = client
         self.policy = policy
         self.faults = faults or DecodeFaults()
@@ -44,7 +46,11 @@ class KvPuller:
             raise
         if ids is None:
             self.client.metrics.failures.labels("pool_full").inc()
-            log.info("%s: no room for %d blocks now; recomputing once blocks free up", kv.request_id, kv.num_blocks)
+            log.info(
+                "%s: no room for %d blocks now; recomputing once blocks free up",
+                kv.request_id,
+                kv.num_blocks,
+            )
             return None
         if delay := self.faults.pull_delay(kv.request_id):  # tests only: a window before the pull
             try:
@@ -59,16 +65,25 @@ class KvPuller:
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
-            task.add_done_callback(lambda t: (t.cancelled() or t.exception(), loop.release_blocks(ids)))
+            task.add_done_callback(
+                lambda t: (t.cancelled() or t.exception(), loop.release_blocks(ids))
+            )
             raise
         except KvTransferError as exc:
             loop.release_blocks(ids)
             if exc.status == grpc.StatusCode.FAILED_PRECONDITION:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, f"kv: {exc}") from None
             if self.policy == "fail":
-                raise RequestError.unavailable(f"KV transfer failed ({exc.reason}): {exc}; retry the request "
-                                               "or set kv_transfer.failure_policy=recompute") from None
-            log.warning("%s: KV transfer failed (%s: %s); recomputing the prompt", kv.request_id, exc.reason, exc)
+                raise RequestError.unavailable(
+                    f"KV transfer failed ({exc.reason}): {exc}; retry the request "
+                    "or set kv_transfer.failure_policy=recompute"
+                ) from None
+            log.warning(
+                "%s: KV transfer failed (%s: %s); recomputing the prompt",
+                kv.request_id,
+                exc.reason,
+                exc,
+            )
             return None
         except BaseException:
             loop.release_blocks(ids)

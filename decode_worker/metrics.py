@@ -5,7 +5,22 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1.0)
+_STEP_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.1,
+    0.25,
+    1.0,
+)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
 
@@ -13,28 +28,60 @@ class DecodeMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.step_seconds = Histogram("splitserve_decode_step_seconds",
-                                      "Wall time of one decode step (schedule, launch, read of the previous)",
-                                      buckets=_STEP_BUCKETS, registry=r)
-        self.batch_size = Histogram("splitserve_decode_batch_size", "Sequences in a decode step",
-                                    buckets=_BATCH_BUCKETS, registry=r)
-        self.graph_replays = Counter("splitserve_decode_graph_replays", "Decode steps run as a CUDA graph replay",
-                                     registry=r)
-        self.eager_steps = Counter("splitserve_decode_eager_steps",
-                                   "Decode steps run eagerly (CPU, graphs off, or no graph covers the batch)",
-                                   registry=r)
-        self.itl_seconds = Histogram("splitserve_decode_itl_seconds", "Inter-token latency per sequence",
-                                     buckets=_STEP_BUCKETS, registry=r)
-        self.kv_blocks_free = Gauge("splitserve_decode_kv_blocks_free", "Free KV blocks", registry=r)
-        self.kv_blocks_used = Gauge("splitserve_decode_kv_blocks_used", "KV blocks held by requests", registry=r)
-        self.running = Gauge("splitserve_decode_running", "Sequences in the running batch", registry=r)
-        self.waiting = Gauge("splitserve_decode_waiting", "Sequences queued for admission", registry=r)
-        self.preemptions = Counter("splitserve_decode_preemptions", "Sequences preempted for recompute",
-                                   registry=r)
-        self.recomputed_tokens = Counter("splitserve_decode_recomputed_tokens",
-                                         "Tokens re-prefilled locally (preemption or no KV handle)", registry=r)
-        self.prompt_tokens = Counter("splitserve_decode_prompt_tokens",
-                                     "Prompt tokens prefilled here for requests that had no prefill (colocated)",
-                                     registry=r)
-        self.finished = Counter("splitserve_decode_requests_finished", "Finished requests by reason",
-                                ["reason"], registry=r)
+        self.step_seconds = Histogram(
+            "splitserve_decode_step_seconds",
+            "Wall time of one decode step (schedule, launch, read of the previous)",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "splitserve_decode_batch_size",
+            "Sequences in a decode step",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.graph_replays = Counter(
+            "splitserve_decode_graph_replays", "Decode steps run as a CUDA graph replay", registry=r
+        )
+        self.eager_steps = Counter(
+            "splitserve_decode_eager_steps",
+            "Decode steps run eagerly (CPU, graphs off, or no graph covers the batch)",
+            registry=r,
+        )
+        self.itl_seconds = Histogram(
+            "splitserve_decode_itl_seconds",
+            "Inter-token latency per sequence",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.kv_blocks_free = Gauge(
+            "splitserve_decode_kv_blocks_free", "Free KV blocks", registry=r
+        )
+        self.kv_blocks_used = Gauge(
+            "splitserve_decode_kv_blocks_used", "KV blocks held by requests", registry=r
+        )
+        self.running = Gauge(
+            "splitserve_decode_running", "Sequences in the running batch", registry=r
+        )
+        self.waiting = Gauge(
+            "splitserve_decode_waiting", "Sequences queued for admission", registry=r
+        )
+        self.preemptions = Counter(
+            "splitserve_decode_preemptions", "Sequences preempted for recompute", registry=r
+        )
+        self.recomputed_tokens = Counter(
+            "splitserve_decode_recomputed_tokens",
+            "Tokens re-prefilled locally (preemption or no KV handle)",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "splitserve_decode_prompt_tokens",
+            "Prompt tokens prefilled here for requests that had no prefill (colocated)",
+            registry=r,
+        )
+        self.finished = Counter(
+            "splitserve_decode_requests_finished",
+            "Finished requests by reason",
+            ["reason"],
+            registry=r,
+        )

@@ -32,23 +32,34 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from splitserve.decode_worker.sequence import DecodeSequence, Status
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.errors import RequestError
-from splitserve.decode_worker.sequence import DecodeSequence, Status
 
 
 @dataclass
 class ScheduledBatch:
     seqs: list[DecodeSequence]  # rows of the step, in order
     changed: bool  # rows differ from the previous step's: the runner re-prepares everything
-    recompute: list[DecodeSequence] = field(default_factory=list)  # admitted without KV: prefill first
-    new_blocks: list[tuple[DecodeSequence, int, int]] = field(default_factory=list)  # (seq, column, block)
+    recompute: list[DecodeSequence] = field(
+        default_factory=list
+    )  # admitted without KV: prefill first
+    new_blocks: list[tuple[DecodeSequence, int, int]] = field(
+        default_factory=list
+    )  # (seq, column, block)
     num_preempted: int = 0
 
 
 class DecodeScheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_size: int,
-                 max_model_len: int, max_queue_len: int, max_recompute_tokens: int) -> None:
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        max_batch_size: int,
+        max_model_len: int,
+        max_queue_len: int,
+        max_recompute_tokens: int,
+    ) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.max_batch_size = max_batch_size
@@ -74,16 +85,21 @@ class DecodeScheduler:
     # ---- entry points ----------------------------------------------------------------------
     def _check_new(self, seq: DecodeSequence) -> None:
         if seq.request_id in self.by_id:
-            raise RequestError.invalid(f"request_id {seq.request_id!r} is already in flight on this worker; "
-                                       "use a unique id per request")
+            raise RequestError.invalid(
+                f"request_id {seq.request_id!r} is already in flight on this worker; "
+                "use a unique id per request"
+            )
         if len(self.waiting) >= self.max_queue_len:
-            raise RequestError.exhausted(f"decode queue is full ({self.max_queue_len} waiting); retry later "
-                                         "or on another decode worker")
+            raise RequestError.exhausted(
+                f"decode queue is full ({self.max_queue_len} waiting); retry later "
+                "or on another decode worker"
+            )
         worst = min(seq.prompt_len + seq.params.max_tokens, self.max_model_len)
         if self.blocks_for(worst) > self.allocator.num_usable:
             raise RequestError.exhausted(
                 f"prompt + max_tokens need up to {self.blocks_for(worst)} KV blocks but this worker's pool "
-                f"holds {self.allocator.num_usable}; lower max_tokens or raise cache.num_blocks")
+                f"holds {self.allocator.num_usable}; lower max_tokens or raise cache.num_blocks"
+            )
 
     def add(self, seq: DecodeSequence) -> None:
         """Queues a sequence without KV: it is recomputed locally when admitted."""
@@ -97,7 +113,9 @@ class DecodeScheduler:
         from `self.allocator`; the scheduler owns them from now on and frees them)."""
         need = self.blocks_for(seq.prompt_len)
         if len(block_ids) != need:
-            raise RequestError.invalid(f"prompt of {seq.prompt_len} tokens needs {need} blocks, got {len(block_ids)}")
+            raise RequestError.invalid(
+                f"prompt of {seq.prompt_len} tokens needs {need} blocks, got {len(block_ids)}"
+            )
         self._check_new(seq)
         seq.block_ids = list(block_ids)
         seq.status = Status.WAITING

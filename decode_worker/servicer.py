@@ -22,6 +22,9 @@ import grpc
 from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.decode_worker.kv_pull import KvPuller
 from splitserve.decode_worker.sequence import DecodeInput, StepOutput
+from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
+from splitserve.kvtransfer.shards import shard_sources
+from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.request.errors import RequestError
 from splitserve.service.proto_convert import (
     finish_reason_to_proto,
@@ -29,9 +32,6 @@ from splitserve.service.proto_convert import (
     stop_reason_to_proto,
     validate_request,
 )
-from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
-from splitserve.kvtransfer.shards import shard_sources
-from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class _Outbox:
                 if len(self._pending) > 1:  # a flush is already scheduled
                     return
             self._aio.call_soon_threadsafe(self._flush)
+
         return put
 
     def _flush(self) -> None:
@@ -79,9 +80,13 @@ class _Outbox:
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self) -> None:
         self.loop: EngineLoop | None = None  # set once the model is loaded and the graphs captured
-        self.puller: KvPuller | None = None  # set after the graphs are captured (DESIGN: capture before UCX)
+        self.puller: KvPuller | None = (
+            None  # set after the graphs are captured (DESIGN: capture before UCX)
+        )
         self._outbox: _Outbox | None = None
-        self._streams: dict[asyncio.Queue, str] = {}  # open Decode calls: their output queue -> request id
+        self._streams: dict[
+            asyncio.Queue, str
+        ] = {}  # open Decode calls: their output queue -> request id
         self.failed: RequestError | None = None  # set by fail_all: every call from then on gets it
 
     def fail_all(self, err: RequestError) -> None:
@@ -95,8 +100,10 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if self.failed is not None:
             raise self.failed
         if self.loop is None:
-            raise RequestError.unavailable("the decode worker is still loading its model and capturing graphs; "
-                                           "retry when its health check says SERVING")
+            raise RequestError.unavailable(
+                "the decode worker is still loading its model and capturing graphs; "
+                "retry when its health check says SERVING"
+            )
         return self.loop
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
@@ -134,12 +141,15 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 resp.transfer_time_ms = transfer_s * 1000
                 resp.queue_time_ms = (first_out_at - submitted) * 1000
             return resp
+
         try:
             while not done:
                 outs = [await queue.get()]
                 first_out_at = time.perf_counter()
-                while not queue.empty() and not outs[-1].finished:  # the client fell behind: one chunk for all
-                    outs.append(queue.get_nowait())                    # (fail_all's error may come before a step's)
+                while (
+                    not queue.empty() and not outs[-1].finished
+                ):  # the client fell behind: one chunk for all
+                    outs.append(queue.get_nowait())  # (fail_all's error may come before a step's)
                 done = outs[-1].finished
                 if done and outs[-1].error is not None:
                     err = outs[-1].error
@@ -151,26 +161,38 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 yield timed(_merge(outs, inp.params.logprobs is not None))
         finally:
             self._streams.pop(queue, None)
-            if not done or self.failed is not None:  # cancelled, deadline passed, server stopping, rank lost
+            if (
+                not done or self.failed is not None
+            ):  # cancelled, deadline passed, server stopping, rank lost
                 loop.abort(request.request_id)
 
     def _validate(self, request: worker_pb2.DecodeRequest, loop: EngineLoop) -> DecodeInput:
         engine = loop.engine
         if not request.request_id:
             raise RequestError.invalid("request_id is empty; give every request a unique id")
-        params = validate_request(request.prompt_token_ids, request.sampling if request.HasField("sampling") else None,
-                                  vocab_size=engine.vocab_size, max_model_len=engine.runner.max_model_len)
+        params = validate_request(
+            request.prompt_token_ids,
+            request.sampling if request.HasField("sampling") else None,
+            vocab_size=engine.vocab_size,
+            max_model_len=engine.runner.max_model_len,
+        )
         if params.stop and engine.tokenizer is None:
-            raise RequestError.invalid("stop strings need the worker's tokenizer, and this worker has none; use "
-                                       "stop_token_ids or start the worker on a checkpoint with tokenizer.json")
+            raise RequestError.invalid(
+                "stop strings need the worker's tokenizer, and this worker has none; use "
+                "stop_token_ids or start the worker on a checkpoint with tokenizer.json"
+            )
         first = request.first_token_id if request.HasField("first_token_id") else None
         if first is not None and first >= engine.vocab_size:
-            raise RequestError.invalid(f"first_token_id {first} is outside the vocabulary "
-                                       f"(size {engine.vocab_size}); pass the token the prefill worker returned")
+            raise RequestError.invalid(
+                f"first_token_id {first} is outside the vocabulary "
+                f"(size {engine.vocab_size}); pass the token the prefill worker returned"
+            )
         if request.HasField("kv") and request.kv.lease_id:
             if first is None:
-                raise RequestError.invalid("kv is set but first_token_id is not; pass the first token the prefill "
-                                           "worker returned with the handle (omit both for colocated decoding)")
+                raise RequestError.invalid(
+                    "kv is set but first_token_id is not; pass the first token the prefill "
+                    "worker returned with the handle (omit both for colocated decoding)"
+                )
             self._check_handle(request.kv, len(request.prompt_token_ids), engine)
         return DecodeInput(request.request_id, list(request.prompt_token_ids), first, params)
 
@@ -180,27 +202,41 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         (FAILED_PRECONDITION), caught before any block is allocated."""
         runner = engine.runner
         try:
-            check_compatible(kv, PoolSpec.of(runner.kv_cache, runner.compat_hash,
-                                             runner.model_config.num_key_value_heads))
+            check_compatible(
+                kv,
+                PoolSpec.of(
+                    runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads
+                ),
+            )
         except KvIncompatibleError as exc:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"kv: {exc} (GetLoad.model_compat_hash tells compatible workers)") from None
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"kv: {exc} (GetLoad.model_compat_hash tells compatible workers)",
+            ) from None
         if kv.num_tokens != prompt_len:
-            raise RequestError.invalid(f"kv.num_tokens is {kv.num_tokens} but the prompt has {prompt_len} tokens; "
-                                       "send the prompt the handle was made for")
+            raise RequestError.invalid(
+                f"kv.num_tokens is {kv.num_tokens} but the prompt has {prompt_len} tokens; "
+                "send the prompt the handle was made for"
+            )
         if kv.num_blocks != -(-kv.num_tokens // kv.block_size):
-            raise RequestError.invalid(f"kv.num_blocks is {kv.num_blocks} but {kv.num_tokens} tokens fill "
-                                       f"{-(-kv.num_tokens // kv.block_size)} blocks of {kv.block_size}; "
-                                       "pass the handle the prefill worker returned, unchanged")
+            raise RequestError.invalid(
+                f"kv.num_blocks is {kv.num_blocks} but {kv.num_tokens} tokens fill "
+                f"{-(-kv.num_tokens // kv.block_size)} blocks of {kv.block_size}; "
+                "pass the handle the prefill worker returned, unchanged"
+            )
         if not kv.address.host or not kv.address.port:
-            raise RequestError.invalid("kv.address needs the prefill worker's UCX host and port; "
-                                       "pass the handle the prefill worker returned, unchanged")
+            raise RequestError.invalid(
+                "kv.address needs the prefill worker's UCX host and port; "
+                "pass the handle the prefill worker returned, unchanged"
+            )
         try:
             shard_sources(kv)  # a tensor-parallel prefill's shard map must cover every head once
         except ValueError as exc:
             raise RequestError.invalid(str(exc)) from None
 
-    async def Abort(self, request: generate_pb2.AbortRequest, context) -> generate_pb2.AbortResponse:
+    async def Abort(
+        self, request: generate_pb2.AbortRequest, context
+    ) -> generate_pb2.AbortResponse:
         if self.loop is None:
             return generate_pb2.AbortResponse(found=False)
         found = await asyncio.wrap_future(self.loop.abort(request.request_id))

@@ -66,7 +66,12 @@ class StagingRing:
 
 class DecodeBuffers:
     def __init__(self, max_bs: int, max_blocks: int, block_size: int, device: torch.device) -> None:
-        self.max_bs, self.max_blocks, self.block_size, self.device = max_bs, max_blocks, block_size, device
+        self.max_bs, self.max_blocks, self.block_size, self.device = (
+            max_bs,
+            max_blocks,
+            block_size,
+            device,
+        )
         i64, i32 = torch.int64, torch.int32
         self.input_ids = torch.zeros(max_bs, dtype=i64, device=device)
         self.positions = torch.zeros(max_bs, dtype=i64, device=device)
@@ -81,15 +86,26 @@ class DecodeBuffers:
 
     def reset(self) -> None:
         """Every lane a padding lane on the null block (what warm-up and capture run on)."""
-        for t in (self.input_ids, self.positions, self.live, self.block_tables, self.context_lens,
-                  self.slot_mapping, self.sampled):
+        for t in (
+            self.input_ids,
+            self.positions,
+            self.live,
+            self.block_tables,
+            self.context_lens,
+            self.slot_mapping,
+            self.sampled,
+        ):
             t.zero_()
 
     # ---- per-step metadata, on the device (captured inside the graphs) -----------------------
     def derive_metadata(self, n: int) -> None:
         pos, live = self.positions[:n], self.live[:n]
-        blk = self.block_tables[:n].gather(1, torch.div(pos, self.block_size, rounding_mode="floor").unsqueeze(1))
-        self.slot_mapping[:n].copy_(blk.squeeze(1).to(torch.int64) * self.block_size + pos % self.block_size)
+        blk = self.block_tables[:n].gather(
+            1, torch.div(pos, self.block_size, rounding_mode="floor").unsqueeze(1)
+        )
+        self.slot_mapping[:n].copy_(
+            blk.squeeze(1).to(torch.int64) * self.block_size + pos % self.block_size
+        )
         self.context_lens[:n].copy_((pos + 1) * live)
 
     def advance(self, n: int) -> None:
@@ -98,8 +114,15 @@ class DecodeBuffers:
         self.positions[:n].add_(self.live[:n])
 
     # ---- host -> device ------------------------------------------------------------------------
-    def prepare(self, slot: StagingSlot, n: int, tables: Sequence[Sequence[int]], positions: Sequence[int],
-                host_ids: Sequence[int], src_rows: Sequence[int]) -> None:
+    def prepare(
+        self,
+        slot: StagingSlot,
+        n: int,
+        tables: Sequence[Sequence[int]],
+        positions: Sequence[int],
+        host_ids: Sequence[int],
+        src_rows: Sequence[int],
+    ) -> None:
         """Full prepare of rows [:n] for len(tables) real lanes (the rest padding). A lane with
         src_rows[i] >= 0 continues from row src_rows[i] of the previous step and takes its next
         token from the device; otherwise host_ids[i] is fed (a handed-off first token)."""
@@ -112,9 +135,11 @@ class DecodeBuffers:
             bt[i, : len(t)] = t
         o = n * w
         for j, vals in enumerate((positions, [1] * m, host_ids, src_rows)):
-            seg = a[o + j * n: o + (j + 1) * n]
+            seg = a[o + j * n : o + (j + 1) * n]
             seg[:m] = vals
-            seg[m:] = -1 if j == 3 else PAD_TOKEN  # padding: position 0, not live, token 0, no source
+            seg[m:] = (
+                -1 if j == 3 else PAD_TOKEN
+            )  # padding: position 0, not live, token 0, no source
         total = o + 4 * n
         dev = self.scratch[:total]
         dev.copy_(slot.inp[:total], non_blocking=True)

@@ -30,7 +30,9 @@ from splitserve.kvtransfer.shards import head_overlap
 log = logging.getLogger("splitserve.decode_worker.tp")
 
 
-def write_heads(kv_cache: torch.Tensor, ids: torch.Tensor, piece: torch.Tensor, start: int, end: int) -> None:
+def write_heads(
+    kv_cache: torch.Tensor, ids: torch.Tensor, piece: torch.Tensor, start: int, end: int
+) -> None:
     """piece [L, 2, n, BS, end-start, D] into heads [start, end) of blocks `ids` of this pool."""
     if (start, end) == (0, kv_cache.shape[4]):
         ops.unpack_kv_blocks(piece.contiguous(), kv_cache, ids)
@@ -45,8 +47,12 @@ class TPKvInstaller:
     def __init__(self, loop, runner) -> None:
         self.loop, self.runner = loop, runner
 
-    async def __call__(self, staging: torch.Tensor, dest_blocks: list[int], s0: int, s1: int) -> None:
-        await asyncio.wrap_future(self.loop.call(lambda: self._install(staging, dest_blocks, s0, s1)))
+    async def __call__(
+        self, staging: torch.Tensor, dest_blocks: list[int], s0: int, s1: int
+    ) -> None:
+        await asyncio.wrap_future(
+            self.loop.call(lambda: self._install(staging, dest_blocks, s0, s1))
+        )
 
     @torch.inference_mode()
     def _install(self, staging: torch.Tensor, dest_blocks: list[int], s0: int, s1: int) -> None:
@@ -59,13 +65,15 @@ class TPKvInstaller:
             ov = head_overlap((s0, s1), (r0, r1))
             if ov is None:
                 continue
-            piece = staging[:, :, :, :, ov[0] - s0:ov[1] - s0]
+            piece = staging[:, :, :, :, ov[0] - s0 : ov[1] - s0]
             if r == tp.rank:
                 write_heads(runner.kv_cache, ids, piece, ov[0] - r0, ov[1] - r0)
             else:
                 parts.append((r, ov[0] - r0, ov[1] - r0, piece.contiguous()))
         if parts:
-            runner.mirror(("kv_in", list(dest_blocks), [(r, a, b, tuple(p.shape)) for r, a, b, p in parts]))
+            runner.mirror(
+                ("kv_in", list(dest_blocks), [(r, a, b, tuple(p.shape)) for r, a, b, p in parts])
+            )
             for r, _a, _b, p in parts:
                 dist.send(p, dst=r, group=tp.device_group)
 
@@ -102,8 +110,16 @@ def decode_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
                     dist.recv(buf, src=0, group=tp.device_group)
                     write_heads(runner.kv_cache, ids, buf, a, b)
 
-        follow(tp, runner, {"graph_step": graph_step, "write_tokens": write_tokens, "kv_in": kv_in,
-                            "capture": graphs.capture})
+        follow(
+            tp,
+            runner,
+            {
+                "graph_step": graph_step,
+                "write_tokens": write_tokens,
+                "kv_in": kv_in,
+                "capture": graphs.capture,
+            },
+        )
     finally:
         if graphs is not None:
             graphs.release()

@@ -20,15 +20,15 @@ from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.decode_worker.kv_pull import KvPuller
 from splitserve.decode_worker.metrics import DecodeMetrics
 from splitserve.decode_worker.servicer import DecodeWorkerServicer
-from splitserve.request.errors import RequestError
-from splitserve.service.grpc_service import run_service, service_name
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.request.tokenizer import Tokenizer
-from splitserve.worker.worker_skeleton import WorkerSkeleton
 from splitserve.kvtransfer.client import KvTransferClient
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import worker_pb2, worker_pb2_grpc
+from splitserve.request.errors import RequestError
+from splitserve.request.tokenizer import Tokenizer
+from splitserve.service.grpc_service import run_service, service_name
+from splitserve.worker.worker_skeleton import WorkerSkeleton
 
 log = logging.getLogger("splitserve.decode_worker")
 
@@ -39,7 +39,9 @@ def _load_tokenizer(model_path: str):
     try:
         return Tokenizer.from_dir(model_path)
     except FileNotFoundError:
-        log.warning("no tokenizer.json in %s: requests with stop strings will be refused", model_path)
+        log.warning(
+            "no tokenizer.json in %s: requests with stop strings will be refused", model_path
+        )
         return None
 
 
@@ -49,8 +51,12 @@ class DecodeWorker(WorkerSkeleton):
 
     def __init__(self, cfg: DecodeWorkerConfig, runner: ModelRunner | None = None) -> None:
         self.metrics = DecodeMetrics()
-        super().__init__(cfg, self.metrics.registry, worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
-                         DecodeWorkerServicer())
+        super().__init__(
+            cfg,
+            self.metrics.registry,
+            worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
+            DecodeWorkerServicer(),
+        )
         self._runner = runner
         self.engine: DecodeEngine | None = None
         self.loop: EngineLoop | None = None
@@ -59,7 +65,9 @@ class DecodeWorker(WorkerSkeleton):
         from splitserve.decode_worker.tp_follower import decode_follower_main
 
         runner = self._runner or self.start_ranks(decode_follower_main)
-        engine = DecodeEngine(self.cfg, runner, _load_tokenizer(self.cfg.engine.model_path), self.metrics)
+        engine = DecodeEngine(
+            self.cfg, runner, _load_tokenizer(self.cfg.engine.model_path), self.metrics
+        )
         engine.warm_up()
         return engine
 
@@ -67,8 +75,12 @@ class DecodeWorker(WorkerSkeleton):
         self.engine = await asyncio.to_thread(self._build)
         aio = asyncio.get_running_loop()
         # health goes NOT_SERVING before the failed requests' UNAVAILABLE reaches their callers
-        self.loop = EngineLoop(self.engine, on_fatal=lambda exc: aio.call_soon_threadsafe(
-            asyncio.ensure_future, self.server.set_serving(False)))
+        self.loop = EngineLoop(
+            self.engine,
+            on_fatal=lambda exc: aio.call_soon_threadsafe(
+                asyncio.ensure_future, self.server.set_serving(False)
+            ),
+        )
         self.loop.start()
         self.servicer.loop = self.loop
         runner = self.engine.runner
@@ -79,9 +91,15 @@ class DecodeWorker(WorkerSkeleton):
 
             install = TPKvInstaller(self.loop, runner)
             self.watch_ranks()
-        spec = PoolSpec.of(runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads)
-        client = KvTransferClient(runner.kv_cache, spec, self.cfg.kv_transfer, kv_metrics, install=install)
-        self.servicer.puller = KvPuller(client, self.cfg.kv_transfer.failure_policy, self.cfg.faults)
+        spec = PoolSpec.of(
+            runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads
+        )
+        client = KvTransferClient(
+            runner.kv_cache, spec, self.cfg.kv_transfer, kv_metrics, install=install
+        )
+        self.servicer.puller = KvPuller(
+            client, self.cfg.kv_transfer.failure_policy, self.cfg.faults
+        )
         kv_metrics.log_transports()
 
     async def stop_engine(self) -> None:
@@ -103,8 +121,11 @@ class DecodeWorker(WorkerSkeleton):
         return self.loop is not None and not self.loop.alive
 
     def fail_in_flight(self, rank: int, code) -> None:
-        self.servicer.fail_all(RequestError.unavailable(
-            f"the decode worker lost tensor-parallel rank {rank} (exit {code}); retry on another decode worker"))
+        self.servicer.fail_all(
+            RequestError.unavailable(
+                f"the decode worker lost tensor-parallel rank {rank} (exit {code}); retry on another decode worker"
+            )
+        )
 
     def describe(self) -> str:
         e = self.engine
@@ -112,12 +133,18 @@ class DecodeWorker(WorkerSkeleton):
             return f"decode worker on {self.address} (not started)"
         r = e.runner
         graphs = e.graphs.captured_sizes
-        metrics = f", metrics on :{self.server.metrics_port}" if self.server.metrics_port is not None else ""
-        return (f"decode worker serving {SERVICE_NAME} on {self.address}: model {self.cfg.engine.model_path} "
-                f"({r.device}, {str(r.dtype).removeprefix('torch.')}), {e.allocator.num_usable} KV blocks x "
-                f"{r.block_size} tokens, max batch {e.max_batch_size}, "
-                f"CUDA graphs {graphs if graphs else 'off'}"
-                f"{f', tensor parallel {r.tp.size}' if r.tp.enabled else ''}{metrics}")
+        metrics = (
+            f", metrics on :{self.server.metrics_port}"
+            if self.server.metrics_port is not None
+            else ""
+        )
+        return (
+            f"decode worker serving {SERVICE_NAME} on {self.address}: model {self.cfg.engine.model_path} "
+            f"({r.device}, {str(r.dtype).removeprefix('torch.')}), {e.allocator.num_usable} KV blocks x "
+            f"{r.block_size} tokens, max batch {e.max_batch_size}, "
+            f"CUDA graphs {graphs if graphs else 'off'}"
+            f"{f', tensor parallel {r.tp.size}' if r.tp.enabled else ''}{metrics}"
+        )
 
 
 async def run_worker(cfg: DecodeWorkerConfig) -> int:

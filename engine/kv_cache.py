@@ -12,6 +12,7 @@ import torch
 
 from splitserve.config.engine_config import CacheConfig, ModelConfig
 
+
 @dataclass(frozen=True)
 class KVGeometry:
     num_layers: int
@@ -26,13 +27,22 @@ class KVGeometry:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
-def kv_geometry(model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, tp_size: int = 1) -> KVGeometry:
+def kv_geometry(
+    model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, tp_size: int = 1
+) -> KVGeometry:
     """The pool of one rank: under tensor parallelism it holds only its num_kv_heads / tp heads."""
-    return KVGeometry(model.num_hidden_layers, model.num_key_value_heads // tp_size, model.head_dim,
-                      cache.block_size, dtype)
+    return KVGeometry(
+        model.num_hidden_layers,
+        model.num_key_value_heads // tp_size,
+        model.head_dim,
+        cache.block_size,
+        dtype,
+    )
 
 
-def choose_num_blocks(geom: KVGeometry, cache: CacheConfig, device: torch.device, reserve_bytes: int) -> int:
+def choose_num_blocks(
+    geom: KVGeometry, cache: CacheConfig, device: torch.device, reserve_bytes: int
+) -> int:
     """Explicit `num_blocks`, else a share of the device's free memory (CPU: `cpu_num_blocks`)."""
     if cache.num_blocks is not None:
         return cache.num_blocks
@@ -51,6 +61,12 @@ def choose_num_blocks(geom: KVGeometry, cache: CacheConfig, device: torch.device
 
 def allocate_kv_pool(geom: KVGeometry, num_blocks: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(
-        geom.num_layers, 2, num_blocks, geom.block_size, geom.num_kv_heads, geom.head_dim,
-        dtype=geom.dtype, device=device,
+        geom.num_layers,
+        2,
+        num_blocks,
+        geom.block_size,
+        geom.num_kv_heads,
+        geom.head_dim,
+        dtype=geom.dtype,
+        device=device,
     )

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.config.engine_config import ModelConfig
+from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.engine.parallel import SINGLE, TPGroup
 from splitserve.kernels import ops
 
@@ -61,10 +61,13 @@ class DecoderLayer(nn.Module):
         out = self.tp.all_reduce(out)
         return out if bias is None else out + bias
 
-    def forward(self, hidden, residual, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(
+        self, hidden, residual, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata
+    ):
         cfg, tp = self.cfg, self.tp.enabled
-        qkv, residual = ops.fused_add_rms_norm_linear(hidden, residual, self.input_norm, cfg.rms_norm_eps,
-                                                      self.qkv_weight, self.qkv_bias)
+        qkv, residual = ops.fused_add_rms_norm_linear(
+            hidden, residual, self.input_norm, cfg.rms_norm_eps, self.qkv_weight, self.qkv_bias
+        )
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, cfg.head_dim)
@@ -73,17 +76,35 @@ class DecoderLayer(nn.Module):
         q = ops.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
             attn = ops.prefill_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                meta.max_query_len, self.scale,
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.cu_seqlens_q,
+                meta.context_lens,
+                meta.max_query_len,
+                self.scale,
             )
         else:
-            attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale)
-        hidden = ops.linear_small_m(attn.reshape(t, self.q_size), self.o_weight, None if tp else self.o_bias,
-                                    gemv=GEMV_O_PROJ)
+            attn = ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
+        hidden = ops.linear_small_m(
+            attn.reshape(t, self.q_size),
+            self.o_weight,
+            None if tp else self.o_bias,
+            gemv=GEMV_O_PROJ,
+        )
         if tp:
             hidden = self._row_parallel(hidden, self.o_bias)
-        gate_up, residual = ops.fused_add_rms_norm_linear(hidden, residual, self.post_attention_norm,
-                                                          cfg.rms_norm_eps, self.gate_up_weight, self.gate_up_bias)
+        gate_up, residual = ops.fused_add_rms_norm_linear(
+            hidden,
+            residual,
+            self.post_attention_norm,
+            cfg.rms_norm_eps,
+            self.gate_up_weight,
+            self.gate_up_bias,
+        )
         hidden = ops.silu_mul_linear(gate_up, self.down_weight, None if tp else self.down_bias)
         if tp:
             hidden = self._row_parallel(hidden, self.down_bias)
@@ -96,12 +117,18 @@ class CausalLM(nn.Module):
         cfg.check_tensor_parallel(tp.size)
         self.cfg, self.tp = cfg, tp
         # vocab-parallel embedding / lm_head under TP: this rank's rows [vocab_start, vocab_start + rows)
-        self.vocab_start, rows = tp.vocab_shard(cfg.vocab_size) if tp.enabled else (0, cfg.vocab_size)
+        self.vocab_start, rows = (
+            tp.vocab_shard(cfg.vocab_size) if tp.enabled else (0, cfg.vocab_size)
+        )
         self.embed = _param(rows, cfg.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_hidden_layers)
+        )
         self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _param(
-            rows, cfg.hidden_size, dtype=dtype, device=device
+        self.lm_head = (
+            self.embed
+            if cfg.tie_word_embeddings
+            else _param(rows, cfg.hidden_size, dtype=dtype, device=device)
         )
         real = min(max(cfg.vocab_size - self.vocab_start, 0), rows)  # rows past the vocab: padding
         for p in {id(self.embed): self.embed, id(self.lm_head): self.lm_head}.values():
@@ -121,7 +148,9 @@ class CausalLM(nn.Module):
         if not self.tp.enabled:
             return local.float()
         r, rows = local.shape
-        gathered = self.tp.all_gather_rows(local).view(self.tp.size, r, rows)  # rank-major, model dtype
+        gathered = self.tp.all_gather_rows(local).view(
+            self.tp.size, r, rows
+        )  # rank-major, model dtype
         full = torch.empty(r, self.tp.size, rows, dtype=torch.float32, device=local.device)
         full.copy_(gathered.transpose(0, 1))  # -> row-major and fp32 in one copy
         full = full.view(r, self.tp.size * rows)
@@ -134,15 +163,24 @@ class CausalLM(nn.Module):
         hidden = self._embed(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, positions, cos_sin, kv_cache[i, 0], kv_cache[i, 1], meta)
+            hidden, residual = layer(
+                hidden, residual, positions, cos_sin, kv_cache[i, 0], kv_cache[i, 1], meta
+            )
         return hidden, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final (normed) hidden states [R,H] -> fp32 logits [R,V]."""
         return self._full_logits(F.linear(hidden, self.lm_head))
 
-    def logits(self, input_ids, positions, kv_cache: torch.Tensor, cos_sin, meta: AttentionMetadata,
-               rows: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(
+        self,
+        input_ids,
+        positions,
+        kv_cache: torch.Tensor,
+        cos_sin,
+        meta: AttentionMetadata,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids/positions [T]; kv_cache [L,2,NB,BS,Hkv,D] -> fp32 logits [R,V] of the token rows
         `rows` (all T when None): the final norm runs on those rows only, fused into the lm_head
         GEMV at few rows (decode)."""
@@ -151,6 +189,11 @@ class CausalLM(nn.Module):
             hidden, residual = hidden[rows], residual[rows]
         eps = self.cfg.rms_norm_eps
         if GEMV_LM_HEAD:
-            return self._full_logits(ops.fused_add_rms_norm_linear(hidden, residual, self.final_norm, eps,
-                                                                   self.lm_head)[0])
-        return self.compute_logits(ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)[0])
+            return self._full_logits(
+                ops.fused_add_rms_norm_linear(hidden, residual, self.final_norm, eps, self.lm_head)[
+                    0
+                ]
+            )
+        return self.compute_logits(
+            ops.fused_add_rms_norm(hidden, residual, self.final_norm, eps)[0]
+        )

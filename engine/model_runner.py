@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.config.engine_config import EngineConfig, ModelConfig
 from splitserve.config.hf_config import load_model_config
+from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.engine.kv_cache import KVGeometry, allocate_kv_pool, choose_num_blocks, kv_geometry
 from splitserve.engine.model import CausalLM
 from splitserve.engine.parallel import SINGLE, TPGroup, rank_device
@@ -63,7 +63,9 @@ def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.
 _SAMPLE_BYTES = 1 << 16
 
 
-def model_compat_hash(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, block_size: int) -> str:
+def model_compat_hash(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, block_size: int
+) -> str:
     """Identity of what a KV block means: geometry, dtype, block size and the weights.
 
     The weights enter through each file's size, its safetensors header (names, shapes, offsets)
@@ -94,9 +96,11 @@ class ModelRunner:
         self.model_config = load_model_config(cfg.model_path)
         self.model_config.check_tensor_parallel(cfg.parallel.tensor_parallel_size)
         if cfg.parallel.tensor_parallel_size != tp.size:
-            raise ValueError(f"parallel.tensor_parallel_size is {cfg.parallel.tensor_parallel_size} but this "
-                             f"process group has {tp.size} ranks; start tensor-parallel runners through a worker "
-                             "(--tensor-parallel-size), which spawns every rank")
+            raise ValueError(
+                f"parallel.tensor_parallel_size is {cfg.parallel.tensor_parallel_size} but this "
+                f"process group has {tp.size} ranks; start tensor-parallel runners through a worker "
+                "(--tensor-parallel-size), which spawns every rank"
+            )
         self.tp = tp
         self.mirror = None  # Callable[[tuple], None] on rank 0 of a tensor-parallel worker
         self.device = resolve_device(cfg.device)
@@ -167,9 +171,18 @@ class ModelRunner:
             cu.append(cu[-1] + len(c.token_ids))
             lens.append(end)
         width = max(len(c.block_table) for c in chunks)
-        if self.mirror is not None:  # after validation: a refused call must not run on one rank only
-            self.mirror(("prefill", [PrefillChunk(list(c.token_ids), c.num_computed, tuple(c.block_table))
-                                     for c in chunks]))  # snapshots: the caller's lists may grow
+        if (
+            self.mirror is not None
+        ):  # after validation: a refused call must not run on one rank only
+            self.mirror(
+                (
+                    "prefill",
+                    [
+                        PrefillChunk(list(c.token_ids), c.num_computed, tuple(c.block_table))
+                        for c in chunks
+                    ],
+                )
+            )  # snapshots: the caller's lists may grow
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slots, torch.int64),
             block_tables=self._block_tables([c.block_table for c in chunks], width),
@@ -179,8 +192,14 @@ class ModelRunner:
             max_query_len=max(len(c.token_ids) for c in chunks),
         )
         last = self._to_device([c - 1 for c in cu[1:]], torch.int64)
-        return self.model.logits(self._to_device(ids, torch.int64), self._to_device(pos, torch.int64),
-                                 self.kv_cache, self.cos_sin, meta, rows=last)
+        return self.model.logits(
+            self._to_device(ids, torch.int64),
+            self._to_device(pos, torch.int64),
+            self.kv_cache,
+            self.cos_sin,
+            meta,
+            rows=last,
+        )
 
     @torch.inference_mode()
     def decode(self, lanes: Sequence[DecodeLane]) -> torch.Tensor:
@@ -188,17 +207,36 @@ class ModelRunner:
         for lane in lanes:
             self._check_table(lane.block_table, lane.position + 1)
         if self.mirror is not None:
-            self.mirror(("decode", [DecodeLane(l.token_id, l.position, tuple(l.block_table)) for l in lanes]))
+            self.mirror(
+                (
+                    "decode",
+                    [
+                        DecodeLane(lane.token_id, lane.position, tuple(lane.block_table))
+                        for lane in lanes
+                    ],
+                )
+            )
         meta = AttentionMetadata(
-            slot_mapping=self._to_device([self._slots(l.block_table, l.position, l.position + 1)[0] for l in lanes],
-                                         torch.int64),
-            block_tables=self._block_tables([l.block_table for l in lanes], max(len(l.block_table) for l in lanes)),
-            context_lens=self._to_device([l.position + 1 for l in lanes], torch.int32),
+            slot_mapping=self._to_device(
+                [
+                    self._slots(lane.block_table, lane.position, lane.position + 1)[0]
+                    for lane in lanes
+                ],
+                torch.int64,
+            ),
+            block_tables=self._block_tables(
+                [lane.block_table for lane in lanes], max(len(lane.block_table) for lane in lanes)
+            ),
+            context_lens=self._to_device([lane.position + 1 for lane in lanes], torch.int32),
             is_prefill=False,
         )
-        return self.model.logits(self._to_device([l.token_id for l in lanes], torch.int64),
-                                 self._to_device([l.position for l in lanes], torch.int64),
-                                 self.kv_cache, self.cos_sin, meta)
+        return self.model.logits(
+            self._to_device([lane.token_id for lane in lanes], torch.int64),
+            self._to_device([lane.position for lane in lanes], torch.int64),
+            self.kv_cache,
+            self.cos_sin,
+            meta,
+        )
 
     def zero_kv(self) -> None:
         """Clears what warm-up wrote so no stale value can be read as context."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from splitserve.request.block_allocator import BlockAllocator
 from splitserve.engine.model_runner import DecodeLane, ModelRunner, PrefillChunk
 from splitserve.engine.sampler import Sampler, SeqSamplingInfo
+from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.sampling_params import SamplingParams
 from splitserve.request.stop_checker import StopChecker
 
@@ -41,7 +41,9 @@ class OfflineEngine:
         if need > 0:
             got = self.allocator.allocate(need)
             if got is None:
-                raise MemoryError("KV pool exhausted; raise cache.num_blocks or send fewer requests")
+                raise MemoryError(
+                    "KV pool exhausted; raise cache.num_blocks or send fewer requests"
+                )
             seq.block_table.extend(got.block_ids)
 
     def _accept(self, seqs: list[Completion], logits, checkers, detoks) -> None:
@@ -54,32 +56,45 @@ class OfflineEngine:
             result = checkers[id(s)].update(tok, delta)
             s.text += result.text
             if result.finish_reason == "length" and detoks:
-                s.text += detoks[id(s)].flush()  # an unfinished multi-byte char, as a full decode shows it
+                s.text += detoks[
+                    id(s)
+                ].flush()  # an unfinished multi-byte char, as a full decode shows it
             if result.finish_reason is not None:
                 s.finish_reason = result.finish_reason
                 self.allocator.free(s.block_table)
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list[Completion]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]
+    ) -> list[Completion]:
         from splitserve.request.detokenizer import IncrementalDetokenizer
 
         seqs = [Completion(list(p), sp) for p, sp in zip(prompts, params)]
         max_len = self.runner.max_model_len
-        checkers = {id(s): StopChecker(s.params, self.eos, max_len, len(s.prompt_token_ids)) for s in seqs}
+        checkers = {
+            id(s): StopChecker(s.params, self.eos, max_len, len(s.prompt_token_ids)) for s in seqs
+        }
         detoks = (
             {id(s): IncrementalDetokenizer(self.tokenizer, s.prompt_token_ids) for s in seqs}
-            if self.tokenizer else {}
+            if self.tokenizer
+            else {}
         )
         for s in seqs:
             if not s.prompt_token_ids or len(s.prompt_token_ids) >= max_len:
-                raise ValueError(f"prompt length {len(s.prompt_token_ids)} must be in [1, {max_len})")
+                raise ValueError(
+                    f"prompt length {len(s.prompt_token_ids)} must be in [1, {max_len})"
+                )
             self._blocks_for(s, len(s.prompt_token_ids))
-        logits = self.runner.prefill([PrefillChunk(s.prompt_token_ids, 0, s.block_table) for s in seqs])
+        logits = self.runner.prefill(
+            [PrefillChunk(s.prompt_token_ids, 0, s.block_table) for s in seqs]
+        )
         self._accept(seqs, logits, checkers, detoks)
         while running := [s for s in seqs if s.finish_reason is None]:
             for s in running:
                 self._blocks_for(s, len(s.prompt_token_ids) + len(s.token_ids))
             lanes = [
-                DecodeLane(s.token_ids[-1], len(s.prompt_token_ids) + len(s.token_ids) - 1, s.block_table)
+                DecodeLane(
+                    s.token_ids[-1], len(s.prompt_token_ids) + len(s.token_ids) - 1, s.block_table
+                )
                 for s in running
             ]
             self._accept(running, self.runner.decode(lanes), checkers, detoks)

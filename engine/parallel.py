@@ -81,7 +81,9 @@ SINGLE = TPGroup()
 def rendezvous_store(size: int) -> tuple[dist.TCPStore, str]:
     """Rank 0's store, made before any follower exists (port 0: no race for a free port); the
     followers reach it at the returned `tcp://` address."""
-    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=JOIN_TIMEOUT)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, size, is_master=True, wait_for_workers=False, timeout=JOIN_TIMEOUT
+    )
     return store, f"tcp://127.0.0.1:{store.port}"
 
 
@@ -90,8 +92,9 @@ def joined_key(rank: int) -> str:
     return f"splitserve/tp_joined/{rank}"
 
 
-def init_tp(rank: int, size: int, init_method: str, device: torch.device,
-            store: dist.Store | None = None) -> TPGroup:
+def init_tp(
+    rank: int, size: int, init_method: str, device: torch.device, store: dist.Store | None = None
+) -> TPGroup:
     """Joins the worker's process group (blocks until every rank has joined); rank 0 passes the
     store of `rendezvous_store`, followers connect to `init_method`."""
     if size == 1:
@@ -116,10 +119,12 @@ def check_devices(device: torch.device, size: int) -> None:
     first = device.index or 0
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if first + size > count:
-        raise ValueError(f"parallel.tensor_parallel_size {size} with engine.device {device} needs GPUs "
-                         f"cuda:{first}..cuda:{first + size - 1}, but {count} GPU(s) are visible; lower "
-                         "parallel.tensor_parallel_size, start engine.device at a lower index, or make more GPUs "
-                         "visible (CUDA_VISIBLE_DEVICES)")
+        raise ValueError(
+            f"parallel.tensor_parallel_size {size} with engine.device {device} needs GPUs "
+            f"cuda:{first}..cuda:{first + size - 1}, but {count} GPU(s) are visible; lower "
+            "parallel.tensor_parallel_size, start engine.device at a lower index, or make more GPUs "
+            "visible (CUDA_VISIBLE_DEVICES)"
+        )
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

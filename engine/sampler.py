@@ -75,7 +75,9 @@ def row_seed(seed: int, step: int) -> int:
     return _splitmix64(_splitmix64(seed & _M64) ^ step)
 
 
-def seeded_noise(seed: int, step: int, vocab_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def seeded_noise(
+    seed: int, step: int, vocab_size: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Exp(1) noise [vocab_size] (float32, CPU) for one seeded row at one step.
 
     Built as -log(U) from `torch.rand`, whose CPU kernel is a plain serial Mersenne-twister
@@ -88,13 +90,17 @@ def seeded_noise(seed: int, step: int, vocab_size: int, out: torch.Tensor | None
     return u.clamp_(min=_TINY).log_().neg_()
 
 
-def _counts(token_lists: list[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+def _counts(
+    token_lists: list[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
     """[n, V] float32 occurrence counts, one scatter_add for the whole batch. Ids outside
     the vocabulary (a prompt from a larger tokenizer) have no logit, so they are dropped."""
     n = len(token_lists)
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
     total = int(lengths.sum())  # np.fromiter: ~5x faster than torch.tensor(list) for long prompts
-    flat = torch.from_numpy(np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=total))
+    flat = torch.from_numpy(
+        np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=total)
+    )
     rows = torch.repeat_interleave(torch.arange(n), lengths)
     keep = (flat >= 0) & (flat < vocab_size)
     index = (rows[keep] * vocab_size + flat[keep]).to(device)
@@ -141,7 +147,9 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: Sequence[SeqSamplingInfo]) -> SampleOutput:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
-            raise ValueError(f"logits must be [batch, vocab] with batch={len(seqs)}, got {tuple(logits.shape)}")
+            raise ValueError(
+                f"logits must be [batch, vocab] with batch={len(seqs)}, got {tuple(logits.shape)}"
+            )
         params = [s.params for s in seqs]
         if all(p.is_greedy and not p.needs_penalties for p in params):
             tokens = logits.argmax(dim=-1)
@@ -185,7 +193,9 @@ class Sampler:
         vocab, dev = x.shape[1], x.device
         sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
         if any(p.top_k > 0 for p in ps):
-            k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps], device=dev)
+            k = torch.tensor(
+                [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in ps], device=dev
+            )
             kth = sorted_x.gather(1, (k - 1).unsqueeze(1))
             sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))  # ties at the kth stay
         if any(p.top_p < 1.0 for p in ps):
@@ -195,7 +205,9 @@ class Sampler:
             sorted_x = sorted_x.masked_fill(mass_before >= top_p, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
 
-    def _noise(self, seqs: Sequence[SeqSamplingInfo], vocab: int, dev: torch.device) -> torch.Tensor:
+    def _noise(
+        self, seqs: Sequence[SeqSamplingInfo], vocab: int, dev: torch.device
+    ) -> torch.Tensor:
         """[n, V] Exp(1) noise, strictly positive: seeded rows from their own CPU generator,
         the others from this sampler's generator for `dev` in one call."""
         seeded = [j for j, s in enumerate(seqs) if s.params.seed is not None]
@@ -209,7 +221,9 @@ class Sampler:
         jobs = [(seqs[j].params.seed, seqs[j].step, vocab, cpu[k]) for k, j in enumerate(seeded)]
         if len(jobs) > 1 and self._noise_threads > 1:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._noise_threads, thread_name_prefix="sampler-noise")
+                self._pool = ThreadPoolExecutor(
+                    self._noise_threads, thread_name_prefix="sampler-noise"
+                )
             list(self._pool.map(lambda job: seeded_noise(*job), jobs))
         else:
             for job in jobs:

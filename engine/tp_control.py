@@ -41,8 +41,12 @@ def spawn_followers(size: int, init_method: str, target: Callable, *args) -> lis
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, size):
-        p = ctx.Process(target=target, args=(rank, size, init_method, *args), daemon=True,
-                        name=f"splitserve-tp-rank{rank}")
+        p = ctx.Process(
+            target=target,
+            args=(rank, size, init_method, *args),
+            daemon=True,
+            name=f"splitserve-tp-rank{rank}",
+        )
         p.start()
         procs.append(p)
     return procs
@@ -60,11 +64,15 @@ def _until(done: Callable[[], bool], procs: list[mp.Process], timeout_s: float, 
     while not done():
         if (dead := _dead(procs)) is not None:
             rank, p = dead
-            raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode} {what}; "
-                               f"its own error (a traceback, or lines tagged tp{rank}) is in this log above")
+            raise RuntimeError(
+                f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode} {what}; "
+                f"its own error (a traceback, or lines tagged tp{rank}) is in this log above"
+            )
         if time.monotonic() > deadline:
-            raise RuntimeError(f"tensor-parallel ranks did not finish {what} within {timeout_s:.0f}s; "
-                               "see their log lines (tagged tp1, tp2, ...) above")
+            raise RuntimeError(
+                f"tensor-parallel ranks did not finish {what} within {timeout_s:.0f}s; "
+                "see their log lines (tagged tp1, tp2, ...) above"
+            )
         time.sleep(0.05)
 
 
@@ -107,8 +115,11 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
-def watch_followers(procs: list[mp.Process], on_death: Callable[[int, int | None], None],
-                    stopping: threading.Event | None = None) -> threading.Thread:
+def watch_followers(
+    procs: list[mp.Process],
+    on_death: Callable[[int, int | None], None],
+    stopping: threading.Event | None = None,
+) -> threading.Thread:
     """Rank 0: `on_death(rank, exitcode)` once, the first time a follower is found dead, unless
     `stopping` is set first (a clean stop: the followers exit on ("stop",))."""
     stopping = stopping or threading.Event()
@@ -137,7 +148,9 @@ class ControlPublisher:
 
     def publish(self, cmd: tuple) -> None:
         if self.failed is not None:
-            raise RuntimeError(f"tensor-parallel followers are gone ({self.failed!r}); the worker stops serving")
+            raise RuntimeError(
+                f"tensor-parallel followers are gone ({self.failed!r}); the worker stops serving"
+            )
         self._queue.put(cmd)
 
     def _run(self) -> None:
@@ -186,6 +199,7 @@ def follower_process(main: Callable[..., None]) -> Callable[..., None]:
     """Decorates a follower's entry: the process ends right after it (status 0, or 1 with the
     traceback logged), without the interpreter's exit, whose garbage collection of UCX
     listeners and endpoints could hang it (service/service_process.py)."""
+
     @functools.wraps(main)
     def run(*args) -> None:
         from splitserve.service.service_process import exit_now
@@ -196,6 +210,7 @@ def follower_process(main: Callable[..., None]) -> Callable[..., None]:
             log.exception("tensor-parallel follower failed")
             exit_now(1)
         exit_now(0)
+
     return run
 
 
@@ -206,7 +221,9 @@ def join_as_follower(rank: int, size: int, init_method: str, engine_cfg) -> TPGr
     from splitserve.engine.parallel import init_tp, rank_device
 
     die_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s"
+    )
     import torch
 
     device = rank_device(resolve_device(engine_cfg.device), rank)
@@ -233,9 +250,16 @@ def runner_follower_main(rank: int, size: int, init_method: str, engine_cfg) -> 
 class RankSet:
     """Rank 0's view of its worker's ranks: the runner (rank 0's), the publisher, the followers."""
 
-    def __init__(self, runner, publisher: ControlPublisher | None = None, procs: list[mp.Process] | None = None):
+    def __init__(
+        self,
+        runner,
+        publisher: ControlPublisher | None = None,
+        procs: list[mp.Process] | None = None,
+    ):
         self.runner, self.publisher, self.procs = runner, publisher, procs or []
-        self.stopping = threading.Event()  # set before a clean stop: followers exiting then is no failure
+        self.stopping = (
+            threading.Event()
+        )  # set before a clean stop: followers exiting then is no failure
 
     def watch(self, on_death: Callable[[int, int | None], None]) -> None:
         """`on_death(rank, exitcode)` (on a watcher thread) when a follower dies while serving."""

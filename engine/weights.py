@@ -48,7 +48,11 @@ def _targets(model: CausalLM) -> dict[str, Target]:
     """HF tensor name -> where this rank's part of it goes (model.tp picks the slice)."""
     cfg = model.cfg
     layer0 = model.layers[0]
-    q, kv, inter = layer0.q_size, layer0.kv_size, layer0.gate_up_weight.shape[0] // 2  # this rank's sizes
+    q, kv, inter = (
+        layer0.q_size,
+        layer0.kv_size,
+        layer0.gate_up_weight.shape[0] // 2,
+    )  # this rank's sizes
     out: dict[str, Target] = {
         "model.embed_tokens.weight": (model.embed, 0, VOCAB),  # tied: also the lm_head's slice
         "model.norm.weight": (model.final_norm, 0, None),
@@ -85,15 +89,21 @@ def _read(handle, name: str, split: int | str | None, model: CausalLM) -> torch.
         return handle.get_tensor(name)
     sl = handle.get_slice(name)
     shape = sl.get_shape()
-    if split == VOCAB:  # rows [start, start + rows) clipped to the vocab (the last rank may get fewer)
+    if (
+        split == VOCAB
+    ):  # rows [start, start + rows) clipped to the vocab (the last rank may get fewer)
         if shape[0] != model.cfg.vocab_size:
-            raise CheckpointError(f"tensor {name} has {shape[0]} rows, config.json's vocab_size is "
-                                  f"{model.cfg.vocab_size}")
+            raise CheckpointError(
+                f"tensor {name} has {shape[0]} rows, config.json's vocab_size is "
+                f"{model.cfg.vocab_size}"
+            )
         start, rows = model.vocab_start, model.embed.shape[0]
-        return sl[min(start, shape[0]):min(start + rows, shape[0])]
+        return sl[min(start, shape[0]) : min(start + rows, shape[0])]
     if shape[split] % size:
-        raise CheckpointError(f"tensor {name} has {shape[split]} rows/columns along dim {split}, "
-                              f"which {size} tensor-parallel ranks cannot split evenly")
+        raise CheckpointError(
+            f"tensor {name} has {shape[split]} rows/columns along dim {split}, "
+            f"which {size} tensor-parallel ranks cannot split evenly"
+        )
     part = shape[split] // size
     lo, hi = rank * part, (rank + 1) * part
     return sl[lo:hi] if split == 0 else sl[:, lo:hi]
@@ -106,11 +116,14 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     missing = sorted(set(targets) - set(shards))
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise CheckpointError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:3])}{more}")
+        raise CheckpointError(
+            f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:3])}{more}"
+        )
     rank, size = model.tp.rank, model.tp.size
     with ExitStack() as stack, torch.no_grad():
         handles = {
-            f: stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(set(shards[n] for n in targets))
+            f: stack.enter_context(safe_open(str(f), framework="pt"))
+            for f in sorted(set(shards[n] for n in targets))
         }
         for name, (param, offset, split) in targets.items():
             tensor = _read(handles[shards[name]], name, split, model)

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 
 import torch
 
-_FORCE_TRITON: contextvars.ContextVar[bool] = contextvars.ContextVar("splitserve_force_triton", default=False)
+_FORCE_TRITON: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "splitserve_force_triton", default=False
+)
 
 
 @contextlib.contextmanager

@@ -58,7 +58,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     return impl.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len: int, scale: float):
+def prefill_attention(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len: int, scale: float
+):
     impl = _triton() if use_triton(q) else reference
     return impl.prefill_attention(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, scale

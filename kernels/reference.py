@@ -54,12 +54,20 @@ def apply_rope(
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """k, v [T,Hkv,D] into k_cache/v_cache [NB,BS,Hkv,D] at slot_mapping [T]."""
     nb, bs = k_cache.shape[0], k_cache.shape[1]
-    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(0, slot_mapping.long(), k.to(k_cache.dtype))
-    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(0, slot_mapping.long(), v.to(v_cache.dtype))
+    k_cache.view(nb * bs, *k_cache.shape[2:]).index_copy_(
+        0, slot_mapping.long(), k.to(k_cache.dtype)
+    )
+    v_cache.view(nb * bs, *v_cache.shape[2:]).index_copy_(
+        0, slot_mapping.long(), v.to(v_cache.dtype)
+    )
 
 
 def rope_and_write_kv(
@@ -85,7 +93,9 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int)
     return blocks.reshape(-1, *cache.shape[2:])[:length]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_start: int
+) -> torch.Tensor:
     """q [Tq,Hq,D] at absolute positions q_start.., k/v [Tk,Hkv,D]; causal; fp32 math."""
     hq, hkv = q.shape[1], k.shape[1]
     k = k.float().repeat_interleave(hq // hkv, dim=1)
@@ -147,7 +157,9 @@ def prefill_attention(
     return out
 
 
-def pack_kv_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_kv_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Gathers blocks of every layer, K and V: [L,2,NB,BS,Hkv,D] -> [L,2,n,BS,Hkv,D] contiguous."""
     packed = kv_cache.index_select(2, block_ids.long())
     if out is None:
@@ -178,11 +190,15 @@ def fused_add_rms_norm_linear(
     return torch.nn.functional.linear(normed, weight, bias), summed
 
 
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """silu_and_mul(gate_up) @ weight.T + bias: gate_up [M,2I], weight [N,I] -> [M,N]."""
     return torch.nn.functional.linear(silu_and_mul(gate_up), weight, bias)
 
 
-def linear_small_m(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_small_m(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x @ weight.T + bias (the plain GEMV the kernels offer for few tokens)."""
     return torch.nn.functional.linear(x, weight, bias)

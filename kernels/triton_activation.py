@@ -35,5 +35,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(pow2(inter), 2048)
     grid = (rows, triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](x2, out.view(-1, inter), x2.stride(0), inter, inter, BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel[grid](
+        x2, out.view(-1, inter), x2.stride(0), inter, inter, BLOCK=block, num_warps=4
+    )
     return out

@@ -19,7 +19,7 @@ def pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -51,7 +51,9 @@ def dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def load_rows(ptrs, row_mask, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr):
+def load_rows(
+    ptrs, row_mask, offs_d, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK_ROWS: tl.constexpr
+):
     """Loads a [rows, BLOCK_D] tile; masks are built only where needed (constexpr) so the
     common case (power-of-two D, interior tile) compiles to unmasked, vectorised loads."""
     if MASK_ROWS:

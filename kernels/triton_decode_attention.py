@@ -28,13 +28,36 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _decode_partial_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, po_ptr, plse_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    lens_ptr,
+    out_ptr,
+    po_ptr,
+    plse_ptr,
     qk_scale,
-    s_qb, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt, s_ob, s_oh,
+    s_qb,
+    s_qh,
+    s_kb,
+    s_ks,
+    s_kh,
+    s_vb,
+    s_vs,
+    s_vh,
+    s_bt,
+    s_ob,
+    s_oh,
     max_blocks,
-    QG: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    QG: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -52,8 +75,11 @@ def _decode_partial_kernel(
     heads = kvh * QG + offs_g
     g_mask = offs_g < QG
     d_mask = offs_d < D
-    q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     k_base = k_ptr + kvh * s_kh
     v_base = v_ptr + kvh * s_vh
     bt_row = bt_ptr + b * s_bt
@@ -66,37 +92,64 @@ def _decode_partial_kernel(
         n_mask = tok < ctx
         blk = tl.load(bt_row + tok // BS, mask=n_mask, other=0).to(tl.int64)
         slot = tok % BS
-        k = load_rows(k_base + blk[:, None] * s_kb + slot[:, None] * s_ks + offs_d[None, :], n_mask, offs_d,
-                      D, BLOCK_D, True)
+        k = load_rows(
+            k_base + blk[:, None] * s_kb + slot[:, None] * s_ks + offs_d[None, :],
+            n_mask,
+            offs_d,
+            D,
+            BLOCK_D,
+            True,
+        )
         s = dot(q, tl.trans(k), tl.zeros([BLOCK_G, BLOCK_N], tl.float32), IEEE, UPCAST) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has >= 1 valid token
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = load_rows(v_base + blk[:, None] * s_vb + slot[:, None] * s_vs + offs_d[None, :], n_mask, offs_d,
-                      D, BLOCK_D, True)
+        v = load_rows(
+            v_base + blk[:, None] * s_vb + slot[:, None] * s_vs + offs_d[None, :],
+            n_mask,
+            offs_d,
+            D,
+            BLOCK_D,
+            True,
+        )
         acc = dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, UPCAST)
         m_i = m_new
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # ctx 0 -> zeros
-        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(
+            out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
     else:
         # partials: po [B, Hq, S, D] fp32, plse [B, Hq, S] fp32 (log2 domain)
         row = (b * (tl.num_programs(1) * QG) + heads) * NUM_SPLITS + split
-        tl.store(po_ptr + row[:, None] * D + offs_d[None, :], acc / l_i[:, None],
-                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(
+            po_ptr + row[:, None] * D + offs_d[None, :],
+            acc / l_i[:, None],
+            mask=g_mask[:, None] & d_mask[None, :],
+        )
         tl.store(plse_ptr + row, m_i + tl.log2(l_i), mask=g_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    po_ptr, plse_ptr, lens_ptr, out_ptr,
-    s_ob, s_oh, max_blocks,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    po_ptr,
+    plse_ptr,
+    lens_ptr,
+    out_ptr,
+    s_ob,
+    s_oh,
+    max_blocks,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -110,10 +163,16 @@ def _decode_reduce_kernel(
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # empty lane: all weights become 0
     w = tl.exp2(lse - m)
-    o = tl.load(po_ptr + row[:, None] * D + offs_d[None, :], mask=s_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+    o = tl.load(
+        po_ptr + row[:, None] * D + offs_d[None, :],
+        mask=s_mask[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )
     denom = tl.sum(w, axis=0)
     out = tl.sum(o * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + b * s_ob + h * s_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
+    tl.store(
+        out_ptr + b * s_ob + h * s_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D
+    )
 
 
 def _block_n(d: int, bs: int) -> int:
@@ -132,9 +191,18 @@ def plan_splits(batch: int, hkv: int, max_ctx: int, block_n: int, device: torch.
     return max(1, min(want, triton.cdiv(max_ctx, min_tokens), MAX_SPLITS))
 
 
-def paged_decode_attention_impl(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                                num_splits: int | None = None, block_n: int | None = None,
-                                num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+def paged_decode_attention_impl(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale: float,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> torch.Tensor:
     """The keyword arguments override the shape-derived plan (tests and the tuning sweep)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -157,25 +225,55 @@ def paged_decode_attention_impl(q, k_cache, v_cache, block_tables, context_lens,
     else:
         po = plse = out  # unused
     _decode_partial_kernel[(batch, hkv, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, po, plse,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        out,
+        po,
+        plse,
         scale * _LOG2E,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
         max_blocks,
-        QG=qg, BLOCK_G=max(16, pow2(qg)), D=d, BLOCK_D=pow2(d), BS=bs, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, **dot_flags(q.dtype),
-        num_warps=num_warps, num_stages=num_stages or (2 if d >= 256 or d <= 64 else 3),
+        QG=qg,
+        BLOCK_G=max(16, pow2(qg)),
+        D=d,
+        BLOCK_D=pow2(d),
+        BS=bs,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        **dot_flags(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages or (2 if d >= 256 or d <= 64 else 3),
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch, hq)](
-            po, plse, context_lens, out,
-            out.stride(0), out.stride(1), max_blocks,
-            D=d, BLOCK_D=pow2(d), BS=bs, BLOCK_N=block_n, NUM_SPLITS=num_splits, BLOCK_S=pow2(num_splits),
+            po,
+            plse,
+            context_lens,
+            out,
+            out.stride(0),
+            out.stride(1),
+            max_blocks,
+            D=d,
+            BLOCK_D=pow2(d),
+            BS=bs,
+            BLOCK_N=block_n,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=pow2(num_splits),
             num_warps=4 if num_splits * d <= 8192 else 8,
         )
     return out
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+def paged_decode_attention(
+    q, k_cache, v_cache, block_tables, context_lens, scale: float
+) -> torch.Tensor:
     return paged_decode_attention_impl(q, k_cache, v_cache, block_tables, context_lens, scale)
-

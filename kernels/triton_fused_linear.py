@@ -118,11 +118,33 @@ def _load_sum(x_ptrs, r_ptrs, mask, ADD: tl.constexpr, MASK_K: tl.constexpr, RTN
 
 @triton.jit
 def _small_m_linear_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, out_ptr, sum_ptr,
-    M, N, K, stride_xm, stride_rm, stride_wn, stride_om, stride_sm, eps,
-    MODE: tl.constexpr, ADD: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    MASK_K: tl.constexpr, ONE_TILE: tl.constexpr, NUM_STAGES: tl.constexpr, RTNE: tl.constexpr,
+    x_ptr,
+    r_ptr,
+    nw_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    sum_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_rm,
+    stride_wn,
+    stride_om,
+    stride_sm,
+    eps,
+    MODE: tl.constexpr,
+    ADD: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,
+    MASK_K: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    RTNE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -133,19 +155,30 @@ def _small_m_linear_kernel(
     feats = tl.minimum(offs_n, N - 1).to(tl.int64)
     m_mask3 = offs_m[:, None, None] < M
 
-    if MODE == 1 and not ONE_TILE:  # pass 1: RMS of each (x + residual) row; program 0 writes the sum
+    if (
+        MODE == 1 and not ONE_TILE
+    ):  # pass 1: RMS of each (x + residual) row; program 0 writes the sum
         ss = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             k_mask = kk[None, :] < K
-            s = _load_sum(x_ptr + rows[:, None] * stride_xm + kk[None, :],
-                          r_ptr + rows[:, None] * stride_rm + kk[None, :], k_mask, ADD, MASK_K, RTNE)
+            s = _load_sum(
+                x_ptr + rows[:, None] * stride_xm + kk[None, :],
+                r_ptr + rows[:, None] * stride_rm + kk[None, :],
+                k_mask,
+                ADD,
+                MASK_K,
+                RTNE,
+            )
             sf = s.to(tl.float32)
             ss += sf * sf
             if ADD:
                 if pid == 0:
-                    tl.store(sum_ptr + offs_m[:, None] * stride_sm + kk[None, :], s,
-                             mask=(offs_m[:, None] < M) & k_mask)
+                    tl.store(
+                        sum_ptr + offs_m[:, None] * stride_sm + kk[None, :],
+                        s,
+                        mask=(offs_m[:, None] < M) & k_mask,
+                    )
         rstd = tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None, None]  # [BLOCK_M, 1, 1]
 
     rows3 = rows[:, None, None]
@@ -166,7 +199,11 @@ def _small_m_linear_kernel(
                 rstd = tl.rsqrt(tl.sum(sf * sf, axis=2)[:, :, None] / K + eps)
                 if ADD:
                     if pid == 0:
-                        tl.store(sum_ptr + offs_m[:, None, None] * stride_sm + kk, s, mask=m_mask3 & k_mask)
+                        tl.store(
+                            sum_ptr + offs_m[:, None, None] * stride_sm + kk,
+                            s,
+                            mask=m_mask3 & k_mask,
+                        )
             if MASK_K:
                 nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0)
             else:
@@ -190,13 +227,18 @@ def _small_m_linear_kernel(
                 a = tl.load(x_ptrs).to(tl.float32)
         # Each thread holds VEC contiguous K elements of a row: sum them in-thread (no shuffles),
         # so the accumulator is BLOCK_M * BLOCK_N registers per thread whatever BLOCK_K is.
-        acc += tl.sum(tl.reshape(a * w.to(tl.float32), [BLOCK_M, BLOCK_N, BLOCK_K // VEC, VEC]), axis=3)
+        acc += tl.sum(
+            tl.reshape(a * w.to(tl.float32), [BLOCK_M, BLOCK_N, BLOCK_K // VEC, VEC]), axis=3
+        )
 
     out = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
     if HAS_BIAS:
         out += tl.load(b_ptr + feats).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], _round(out, out_ptr.dtype.element_ty, RTNE),
-             mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+        _round(out, out_ptr.dtype.element_ty, RTNE),
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -217,20 +259,42 @@ def _launch(mode, x2, r2, nw, weight, bias, out2, sum2, eps, k, config: GemvConf
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
     dummy = w  # never dereferenced when the matching constexpr flag is off
     _small_m_linear_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x2, r2 if r2 is not None else x2, nw if nw is not None else dummy, w,
-        bias.contiguous() if bias is not None else dummy, out2, sum2 if sum2 is not None else out2,
-        m, n, k, x2.stride(0), r2.stride(0) if r2 is not None else 0, w.stride(0), out2.stride(0),
-        sum2.stride(0) if sum2 is not None else 0, float(eps),
-        MODE=mode, ADD=r2 is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=pow2(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k, VEC=min(vec, block_k),
-        MASK_K=k % block_k != 0, ONE_TILE=k <= block_k, NUM_STAGES=cfg.num_stages,
-        RTNE=interpreting() and x2.dtype == torch.bfloat16, num_warps=cfg.num_warps,
+        x2,
+        r2 if r2 is not None else x2,
+        nw if nw is not None else dummy,
+        w,
+        bias.contiguous() if bias is not None else dummy,
+        out2,
+        sum2 if sum2 is not None else out2,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        r2.stride(0) if r2 is not None else 0,
+        w.stride(0),
+        out2.stride(0),
+        sum2.stride(0) if sum2 is not None else 0,
+        float(eps),
+        MODE=mode,
+        ADD=r2 is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=pow2(m),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=block_k,
+        VEC=min(vec, block_k),
+        MASK_K=k % block_k != 0,
+        ONE_TILE=k <= block_k,
+        NUM_STAGES=cfg.num_stages,
+        RTNE=interpreting() and x2.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps,
     )
 
 
 def _check_dtypes(*tensors) -> None:
     dtypes = {t.dtype for t in tensors if t is not None}
-    assert len(dtypes) == 1, f"the small-M linear kernels need one dtype for all operands, got {dtypes}"
+    assert len(dtypes) == 1, (
+        f"the small-M linear kernels need one dtype for all operands, got {dtypes}"
+    )
 
 
 def fused_add_rms_norm_linear_impl(x, residual, norm_weight, eps, weight, bias=None, config=None):
@@ -242,8 +306,19 @@ def fused_add_rms_norm_linear_impl(x, residual, norm_weight, eps, weight, bias=N
     if residual is not None:
         r2 = _rows(residual)
         summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch(NORM, x2, r2, norm_weight.contiguous(), weight, bias, out.view(-1, weight.shape[0]),
-            None if summed is None else summed.view(-1, k), eps, k, config)
+    _launch(
+        NORM,
+        x2,
+        r2,
+        norm_weight.contiguous(),
+        weight,
+        bias,
+        out.view(-1, weight.shape[0]),
+        None if summed is None else summed.view(-1, k),
+        eps,
+        k,
+        config,
+    )
     return out, (x if summed is None else summed)
 
 
@@ -255,9 +330,22 @@ def silu_mul_linear_impl(gate_up, weight, bias=None, config=None):
     _check_dtypes(gate_up, weight, bias)
     two_i = gate_up.shape[-1]
     assert two_i % 2 == 0, f"silu_mul_linear needs an even last dim, got {two_i}"
-    out = torch.empty(*gate_up.shape[:-1], weight.shape[0], dtype=gate_up.dtype, device=gate_up.device)
-    _launch(SILU, _rows(gate_up), None, None, weight, bias, out.view(-1, weight.shape[0]), None, 0.0,
-            two_i // 2, config)
+    out = torch.empty(
+        *gate_up.shape[:-1], weight.shape[0], dtype=gate_up.dtype, device=gate_up.device
+    )
+    _launch(
+        SILU,
+        _rows(gate_up),
+        None,
+        None,
+        weight,
+        bias,
+        out.view(-1, weight.shape[0]),
+        None,
+        0.0,
+        two_i // 2,
+        config,
+    )
     return out
 
 
@@ -268,8 +356,19 @@ def silu_mul_linear(gate_up, weight, bias=None):
 def linear_small_m_impl(x, weight, bias=None, config=None):
     _check_dtypes(x, weight, bias)
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
-    _launch(PLAIN, _rows(x), None, None, weight, bias, out.view(-1, weight.shape[0]), None, 0.0, x.shape[-1],
-            config)
+    _launch(
+        PLAIN,
+        _rows(x),
+        None,
+        None,
+        weight,
+        bias,
+        out.view(-1, weight.shape[0]),
+        None,
+        0.0,
+        x.shape[-1],
+        config,
+    )
     return out
 
 

@@ -16,10 +16,19 @@ from splitserve.kernels.triton_common import pow2
 
 @triton.jit
 def _kv_blocks_copy_kernel(
-    cache_ptr, packed_ptr, ids_ptr,
-    c_l, c_kv, c_nb, p_l, p_kv, p_nb,
-    E, CHUNKS,
-    BLOCK: tl.constexpr, PACK: tl.constexpr,
+    cache_ptr,
+    packed_ptr,
+    ids_ptr,
+    c_l,
+    c_kv,
+    c_nb,
+    p_l,
+    p_kv,
+    p_nb,
+    E,
+    CHUNKS,
+    BLOCK: tl.constexpr,
+    PACK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i = pid // CHUNKS
@@ -44,8 +53,12 @@ def _blocks_contiguous(t: torch.Tensor) -> bool:
     return t.stride(5) == 1 and t.stride(4) == d and t.stride(3) == hkv * d
 
 
-def _launch(kv_cache: torch.Tensor, packed: torch.Tensor, block_ids: torch.Tensor, pack: bool) -> None:
-    assert kv_cache.dim() == 6 and _blocks_contiguous(kv_cache), "kv_cache must be [L,2,NB,BS,Hkv,D], blocks contiguous"
+def _launch(
+    kv_cache: torch.Tensor, packed: torch.Tensor, block_ids: torch.Tensor, pack: bool
+) -> None:
+    assert kv_cache.dim() == 6 and _blocks_contiguous(kv_cache), (
+        "kv_cache must be [L,2,NB,BS,Hkv,D], blocks contiguous"
+    )
     n = block_ids.numel()
     num_layers = kv_cache.shape[0]
     elems = kv_cache.shape[3] * kv_cache.shape[4] * kv_cache.shape[5]
@@ -54,14 +67,26 @@ def _launch(kv_cache: torch.Tensor, packed: torch.Tensor, block_ids: torch.Tenso
     block = min(pow2(elems), 8192)
     chunks = triton.cdiv(elems, block)
     _kv_blocks_copy_kernel[(n * chunks, num_layers * 2)](
-        kv_cache, packed, block_ids,
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), packed.stride(0), packed.stride(1), packed.stride(2),
-        elems, chunks,
-        BLOCK=block, PACK=pack, num_warps=8 if block >= 4096 else 4,
+        kv_cache,
+        packed,
+        block_ids,
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        packed.stride(0),
+        packed.stride(1),
+        packed.stride(2),
+        elems,
+        chunks,
+        BLOCK=block,
+        PACK=pack,
+        num_warps=8 if block >= 4096 else 4,
     )
 
 
-def pack_kv_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def pack_kv_blocks(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     shape = (*kv_cache.shape[:2], block_ids.numel(), *kv_cache.shape[3:])
     if out is not None:
         assert tuple(out.shape) == shape, f"out has shape {tuple(out.shape)}, expected {shape}"

@@ -16,10 +16,19 @@ from splitserve.kernels.triton_common import pow2
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr,
-    stride_x, stride_r, stride_o, stride_s,
-    H, eps,
-    BLOCK: tl.constexpr, ADD: tl.constexpr,
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    out_ptr,
+    sum_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    H,
+    eps,
+    BLOCK: tl.constexpr,
+    ADD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -49,10 +58,20 @@ def _launch(x2, r2, weight, out2, sum2, eps, add):
     block = pow2(h)
     num_warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
     _rms_norm_kernel[(n,)](
-        x2, r2, weight, out2, sum2,
-        x2.stride(0), r2.stride(0), out2.stride(0), sum2.stride(0),
-        h, float(eps),
-        BLOCK=block, ADD=add, num_warps=num_warps,
+        x2,
+        r2,
+        weight,
+        out2,
+        sum2,
+        x2.stride(0),
+        r2.stride(0),
+        out2.stride(0),
+        sum2.stride(0),
+        h,
+        float(eps),
+        BLOCK=block,
+        ADD=add,
+        num_warps=num_warps,
     )
 
 
@@ -71,5 +90,13 @@ def fused_add_rms_norm(
     summed = torch.empty(x.shape, dtype=sum_dtype, device=x.device)
     out = torch.empty(x.shape, dtype=torch.promote_types(sum_dtype, weight.dtype), device=x.device)
     h = x.shape[-1]
-    _launch(_rows(x), _rows(residual), weight.contiguous(), out.view(-1, h), summed.view(-1, h), eps, add=True)
+    _launch(
+        _rows(x),
+        _rows(residual),
+        weight.contiguous(),
+        out.view(-1, h),
+        summed.view(-1, h),
+        eps,
+        add=True,
+    )
     return out, summed

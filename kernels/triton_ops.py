@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from splitserve.kernels.triton_activation import silu_and_mul
 from splitserve.kernels.triton_decode_attention import paged_decode_attention
-from splitserve.kernels.triton_fused_linear import fused_add_rms_norm_linear, linear_small_m, silu_mul_linear
+from splitserve.kernels.triton_fused_linear import (
+    fused_add_rms_norm_linear,
+    linear_small_m,
+    silu_mul_linear,
+)
 from splitserve.kernels.triton_kv_pack import pack_kv_blocks, unpack_kv_blocks
 from splitserve.kernels.triton_norm import fused_add_rms_norm, rms_norm
 from splitserve.kernels.triton_prefill_attention import prefill_attention

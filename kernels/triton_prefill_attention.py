@@ -22,10 +22,29 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _tile(
-    acc, m_i, l_i, q, start, k_base, v_base, bt_row, pos_m, hi, qk_scale,
-    s_kb, s_ks, s_vb, s_vs,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    start,
+    k_base,
+    v_base,
+    bt_row,
+    pos_m,
+    hi,
+    qk_scale,
+    s_kb,
+    s_ks,
+    s_vb,
+    s_vs,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     tok = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -35,8 +54,14 @@ def _tile(
     else:
         blk = tl.load(bt_row + tok // BS).to(tl.int64)
     slot = tok % BS
-    k = load_rows(k_base + blk[:, None] * s_kb + slot[:, None] * s_ks + offs_d[None, :], n_mask, offs_d,
-                  D, BLOCK_D, MASKED)
+    k = load_rows(
+        k_base + blk[:, None] * s_kb + slot[:, None] * s_ks + offs_d[None, :],
+        n_mask,
+        offs_d,
+        D,
+        BLOCK_D,
+        MASKED,
+    )
     s = dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), IEEE, UPCAST) * qk_scale
     if MASKED:
         s = tl.where((tok[None, :] <= pos_m[:, None]) & n_mask[None, :], s, float("-inf"))
@@ -45,20 +70,48 @@ def _tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = load_rows(v_base + blk[:, None] * s_vb + slot[:, None] * s_vs + offs_d[None, :], n_mask, offs_d,
-                  D, BLOCK_D, MASKED)
+    v = load_rows(
+        v_base + blk[:, None] * s_vb + slot[:, None] * s_vs + offs_d[None, :],
+        n_mask,
+        offs_d,
+        D,
+        BLOCK_D,
+        MASKED,
+    )
     acc = dot(p.to(v.dtype), v, acc * alpha[:, None], IEEE, UPCAST)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    bt_ptr,
+    cu_ptr,
+    lens_ptr,
+    out_ptr,
     qk_scale,
-    s_qt, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt, s_ot, s_oh,
+    s_qt,
+    s_qh,
+    s_kb,
+    s_ks,
+    s_kh,
+    s_vb,
+    s_vs,
+    s_vh,
+    s_bt,
+    s_ot,
+    s_oh,
     max_blocks,
-    QG: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    QG: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -73,8 +126,11 @@ def _prefill_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_mask = offs_m < q_len
-    q = tl.load(q_ptr + (q_lo + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :],
-                mask=m_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+    q = tl.load(
+        q_ptr + (q_lo + offs_m)[:, None] * s_qt + h * s_qh + offs_d[None, :],
+        mask=m_mask[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )
     kvh = h // QG
     k_base = k_ptr + kvh * s_kh
     v_base = v_ptr + kvh * s_vh
@@ -87,15 +143,64 @@ def _prefill_kernel(
     full_end = ((prefix + m0 + 1) // BLOCK_N) * BLOCK_N  # keys < full_end: visible to all rows
     hi = tl.minimum(ctx, prefix + tl.minimum(m0 + BLOCK_M, q_len))
     for start in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _tile(acc, m_i, l_i, q, start, k_base, v_base, bt_row, pos_m, hi, qk_scale,
-                              s_kb, s_ks, s_vb, s_vs, D, BLOCK_D, BS, BLOCK_M, BLOCK_N, False, IEEE, UPCAST)
+        acc, m_i, l_i = _tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            start,
+            k_base,
+            v_base,
+            bt_row,
+            pos_m,
+            hi,
+            qk_scale,
+            s_kb,
+            s_ks,
+            s_vb,
+            s_vs,
+            D,
+            BLOCK_D,
+            BS,
+            BLOCK_M,
+            BLOCK_N,
+            False,
+            IEEE,
+            UPCAST,
+        )
     for start in range(tl.maximum(full_end, 0), hi, BLOCK_N):
-        acc, m_i, l_i = _tile(acc, m_i, l_i, q, start, k_base, v_base, bt_row, pos_m, hi, qk_scale,
-                              s_kb, s_ks, s_vb, s_vs, D, BLOCK_D, BS, BLOCK_M, BLOCK_N, True, IEEE, UPCAST)
+        acc, m_i, l_i = _tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            start,
+            k_base,
+            v_base,
+            bt_row,
+            pos_m,
+            hi,
+            qk_scale,
+            s_kb,
+            s_ks,
+            s_vb,
+            s_vs,
+            D,
+            BLOCK_D,
+            BS,
+            BLOCK_M,
+            BLOCK_N,
+            True,
+            IEEE,
+            UPCAST,
+        )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_lo + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_d[None, :] < D))
+    tl.store(
+        out_ptr + (q_lo + offs_m)[:, None] * s_ot + h * s_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & (offs_d[None, :] < D),
+    )
 
 
 def _config(d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -111,8 +216,18 @@ def _config(d: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return 64, 32, 8, 2  # D=256: 8 warps keep the [64, 256] fp32 accumulator out of local memory
 
 
-def prefill_attention_impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len: int,
-                           scale: float, block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+def prefill_attention_impl(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    cu_seqlens_q,
+    context_lens,
+    max_query_len: int,
+    scale: float,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
     """`block_m` / `block_n` override the tile sizes (tests use this)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -128,18 +243,38 @@ def prefill_attention_impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     bm, bn = block_m or bm, block_n or bn
     grid = (hq, batch, triton.cdiv(int(max_query_len), bm))
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
         scale * _LOG2E,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
         block_tables.shape[1],
-        QG=hq // hkv, D=d, BLOCK_D=pow2(d), BS=bs, BLOCK_M=bm, BLOCK_N=bn, **dot_flags(q.dtype),
-        num_warps=warps, num_stages=stages,
+        QG=hq // hkv,
+        D=d,
+        BLOCK_D=pow2(d),
+        BS=bs,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        **dot_flags(q.dtype),
+        num_warps=warps,
+        num_stages=stages,
     )
     return out
 
 
-def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len: int,
-                      scale: float) -> torch.Tensor:
-    return prefill_attention_impl(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                                  max_query_len, scale)
+def prefill_attention(
+    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len: int, scale: float
+) -> torch.Tensor:
+    return prefill_attention_impl(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, scale
+    )

@@ -17,9 +17,18 @@ from splitserve.kernels.triton_common import pow2
 
 @triton.jit
 def _rotate_heads(
-    src, s_h, dst, d_h, H, cos, sin,
-    HALF: tl.constexpr, D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_TAIL: tl.constexpr,
+    src,
+    s_h,
+    dst,
+    d_h,
+    H,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
 ):
     """Rotates rows src[h, :] (h < H, head stride s_h) into dst[h, :]; cos/sin [BLOCK_HALF] fp32."""
     offs_h = tl.arange(0, BLOCK_H)
@@ -42,7 +51,9 @@ def _rotate_heads(
 
 
 @triton.jit
-def _copy_heads(src, s_h, dst, d_h, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _copy_heads(
+    src, s_h, dst, d_h, H, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr
+):
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (offs_h[:, None] < H) & (offs_d[None, :] < D)
@@ -52,47 +63,160 @@ def _copy_heads(src, s_h, dst, d_h, H, D: tl.constexpr, BLOCK_H: tl.constexpr, B
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qo_ptr, ko_ptr, kc_ptr, vc_ptr, slot_ptr,
-    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h, sko_t, sko_h, s_cs,
-    skc_b, skc_s, skc_h, svc_b, svc_s, svc_h,
-    HQ, HKV,
-    HALF: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_CACHE: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cs_ptr,
+    qo_ptr,
+    ko_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    sq_t,
+    sq_h,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    sqo_t,
+    sqo_h,
+    sko_t,
+    sko_h,
+    s_cs,
+    skc_b,
+    skc_s,
+    skc_h,
+    svc_b,
+    svc_s,
+    svc_h,
+    HQ,
+    HKV,
+    HALF: tl.constexpr,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    WRITE_CACHE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_HALF)
     cos = tl.load(cs_ptr + pos * s_cs + offs_r, mask=offs_r < HALF, other=0.0).to(tl.float32)
     sin = tl.load(cs_ptr + pos * s_cs + HALF + offs_r, mask=offs_r < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * sq_t, sq_h, qo_ptr + t * sqo_t, sqo_h, HQ, cos, sin,
-                  HALF, D, BLOCK_HQ, BLOCK_HALF, BLOCK_TAIL)
+    _rotate_heads(
+        q_ptr + t * sq_t,
+        sq_h,
+        qo_ptr + t * sqo_t,
+        sqo_h,
+        HQ,
+        cos,
+        sin,
+        HALF,
+        D,
+        BLOCK_HQ,
+        BLOCK_HALF,
+        BLOCK_TAIL,
+    )
     if WRITE_CACHE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:  # a negative slot means "no cache write" (defensive; the engine pads with null-block slots)
+        if (
+            slot >= 0
+        ):  # a negative slot means "no cache write" (defensive; the engine pads with null-block slots)
             blk = slot // BS
             off = slot % BS
-            _rotate_heads(k_ptr + t * sk_t, sk_h, kc_ptr + blk * skc_b + off * skc_s, skc_h, HKV, cos, sin,
-                          HALF, D, BLOCK_HKV, BLOCK_HALF, BLOCK_TAIL)
-            _copy_heads(v_ptr + t * sv_t, sv_h, vc_ptr + blk * svc_b + off * svc_s, svc_h, HKV, D, BLOCK_HKV, BLOCK_D)
+            _rotate_heads(
+                k_ptr + t * sk_t,
+                sk_h,
+                kc_ptr + blk * skc_b + off * skc_s,
+                skc_h,
+                HKV,
+                cos,
+                sin,
+                HALF,
+                D,
+                BLOCK_HKV,
+                BLOCK_HALF,
+                BLOCK_TAIL,
+            )
+            _copy_heads(
+                v_ptr + t * sv_t,
+                sv_h,
+                vc_ptr + blk * svc_b + off * svc_s,
+                svc_h,
+                HKV,
+                D,
+                BLOCK_HKV,
+                BLOCK_D,
+            )
     else:
-        _rotate_heads(k_ptr + t * sk_t, sk_h, ko_ptr + t * sko_t, sko_h, HKV, cos, sin,
-                      HALF, D, BLOCK_HKV, BLOCK_HALF, BLOCK_TAIL)
+        _rotate_heads(
+            k_ptr + t * sk_t,
+            sk_h,
+            ko_ptr + t * sko_t,
+            sko_h,
+            HKV,
+            cos,
+            sin,
+            HALF,
+            D,
+            BLOCK_HKV,
+            BLOCK_HALF,
+            BLOCK_TAIL,
+        )
 
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
-    sk_t, sk_h, sv_t, sv_h, skc_b, skc_s, skc_h, svc_b, svc_s, svc_h,
-    HKV, D: tl.constexpr, BS: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    sk_t,
+    sk_h,
+    sv_t,
+    sv_h,
+    skc_b,
+    skc_s,
+    skc_h,
+    svc_b,
+    svc_s,
+    svc_h,
+    HKV,
+    D: tl.constexpr,
+    BS: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         blk = slot // BS
         off = slot % BS
-        _copy_heads(k_ptr + t * sk_t, sk_h, kc_ptr + blk * skc_b + off * skc_s, skc_h, HKV, D, BLOCK_HKV, BLOCK_D)
-        _copy_heads(v_ptr + t * sv_t, sv_h, vc_ptr + blk * svc_b + off * svc_s, svc_h, HKV, D, BLOCK_HKV, BLOCK_D)
+        _copy_heads(
+            k_ptr + t * sk_t,
+            sk_h,
+            kc_ptr + blk * skc_b + off * skc_s,
+            skc_h,
+            HKV,
+            D,
+            BLOCK_HKV,
+            BLOCK_D,
+        )
+        _copy_heads(
+            v_ptr + t * sv_t,
+            sv_h,
+            vc_ptr + blk * svc_b + off * svc_s,
+            svc_h,
+            HKV,
+            D,
+            BLOCK_HKV,
+            BLOCK_D,
+        )
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +224,9 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cache_strides(c: torch.Tensor) -> tuple[int, int, int]:
-    assert c.dim() == 4 and c.stride(-1) == 1, "cache must be [NB, BS, Hkv, D] with a unit last stride"
+    assert c.dim() == 4 and c.stride(-1) == 1, (
+        "cache must be [NB, BS, Hkv, D] with a unit last stride"
+    )
     return c.stride(0), c.stride(1), c.stride(2)
 
 
@@ -129,13 +255,38 @@ def _rope(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping):
         k_cache = v_cache = slot_mapping = k  # unused pointers
     half = rot // 2
     _rope_kernel[(num_t,)](
-        q, k, vv, positions, cs, q_out, ko, k_cache, v_cache, slot_mapping,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), *sv, q_out.stride(0), q_out.stride(1), *sko,
-        cs.stride(0), *kc, *vc,
-        hq, hkv,
-        HALF=half, D=d, BS=bs,
-        BLOCK_HQ=pow2(hq), BLOCK_HKV=pow2(hkv), BLOCK_HALF=pow2(half),
-        BLOCK_TAIL=pow2(d - 2 * half), BLOCK_D=pow2(d), WRITE_CACHE=write,
+        q,
+        k,
+        vv,
+        positions,
+        cs,
+        q_out,
+        ko,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        *sv,
+        q_out.stride(0),
+        q_out.stride(1),
+        *sko,
+        cs.stride(0),
+        *kc,
+        *vc,
+        hq,
+        hkv,
+        HALF=half,
+        D=d,
+        BS=bs,
+        BLOCK_HQ=pow2(hq),
+        BLOCK_HKV=pow2(hkv),
+        BLOCK_HALF=pow2(half),
+        BLOCK_TAIL=pow2(d - 2 * half),
+        BLOCK_D=pow2(d),
+        WRITE_CACHE=write,
         num_warps=4 if hq * d <= 4096 else 8,
     )
     return q_out, k_out
@@ -157,8 +308,21 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
         return
     kc, vc = _cache_strides(k_cache), _cache_strides(v_cache)
     _write_kv_kernel[(num_t,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *kc, *vc,
-        hkv, D=d, BS=k_cache.shape[1], BLOCK_HKV=pow2(hkv), BLOCK_D=pow2(d),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        *kc,
+        *vc,
+        hkv,
+        D=d,
+        BS=k_cache.shape[1],
+        BLOCK_HKV=pow2(hkv),
+        BLOCK_D=pow2(d),
         num_warps=4,
     )

@@ -43,8 +43,13 @@ _STATUS_REASON = {
 class KvTransferError(RuntimeError):
     """A pull that did not deliver; `reason` labels the metric, `status` maps to gRPC."""
 
-    def __init__(self, reason: str, message: str, status: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
-                 payload_started: bool = False):
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        status: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+        payload_started: bool = False,
+    ):
         super().__init__(message)
         self.reason = reason
         self.status = status
@@ -76,12 +81,16 @@ class _EndpointPool:
         import ucxx
 
         try:
-            ep = await asyncio.wait_for(ucxx.create_endpoint(host, port, connect_timeout=self.timeout),
-                                        self.timeout + 1)
+            ep = await asyncio.wait_for(
+                ucxx.create_endpoint(host, port, connect_timeout=self.timeout), self.timeout + 1
+            )
             return ep, False
         except Exception as exc:  # timeout or refused: either way the peer is unreachable now
-            raise KvTransferError("connect", f"cannot reach the prefill worker's UCX listener at "
-                                  f"{host}:{port}: {exc or type(exc).__name__}") from exc
+            raise KvTransferError(
+                "connect",
+                f"cannot reach the prefill worker's UCX listener at "
+                f"{host}:{port}: {exc or type(exc).__name__}",
+            ) from exc
 
     def release(self, host: str, port: int, ep) -> None:
         if not ep.closed:
@@ -95,9 +104,15 @@ class _EndpointPool:
 
 
 class KvTransferClient:
-    def __init__(self, kv_cache: torch.Tensor, spec: PoolSpec, config: KvTransferConfig,
-                 metrics: KvTransferMetrics | None = None, head_range: tuple[int, int] | None = None,
-                 install: Installer | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        spec: PoolSpec,
+        config: KvTransferConfig,
+        metrics: KvTransferMetrics | None = None,
+        head_range: tuple[int, int] | None = None,
+        install: Installer | None = None,
+    ) -> None:
         """`head_range`: the model's KV heads that `kv_cache` holds (default all: spec.num_kv_heads);
         `install`: where verified shards go instead of `kv_cache` (None: unpacked into it)."""
         self.kv_cache = kv_cache
@@ -120,10 +135,15 @@ class KvTransferClient:
         try:
             check_compatible(handle, self.spec)
         except KvIncompatibleError as exc:
-            raise KvTransferError("incompatible", str(exc), grpc.StatusCode.FAILED_PRECONDITION) from exc
+            raise KvTransferError(
+                "incompatible", str(exc), grpc.StatusCode.FAILED_PRECONDITION
+            ) from exc
         if len(dest_blocks) != handle.num_blocks:
-            raise KvTransferError("invalid", f"{len(dest_blocks)} destination blocks for a handle of "
-                                  f"{handle.num_blocks}", grpc.StatusCode.INVALID_ARGUMENT)
+            raise KvTransferError(
+                "invalid",
+                f"{len(dest_blocks)} destination blocks for a handle of {handle.num_blocks}",
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
         try:
             sources = shard_sources(handle)
         except ValueError as exc:
@@ -131,8 +151,10 @@ class KvTransferClient:
         start = time.perf_counter()
         # every shard but rank 0's at once; each writes its own heads, so all must end before the
         # blocks can go back on a failure (no exception leaves while a sibling still writes)
-        results = await asyncio.gather(*(self._pull_source(handle, src, dest_blocks) for src in sources[:-1]),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._pull_source(handle, src, dest_blocks) for src in sources[:-1]),
+            return_exceptions=True,
+        )
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise failed[0]
@@ -143,7 +165,9 @@ class KvTransferClient:
         self.metrics.gbps.set(stats.gbps)
         return stats
 
-    async def _pull_source(self, handle: kv_pb2.KvHandle, src: ShardSource, dest_blocks: list[int]) -> int:
+    async def _pull_source(
+        self, handle: kv_pb2.KvHandle, src: ShardSource, dest_blocks: list[int]
+    ) -> int:
         host, port = src.host, src.port
         ep, reused = await self.pool.acquire(host, port)
         try:
@@ -170,55 +194,98 @@ class KvTransferClient:
         if (src.head_start, src.head_end) == (h0, h1):
             ops.unpack_kv_blocks(staging, self.kv_cache, ids)
         else:  # one shard of a tensor-parallel prefill: its heads' slice of this pool
-            self.kv_cache[:, :, :, :, src.head_start - h0:src.head_end - h0].index_copy_(2, ids, staging)
+            self.kv_cache[:, :, :, :, src.head_start - h0 : src.head_end - h0].index_copy_(
+                2, ids, staging
+            )
 
-    async def _exchange(self, ep, handle: kv_pb2.KvHandle, src: ShardSource, dest_blocks: list[int]) -> int:
+    async def _exchange(
+        self, ep, handle: kv_pb2.KvHandle, src: ShardSource, dest_blocks: list[int]
+    ) -> int:
         cfg = self.config
-        request = kv_pb2.KvPullRequest(lease_id=handle.lease_id, request_id=handle.request_id,
-                                       max_message_bytes=cfg.max_message_bytes, **self.spec.fields())
+        request = kv_pb2.KvPullRequest(
+            lease_id=handle.lease_id,
+            request_id=handle.request_id,
+            max_message_bytes=cfg.max_message_bytes,
+            **self.spec.fields(),
+        )
         try:
-            await asyncio.wait_for(ep.send_obj(request.SerializeToString()), cfg.lease_request_timeout_s)
+            await asyncio.wait_for(
+                ep.send_obj(request.SerializeToString()), cfg.lease_request_timeout_s
+            )
             raw = await asyncio.wait_for(ep.recv_obj(), cfg.lease_request_timeout_s)
-        except asyncio.TimeoutError as exc:
-            raise KvTransferError("lease_timeout", f"no answer to the lease request within "
-                                  f"{cfg.lease_request_timeout_s}s") from exc
+        except TimeoutError as exc:
+            raise KvTransferError(
+                "lease_timeout",
+                f"no answer to the lease request within {cfg.lease_request_timeout_s}s",
+            ) from exc
         except Exception as exc:
-            raise KvTransferError("peer_failed", f"prefill worker failed during the lease request: {exc}") from exc
+            raise KvTransferError(
+                "peer_failed", f"prefill worker failed during the lease request: {exc}"
+            ) from exc
         reply = kv_pb2.KvPullReply.FromString(bytes(raw))
         if reply.status != kv_pb2.KV_PULL_STATUS_OK:
             reason = _STATUS_REASON.get(reply.status, "rejected")
-            status = grpc.StatusCode.FAILED_PRECONDITION if reason == "incompatible" else grpc.StatusCode.UNAVAILABLE
+            status = (
+                grpc.StatusCode.FAILED_PRECONDITION
+                if reason == "incompatible"
+                else grpc.StatusCode.UNAVAILABLE
+            )
             raise KvTransferError(reason, reply.message or f"pull rejected ({reason})", status)
-        if self.install is None and not (self.head_range[0] <= src.head_start and src.head_end <= self.head_range[1]):
-            raise KvTransferError("invalid", f"shard heads [{src.head_start}, {src.head_end}) are not in this "
-                                  f"pool's heads {list(self.head_range)}", grpc.StatusCode.INVALID_ARGUMENT)
-        shape = (self.spec.num_layers, 2, len(dest_blocks), self.spec.block_size, src.num_heads, self.spec.head_dim)
+        if self.install is None and not (
+            self.head_range[0] <= src.head_start and src.head_end <= self.head_range[1]
+        ):
+            raise KvTransferError(
+                "invalid",
+                f"shard heads [{src.head_start}, {src.head_end}) are not in this "
+                f"pool's heads {list(self.head_range)}",
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
+        shape = (
+            self.spec.num_layers,
+            2,
+            len(dest_blocks),
+            self.spec.block_size,
+            src.num_heads,
+            self.spec.head_dim,
+        )
         staging = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
         payload = staging.reshape(-1).view(torch.uint8)
         if reply.payload_bytes != payload.numel() or reply.num_messages < 1:
-            raise KvTransferError("invalid", f"payload of {reply.payload_bytes} bytes in {reply.num_messages} "
-                                  f"messages; expected {payload.numel()} bytes")
+            raise KvTransferError(
+                "invalid",
+                f"payload of {reply.payload_bytes} bytes in {reply.num_messages} "
+                f"messages; expected {payload.numel()} bytes",
+            )
         chunk = -(-payload.numel() // reply.num_messages)
         try:
             await asyncio.wait_for(self._receive(ep, payload, chunk), cfg.data_timeout_s)
-        except asyncio.TimeoutError as exc:
-            raise KvTransferError("data_timeout", f"KV payload not received within {cfg.data_timeout_s}s") from exc
+        except TimeoutError as exc:
+            raise KvTransferError(
+                "data_timeout", f"KV payload not received within {cfg.data_timeout_s}s"
+            ) from exc
         except Exception as exc:
-            raise KvTransferError("peer_failed", f"prefill worker failed mid-transfer: {exc}",
-                                  payload_started=True) from exc
+            raise KvTransferError(
+                "peer_failed", f"prefill worker failed mid-transfer: {exc}", payload_started=True
+            ) from exc
         # Checksum and unpack in one pass of the transfer stream, then one wait. On a mismatch the
         # destination blocks hold garbage, but they were never admitted: they go back unused.
         self.stream.after_engine()
         with self.stream.context():
             checksum = payload_checksum_async(staging) if cfg.verify_checksum else None
             if self.install is None:
-                ids = torch.tensor(dest_blocks, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
+                ids = torch.tensor(dest_blocks, dtype=torch.int64).to(
+                    self.kv_cache.device, non_blocking=True
+                )
                 self._unpack_local(staging, ids, src)
         await self.stream.wait()
         if checksum is not None and to_u64(checksum) != reply.checksum:
-            await ep.send_obj(kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=False).SerializeToString())
-            raise KvTransferError("checksum", "KV payload failed its checksum (corrupted or truncated); "
-                                  "it was discarded")
+            await ep.send_obj(
+                kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=False).SerializeToString()
+            )
+            raise KvTransferError(
+                "checksum",
+                "KV payload failed its checksum (corrupted or truncated); it was discarded",
+            )
         if self.install is not None:  # verified first: garbage never reaches another rank
             await self.install(staging, list(dest_blocks), src.head_start, src.head_end)
         await ep.send_obj(kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=True).SerializeToString())
@@ -226,7 +293,9 @@ class KvTransferClient:
 
     async def _receive(self, ep, payload: torch.Tensor, chunk: int) -> None:
         # all receives posted at once: UCX matches them in order and overlaps the messages
-        await asyncio.gather(*(ep.recv(ucx_view(payload[o : o + chunk])) for o in range(0, payload.numel(), chunk)))
+        await asyncio.gather(
+            *(ep.recv(ucx_view(payload[o : o + chunk])) for o in range(0, payload.numel(), chunk))
+        )
 
     def close(self) -> None:
         self.pool.close()

@@ -17,11 +17,18 @@ class KvTransferConfig(BaseModel):
     # recompute: the decode worker recomputes the prompt itself (same tokens, later);
     # fail: the request ends with UNAVAILABLE.
     failure_policy: Literal["recompute", "fail"] = "recompute"
-    max_message_bytes: int = Field(256 * 2**20, ge=2**20, description="payload split above this size")
+    max_message_bytes: int = Field(
+        256 * 2**20, ge=2**20, description="payload split above this size"
+    )
     verify_checksum: bool = True
     # ucxx listeners bind every interface; peers dial the worker's advertised host.
-    listen_port: int = Field(0, ge=0, le=65535, description="0 picks a free port; under tensor parallelism rank "
-                                                            "r of a prefill worker listens on listen_port + r")
+    listen_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="0 picks a free port; under tensor parallelism rank "
+        "r of a prefill worker listens on listen_port + r",
+    )
 
     def for_rank(self, rank: int) -> KvTransferConfig:
         """The settings of tensor-parallel rank `rank`'s listener: a fixed port moves up by the rank
@@ -37,8 +44,9 @@ class RequestFaults(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    request_id_prefix: str = Field("", description="test only: faults hit request ids with this prefix "
-                                                   "(empty: every request)")
+    request_id_prefix: str = Field(
+        "", description="test only: faults hit request ids with this prefix (empty: every request)"
+    )
 
     def hits(self, request_id: str) -> bool:
         return request_id.startswith(self.request_id_prefix)
@@ -49,10 +57,20 @@ class TransferFaults(RequestFaults):
     wrong on purpose. Every field off by default; never set in production."""
 
     corrupt_payload: bool = Field(False, description="test only: flip bytes of the payload sent")
-    truncate_payload: bool = Field(False, description="test only: send only the first half of the last message")
-    misstate_payload_bytes: bool = Field(False, description="test only: announce one byte fewer than sent")
-    stall_before_payload_s: float = Field(0.0, ge=0, description="test only: sleep between reply and payload")
-    message_bytes: int = Field(0, ge=0, description="test only: split the payload into messages this small "
-                                                    "(0: as configured)")
-    stall_after_first_message_s: float = Field(0.0, ge=0, description="test only: sleep after the payload's "
-                                                                       "first message")
+    truncate_payload: bool = Field(
+        False, description="test only: send only the first half of the last message"
+    )
+    misstate_payload_bytes: bool = Field(
+        False, description="test only: announce one byte fewer than sent"
+    )
+    stall_before_payload_s: float = Field(
+        0.0, ge=0, description="test only: sleep between reply and payload"
+    )
+    message_bytes: int = Field(
+        0,
+        ge=0,
+        description="test only: split the payload into messages this small (0: as configured)",
+    )
+    stall_after_first_message_s: float = Field(
+        0.0, ge=0, description="test only: sleep after the payload's first message"
+    )

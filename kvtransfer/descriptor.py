@@ -10,8 +10,11 @@ import torch
 
 from splitserve.protos import kv_pb2
 
-DTYPE_TO_PROTO = {torch.float32: kv_pb2.KV_DTYPE_FP32, torch.float16: kv_pb2.KV_DTYPE_FP16,
-                  torch.bfloat16: kv_pb2.KV_DTYPE_BF16}
+DTYPE_TO_PROTO = {
+    torch.float32: kv_pb2.KV_DTYPE_FP32,
+    torch.float16: kv_pb2.KV_DTYPE_FP16,
+    torch.bfloat16: kv_pb2.KV_DTYPE_BF16,
+}
 LAYOUT = kv_pb2.KV_LAYOUT_LAYER_KV_BLOCK_TOKEN_HEAD_DIM
 
 
@@ -31,7 +34,9 @@ class PoolSpec:
     model_compat_hash: str
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor, compat_hash: str, num_kv_heads: int | None = None) -> PoolSpec:
+    def of(
+        cls, kv_cache: torch.Tensor, compat_hash: str, num_kv_heads: int | None = None
+    ) -> PoolSpec:
         """`num_kv_heads`: the model's KV heads, when the pool of a tensor-parallel rank holds
         only a slice of them (the spec always describes the whole model)."""
         layers, two, _blocks, block_size, heads, head_dim = kv_cache.shape
@@ -43,27 +48,53 @@ class PoolSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def fields(self) -> dict:
-        return dict(layout=LAYOUT, dtype=DTYPE_TO_PROTO[self.dtype], block_size=self.block_size,
-                    num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                    model_compat_hash=self.model_compat_hash)
+        return dict(
+            layout=LAYOUT,
+            dtype=DTYPE_TO_PROTO[self.dtype],
+            block_size=self.block_size,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            model_compat_hash=self.model_compat_hash,
+        )
 
 
-def make_handle(spec: PoolSpec, *, host: str, port: int, lease_id: str, request_id: str,
-                num_blocks: int, num_tokens: int, ttl_s: float,
-                shard_ports: list[int] | None = None) -> kv_pb2.KvHandle:
+def make_handle(
+    spec: PoolSpec,
+    *,
+    host: str,
+    port: int,
+    lease_id: str,
+    request_id: str,
+    num_blocks: int,
+    num_tokens: int,
+    ttl_s: float,
+    shard_ports: list[int] | None = None,
+) -> kv_pb2.KvHandle:
     """`shard_ports`: the UCX port of each tensor-parallel rank (rank r holds the r-th equal
     slice of the KV heads); None or one port: no shard map (tp_size 1)."""
     handle = kv_pb2.KvHandle(
-        address=kv_pb2.UcxAddress(host=host, port=port), lease_id=lease_id, request_id=request_id,
-        num_blocks=num_blocks, num_tokens=num_tokens, ttl_ms=int(ttl_s * 1000),
-        expires_at_unix_ms=int((time.time() + ttl_s) * 1000), **spec.fields(),
+        address=kv_pb2.UcxAddress(host=host, port=port),
+        lease_id=lease_id,
+        request_id=request_id,
+        num_blocks=num_blocks,
+        num_tokens=num_tokens,
+        ttl_ms=int(ttl_s * 1000),
+        expires_at_unix_ms=int((time.time() + ttl_s) * 1000),
+        **spec.fields(),
     )
     if shard_ports and len(shard_ports) > 1:
         size, part = len(shard_ports), spec.num_kv_heads // len(shard_ports)
         handle.shards.extend(
-            kv_pb2.KvShard(tp_rank=r, tp_size=size, kv_head_start=r * part, kv_head_end=(r + 1) * part,
-                           address=kv_pb2.UcxAddress(host=host, port=p))
-            for r, p in enumerate(shard_ports))
+            kv_pb2.KvShard(
+                tp_rank=r,
+                tp_size=size,
+                kv_head_start=r * part,
+                kv_head_end=(r + 1) * part,
+                address=kv_pb2.UcxAddress(host=host, port=p),
+            )
+            for r, p in enumerate(shard_ports)
+        )
     return handle
 
 
@@ -76,6 +107,8 @@ def check_compatible(remote, local: PoolSpec) -> None:
     ]
     if mismatches:
         raise KvIncompatibleError(
-            "KV pools are incompatible (" + "; ".join(mismatches) + "); pair workers that serve the same "
+            "KV pools are incompatible ("
+            + "; ".join(mismatches)
+            + "); pair workers that serve the same "
             "model with the same dtype and block size"
         )

@@ -10,19 +10,35 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 class KvTransferMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.bytes = Counter("splitserve_kv_transfer_bytes_total", "KV payload bytes moved", ["direction"],
-                             registry=registry)
+        self.bytes = Counter(
+            "splitserve_kv_transfer_bytes_total",
+            "KV payload bytes moved",
+            ["direction"],
+            registry=registry,
+        )
         self.seconds = Histogram(
-            "splitserve_kv_transfer_seconds", "Pull time, request to unpacked (decode side)", registry=registry,
+            "splitserve_kv_transfer_seconds",
+            "Pull time, request to unpacked (decode side)",
+            registry=registry,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
         )
-        self.failures = Counter("splitserve_kv_transfer_failures_total", "Failed pulls", ["reason"],
-                                registry=registry)
-        self.gbps = Gauge("splitserve_kv_transfer_gbps", "Throughput of the last pull in GB/s", registry=registry)
-        self.sending = Gauge("splitserve_kv_transfer_sending", "Pulls answered and not yet done (prefill side)",
-                             registry=registry)
-        self.transports = Gauge("splitserve_ucx_transport_available", "UCX transports UCX may use", ["transport"],
-                                registry=registry)
+        self.failures = Counter(
+            "splitserve_kv_transfer_failures_total", "Failed pulls", ["reason"], registry=registry
+        )
+        self.gbps = Gauge(
+            "splitserve_kv_transfer_gbps", "Throughput of the last pull in GB/s", registry=registry
+        )
+        self.sending = Gauge(
+            "splitserve_kv_transfer_sending",
+            "Pulls answered and not yet done (prefill side)",
+            registry=registry,
+        )
+        self.transports = Gauge(
+            "splitserve_ucx_transport_available",
+            "UCX transports UCX may use",
+            ["transport"],
+            registry=registry,
+        )
 
     def log_transports(self) -> list[str]:
         """Logs (and exports) the UCX transports this process may use; initializes UCX."""
@@ -31,5 +47,7 @@ class KvTransferMetrics:
         transports = sorted(ucxx.get_active_transports())
         for t in transports:
             self.transports.labels(t).set(1)
-        logging.getLogger("splitserve.kvtransfer").info("UCX transports available: %s", ", ".join(transports))
+        logging.getLogger("splitserve.kvtransfer").info(
+            "UCX transports available: %s", ", ".join(transports)
+        )
         return transports

@@ -55,9 +55,15 @@ class LeaseSource(Protocol):
 
 
 class KvTransferServer:
-    def __init__(self, kv_cache: torch.Tensor, spec: PoolSpec, leases: LeaseSource,
-                 config: KvTransferConfig, faults: TransferFaults | None = None,
-                 metrics: KvTransferMetrics | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        spec: PoolSpec,
+        leases: LeaseSource,
+        config: KvTransferConfig,
+        faults: TransferFaults | None = None,
+        metrics: KvTransferMetrics | None = None,
+    ) -> None:
         self.kv_cache = kv_cache
         self.spec = spec
         self.leases = leases
@@ -102,10 +108,14 @@ class KvTransferServer:
         try:
             check_compatible(req, self.spec)
             blocks = self.leases.begin_pull(req.lease_id, req.request_id)
-            if inspect.isawaitable(blocks):  # a tensor-parallel follower may wait for rank 0's grant
+            if inspect.isawaitable(
+                blocks
+            ):  # a tensor-parallel follower may wait for rank 0's grant
                 blocks = await blocks
         except KvIncompatibleError as exc:
-            await ep.send_obj(self._reply_error(kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, str(exc)).SerializeToString())
+            await ep.send_obj(
+                self._reply_error(kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, str(exc)).SerializeToString()
+            )
             return
         except LeaseLookupError as exc:
             await ep.send_obj(self._reply_error(exc.status, str(exc)).SerializeToString())
@@ -121,21 +131,34 @@ class KvTransferServer:
     async def _send_blocks(self, ep, req: kv_pb2.KvPullRequest, blocks: list[int]) -> bool:
         self.stream.after_engine()
         with self.stream.context():
-            ids = torch.tensor(blocks, dtype=torch.int64).to(self.kv_cache.device, non_blocking=True)
+            ids = torch.tensor(blocks, dtype=torch.int64).to(
+                self.kv_cache.device, non_blocking=True
+            )
             packed = ops.pack_kv_blocks(self.kv_cache, ids)
             checksum = payload_checksum_async(packed) if self.config.verify_checksum else None
         await self.stream.wait()
         checksum = to_u64(checksum) if checksum is not None else 0
         payload = packed.reshape(-1).view(torch.uint8)
-        limit = max(1, min(self.config.max_message_bytes, req.max_message_bytes or self.config.max_message_bytes))
+        limit = max(
+            1,
+            min(
+                self.config.max_message_bytes,
+                req.max_message_bytes or self.config.max_message_bytes,
+            ),
+        )
         hit = self.faults.hits(req.request_id)
         if hit and self.faults.message_bytes:
             limit = self.faults.message_bytes
         # Even pieces: the receiver sizes its buffers as ceil(bytes / num_messages).
         chunk = -(-payload.numel() // -(-payload.numel() // limit))
         pieces = [payload[i : i + chunk] for i in range(0, payload.numel(), chunk)]
-        reply = kv_pb2.KvPullReply(status=kv_pb2.KV_PULL_STATUS_OK, payload_bytes=payload.numel(),
-                                   num_messages=len(pieces), num_blocks=len(blocks), checksum=checksum)
+        reply = kv_pb2.KvPullReply(
+            status=kv_pb2.KV_PULL_STATUS_OK,
+            payload_bytes=payload.numel(),
+            num_messages=len(pieces),
+            num_blocks=len(blocks),
+            checksum=checksum,
+        )
         if hit and self.faults.misstate_payload_bytes:
             reply.payload_bytes -= 1
         timeout = self.config.data_timeout_s  # a hung peer must not pin the blocks past this
@@ -143,8 +166,9 @@ class KvTransferServer:
         with self.metrics.sending.track_inprogress():
             return await self._send_payload(ep, req, pieces, payload.numel(), hit)
 
-    async def _send_payload(self, ep, req: kv_pb2.KvPullRequest, pieces: list[torch.Tensor], nbytes: int,
-                            hit: bool) -> bool:
+    async def _send_payload(
+        self, ep, req: kv_pb2.KvPullRequest, pieces: list[torch.Tensor], nbytes: int, hit: bool
+    ) -> bool:
         timeout = self.config.data_timeout_s
         if hit:
             pieces = self._apply_faults(pieces)
@@ -154,7 +178,9 @@ class KvTransferServer:
                 await asyncio.sleep(self.faults.stall_after_first_message_s)
                 pieces = pieces[1:]
         # pipelined, tag-ordered
-        await asyncio.wait_for(asyncio.gather(*(ep.send(ucx_view(piece)) for piece in pieces)), timeout)
+        await asyncio.wait_for(
+            asyncio.gather(*(ep.send(ucx_view(piece)) for piece in pieces)), timeout
+        )
         self.metrics.bytes.labels("sent").inc(nbytes)
         done = kv_pb2.KvPullDone.FromString(bytes(await asyncio.wait_for(ep.recv_obj(), timeout)))
         return done.ok
@@ -165,7 +191,9 @@ class KvTransferServer:
             pieces[0][: min(64, pieces[0].numel())] ^= 0x5A
         if self.faults.truncate_payload:
             pieces = [p.clone() for p in pieces]
-            pieces[-1] = pieces[-1][: pieces[-1].numel() // 2]  # fewer bytes on the wire than announced
+            pieces[-1] = pieces[-1][
+                : pieces[-1].numel() // 2
+            ]  # fewer bytes on the wire than announced
         return pieces
 
     async def close_connections(self) -> None:
@@ -180,11 +208,16 @@ class KvTransferServer:
         handler is what hung processes at exit), then the listener; idempotent."""
         tasks = list(self._handlers)
         await self.close_connections()
-        if tasks:  # bounded: a handler stuck in ucxx must not hold the stop (the exit deadline's job)
+        if (
+            tasks
+        ):  # bounded: a handler stuck in ucxx must not hold the stop (the exit deadline's job)
             _, stuck = await asyncio.wait(tasks, timeout=HANDLER_EXIT_S)
             if stuck:
-                log.warning("%d KV endpoint handler(s) did not end within %.0fs of the close", len(stuck),
-                            HANDLER_EXIT_S)
+                log.warning(
+                    "%d KV endpoint handler(s) did not end within %.0fs of the close",
+                    len(stuck),
+                    HANDLER_EXIT_S,
+                )
         if self._listener is not None:
             self._listener.close()
             self._listener = None

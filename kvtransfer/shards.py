@@ -38,15 +38,24 @@ def shard_sources(handle: kv_pb2.KvHandle) -> list[ShardSource]:
     edge = 0
     for s in shards:
         if s.kv_head_start != edge or s.kv_head_end <= s.kv_head_start:
-            raise ValueError(f"kv.shards do not cover the KV heads 0..{handle.num_kv_heads} once each (shard of "
-                             f"rank {s.tp_rank}: [{s.kv_head_start}, {s.kv_head_end})); pass the handle unchanged")
+            raise ValueError(
+                f"kv.shards do not cover the KV heads 0..{handle.num_kv_heads} once each (shard of "
+                f"rank {s.tp_rank}: [{s.kv_head_start}, {s.kv_head_end})); pass the handle unchanged"
+            )
         if not s.address.host or not s.address.port:
-            raise ValueError(f"kv.shards[rank {s.tp_rank}].address needs a host and a port; pass the handle unchanged")
+            raise ValueError(
+                f"kv.shards[rank {s.tp_rank}].address needs a host and a port; pass the handle unchanged"
+            )
         edge = s.kv_head_end
     if edge != handle.num_kv_heads:
-        raise ValueError(f"kv.shards end at KV head {edge}, the model has {handle.num_kv_heads}; "
-                         "pass the handle unchanged")
-    out = [ShardSource(s.address.host, s.address.port, s.kv_head_start, s.kv_head_end, s.tp_rank) for s in shards]
+        raise ValueError(
+            f"kv.shards end at KV head {edge}, the model has {handle.num_kv_heads}; "
+            "pass the handle unchanged"
+        )
+    out = [
+        ShardSource(s.address.host, s.address.port, s.kv_head_start, s.kv_head_end, s.tp_rank)
+        for s in shards
+    ]
     return sorted(out, key=lambda s: s.tp_rank == 0)  # stable: rank 0 last
 
 

@@ -19,18 +19,25 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitserve.config.engine_config import EngineConfig
 from splitserve.config.files import load_config
-from splitserve.service.grpc_service import ServerConfig
 from splitserve.kvtransfer.config import KvTransferConfig, RequestFaults, TransferFaults
+from splitserve.service.grpc_service import ServerConfig
 
 
 class PrefillFaults(RequestFaults):
     """For tests only (tests/faults): slow steps and broken transfers on purpose, so a test can
     land an abort, a kill or a corruption exactly where it wants. Off by default."""
 
-    last_chunk_delay_s: float = Field(0.0, ge=0, description="test only: the step holding a prompt's last "
-                                                             "chunk sleeps this long first")
-    reply_delay_s: float = Field(0.0, ge=0, description="test only: a Prefill call waits this long between "
-                                                        "its lease grant and its reply (a reply slow on the wire)")
+    last_chunk_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="test only: the step holding a prompt's last chunk sleeps this long first",
+    )
+    reply_delay_s: float = Field(
+        0.0,
+        ge=0,
+        description="test only: a Prefill call waits this long between "
+        "its lease grant and its reply (a reply slow on the wire)",
+    )
     transfer: TransferFaults = TransferFaults()
 
     def slow_last_chunk(self, request_ids) -> float:
@@ -46,7 +53,9 @@ class PrefillWorkerConfig(BaseModel):
     engine: EngineConfig
     server: ServerConfig = ServerConfig()
     kv_transfer: KvTransferConfig = KvTransferConfig()
-    lease_ttl_s: float = Field(30.0, gt=0, description="how long finished KV stays pinned for the decode side")
+    lease_ttl_s: float = Field(
+        30.0, gt=0, description="how long finished KV stays pinned for the decode side"
+    )
     max_lease_ttl_s: float = Field(600.0, gt=0, description="longest lease a request may ask for")
     enable_prefix_cache: bool = True
     max_prefix_hashes: int = Field(4096, ge=0, description="most block hashes GetLoad returns")
@@ -56,19 +65,25 @@ class PrefillWorkerConfig(BaseModel):
     @model_validator(mode="after")
     def _ttl_bounds(self) -> PrefillWorkerConfig:
         if self.lease_ttl_s > self.max_lease_ttl_s:
-            raise ValueError(f"lease_ttl_s ({self.lease_ttl_s}) must not exceed max_lease_ttl_s "
-                             f"({self.max_lease_ttl_s})")
+            raise ValueError(
+                f"lease_ttl_s ({self.lease_ttl_s}) must not exceed max_lease_ttl_s "
+                f"({self.max_lease_ttl_s})"
+            )
         return self
 
     @model_validator(mode="after")
     def _rank_ports(self) -> PrefillWorkerConfig:
         last = self.kv_transfer.listen_port + self.engine.parallel.tensor_parallel_size - 1
         if self.kv_transfer.listen_port and last > 65535:
-            raise ValueError(f"kv_transfer.listen_port {self.kv_transfer.listen_port}: tensor-parallel rank r listens "
-                             f"on listen_port + r, up to {last} > 65535; pick a lower listen_port")
+            raise ValueError(
+                f"kv_transfer.listen_port {self.kv_transfer.listen_port}: tensor-parallel rank r listens "
+                f"on listen_port + r, up to {last} > 65535; pick a lower listen_port"
+            )
         return self
 
     @classmethod
-    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PrefillWorkerConfig:
+    def load(
+        cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None
+    ) -> PrefillWorkerConfig:
         """YAML file (optional) with dotted-key overrides on top, e.g. {"engine.cache.block_size": 8}."""
         return load_config(cls, path, overrides)

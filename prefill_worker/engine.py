@@ -20,26 +20,31 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from splitserve.request.block_allocator import NULL_BLOCK, BlockAllocator
-from splitserve.request.block_hash import ROOT_HASH, block_hashes
-from splitserve.request.errors import RequestError
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
 from splitserve.engine.sampler import SampleOutput, Sampler, SeqSamplingInfo
-from splitserve.request.sampling_params import SamplingParams
-from splitserve.request.stop_checker import StopChecker
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.leases import Lease, LeaseTable
 from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import PrefillScheduler, ScheduledChunk
+from splitserve.request.block_allocator import NULL_BLOCK, BlockAllocator
+from splitserve.request.block_hash import ROOT_HASH, block_hashes
+from splitserve.request.errors import RequestError
+from splitserve.request.sampling_params import SamplingParams
+from splitserve.request.stop_checker import StopChecker
 
 log = logging.getLogger(__name__)
 
 
 class PrefillEngine:
-    def __init__(self, cfg: PrefillWorkerConfig, runner: ModelRunner, metrics: PrefillMetrics | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: PrefillWorkerConfig,
+        runner: ModelRunner,
+        metrics: PrefillMetrics | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.runner = runner
         self.metrics = metrics or PrefillMetrics()
@@ -79,7 +84,9 @@ class PrefillEngine:
 
     def _warmup(self) -> None:
         bs = self.runner.block_size
-        self.runner.prefill([PrefillChunk([0] * bs, 0, [NULL_BLOCK])])  # the null block takes the scribbles
+        self.runner.prefill(
+            [PrefillChunk([0] * bs, 0, [NULL_BLOCK])]
+        )  # the null block takes the scribbles
         self.runner.zero_kv()
 
     async def stop(self) -> None:
@@ -91,7 +98,9 @@ class PrefillEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        gone = RequestError.unavailable("the prefill worker is shutting down; retry on another worker")
+        gone = RequestError.unavailable(
+            "the prefill worker is shutting down; retry on another worker"
+        )
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._abort_seq(seq, gone, "unavailable")
         for lease in self.leases.pop_all():
@@ -100,17 +109,28 @@ class PrefillEngine:
         self._update_gauges()
 
     # ---- requests (called on the loop thread) -----------------------------------------------
-    async def prefill(self, request_id: str, prompt: Sequence[int], params: SamplingParams,
-                      lease_ttl_s: float) -> PrefillResult:
+    async def prefill(
+        self, request_id: str, prompt: Sequence[int], params: SamplingParams, lease_ttl_s: float
+    ) -> PrefillResult:
         """Queues a validated request and waits for its first token."""
         if self.fatal is not None or self._stopping or self._task is None:
-            raise RequestError.unavailable("the prefill worker is not serving; retry on another worker")
+            raise RequestError.unavailable(
+                "the prefill worker is not serving; retry on another worker"
+            )
         if self.scheduler.find(request_id) is not None:
-            raise RequestError.invalid(f"request_id {request_id!r} is already in flight on this worker; "
-                                       "give every request a unique id")
+            raise RequestError.invalid(
+                f"request_id {request_id!r} is already in flight on this worker; "
+                "give every request a unique id"
+            )
         prompt = list(prompt)
-        seq = PrefillSeq(request_id, prompt, params, lease_ttl_s, block_hashes(prompt, self.runner.block_size),
-                         asyncio.get_running_loop().create_future())
+        seq = PrefillSeq(
+            request_id,
+            prompt,
+            params,
+            lease_ttl_s,
+            block_hashes(prompt, self.runner.block_size),
+            asyncio.get_running_loop().create_future(),
+        )
         self.scheduler.add(seq)
         self._update_gauges()
         self._wake.set()
@@ -120,7 +140,9 @@ class PrefillEngine:
             fut = seq.future
             if not (fut.done() and not fut.cancelled() and fut.exception() is None):
                 self._abort_seq(seq, None, "cancelled")
-            elif fut.result().lease is not None:  # finished just as the caller left: nobody will pull
+            elif (
+                fut.result().lease is not None
+            ):  # finished just as the caller left: nobody will pull
                 lease = self.leases.pop(fut.result().lease.lease_id)
                 if lease is not None:
                     self._drop_lease(lease)
@@ -130,7 +152,9 @@ class PrefillEngine:
         """Aborts a queued or running prefill and drops the leases of the request."""
         seq = self.scheduler.find(request_id)
         if seq is not None:
-            self._abort_seq(seq, RequestError.cancelled(f"request {request_id!r} was aborted"), "aborted")
+            self._abort_seq(
+                seq, RequestError.cancelled(f"request {request_id!r} was aborted"), "aborted"
+            )
         leases = self.leases.pop_request(request_id)
         for lease in leases:
             self._drop_lease(lease)
@@ -143,7 +167,8 @@ class PrefillEngine:
         if request_id and request_id != lease.request_id:
             raise RequestError.invalid(
                 f"lease {lease_id} belongs to request {lease.request_id!r}, not {request_id!r}; "
-                "pass the request_id of the same KvHandle")
+                "pass the request_id of the same KvHandle"
+            )
         self._drop_lease(self.leases.pop(lease_id))
         return True
 
@@ -164,14 +189,23 @@ class PrefillEngine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.leases.seconds_to_next_expiry())
             return
-        chunks = [PrefillChunk(c.seq.prompt[c.start:c.end], c.start, tuple(c.seq.block_table)) for c in batch]
+        chunks = [
+            PrefillChunk(c.seq.prompt[c.start : c.end], c.start, tuple(c.seq.block_table))
+            for c in batch
+        ]
         rows = [i for i, c in enumerate(batch) if c.is_last]
         infos = [SeqSamplingInfo(batch[i].seq.params, batch[i].seq.prompt, ()) for i in rows]
         self._in_step = {c.seq for c in batch}
-        delay = self.cfg.faults.slow_last_chunk([batch[i].seq.request_id for i in rows]) if rows else 0.0
+        delay = (
+            self.cfg.faults.slow_last_chunk([batch[i].seq.request_id for i in rows])
+            if rows
+            else 0.0
+        )
         start, loop = time.perf_counter(), asyncio.get_running_loop()
         try:
-            sampled = await loop.run_in_executor(self._executor, self._step, chunks, rows, infos, delay)
+            sampled = await loop.run_in_executor(
+                self._executor, self._step, chunks, rows, infos, delay
+            )
         finally:
             self._in_step = set()
             self.progress += 1
@@ -179,8 +213,13 @@ class PrefillEngine:
         self.metrics.batch_tokens.observe(sum(c.end - c.start for c in batch))
         self._after_step(batch, sampled)
 
-    def _step(self, chunks: list[PrefillChunk], rows: list[int], infos: list[SeqSamplingInfo],
-              delay_s: float = 0.0) -> SampleOutput | None:
+    def _step(
+        self,
+        chunks: list[PrefillChunk],
+        rows: list[int],
+        infos: list[SeqSamplingInfo],
+        delay_s: float = 0.0,
+    ) -> SampleOutput | None:
         """Runs in the step thread: the model, then the first tokens of the prompts it finished
         (after `delay_s`: the faults config's slow last chunk, tests only)."""
         if delay_s:
@@ -207,18 +246,24 @@ class PrefillEngine:
         full = seq.num_computed // bs
         for i in range(seq.num_registered, full):
             parent = seq.block_hashes[i - 1] if i else ROOT_HASH
-            self.cache.register(seq.block_table[i], seq.block_hashes[i], parent, seq.prompt[i * bs:(i + 1) * bs])
+            self.cache.register(
+                seq.block_table[i], seq.block_hashes[i], parent, seq.prompt[i * bs : (i + 1) * bs]
+            )
         seq.num_registered = max(seq.num_registered, full)
 
     def _complete(self, seq: PrefillSeq, token_id: int, logprob) -> None:
         self.scheduler.remove(seq)
-        stop = StopChecker(seq.params, self.eos, self.max_model_len, len(seq.prompt)).update(token_id, "")
+        stop = StopChecker(seq.params, self.eos, self.max_model_len, len(seq.prompt)).update(
+            token_id, ""
+        )
         table, seq.block_table = seq.block_table, []
         if stop.finish_reason is not None:
             self.cache.free(table)
             lease = None
         else:
-            lease = self.leases.grant(seq.request_id, tuple(table), len(seq.prompt), seq.lease_ttl_s)
+            lease = self.leases.grant(
+                seq.request_id, tuple(table), len(seq.prompt), seq.lease_ttl_s
+            )
         m = self.metrics
         now = time.perf_counter()
         admitted = seq.admitted_at or now
@@ -226,9 +271,20 @@ class PrefillEngine:
         m.queue_seconds.observe(admitted - seq.arrival)
         m.count_prompt(len(seq.prompt), seq.num_cached)
         m.requests.labels("finished" if lease is None else "leased").inc()
-        seq.future.set_result(PrefillResult(seq.request_id, token_id, logprob, stop.finish_reason, stop.stop_reason,
-                                            len(seq.prompt), seq.num_cached, lease,
-                                            queue_time_s=admitted - seq.arrival, compute_time_s=now - admitted))
+        seq.future.set_result(
+            PrefillResult(
+                seq.request_id,
+                token_id,
+                logprob,
+                stop.finish_reason,
+                stop.stop_reason,
+                len(seq.prompt),
+                seq.num_cached,
+                lease,
+                queue_time_s=admitted - seq.arrival,
+                compute_time_s=now - admitted,
+            )
+        )
 
     # ---- freeing -------------------------------------------------------------------------------
     def _abort_seq(self, seq: PrefillSeq, error: RequestError | None, outcome: str) -> None:
@@ -251,8 +307,13 @@ class PrefillEngine:
 
     def _expire_leases(self) -> None:
         for lease in self.leases.pop_expired():
-            log.warning("lease %s of request %s expired after %.1fs uncollected; freeing %d blocks",
-                     lease.lease_id, lease.request_id, lease.ttl_s, len(lease.block_ids))
+            log.warning(
+                "lease %s of request %s expired after %.1fs uncollected; freeing %d blocks",
+                lease.lease_id,
+                lease.request_id,
+                lease.ttl_s,
+                len(lease.block_ids),
+            )
             self.metrics.lease_expired.inc()
             self._drop_lease(lease)
 
@@ -274,8 +335,9 @@ class PrefillEngine:
         self.fatal = exc
         if self._on_fatal is not None:  # health first, so no caller learns of the failure before it
             self._on_fatal(exc)
-        err = RequestError.unavailable(f"the prefill worker failed ({type(exc).__name__}: {exc}); "
-                                       "retry on another worker")
+        err = RequestError.unavailable(
+            f"the prefill worker failed ({type(exc).__name__}: {exc}); retry on another worker"
+        )
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._abort_seq(seq, err, "failed")
         for lease in self.leases.pop_all():

@@ -21,14 +21,19 @@ class EngineLeaseSource:
         lease = leases.get(lease_id)
         if lease is None:
             if leases.expired_recently(lease_id):
-                raise LeaseLookupError(kv_pb2.KV_PULL_STATUS_LEASE_EXPIRED,
-                                       f"lease {lease_id} expired before the pull; raise the prefill "
-                                       "worker's lease_ttl_s or pull sooner")
-            raise LeaseLookupError(kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
-                                   f"no lease {lease_id} (released, aborted or never granted)")
+                raise LeaseLookupError(
+                    kv_pb2.KV_PULL_STATUS_LEASE_EXPIRED,
+                    f"lease {lease_id} expired before the pull; raise the prefill "
+                    "worker's lease_ttl_s or pull sooner",
+                )
+            raise LeaseLookupError(
+                kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
+                f"no lease {lease_id} (released, aborted or never granted)",
+            )
         if request_id != lease.request_id:
-            raise LeaseLookupError(kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
-                                   f"lease {lease_id} belongs to another request")
+            raise LeaseLookupError(
+                kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN, f"lease {lease_id} belongs to another request"
+            )
         self.engine.cache.allocator.incref(lease.block_ids)
         self._pinned[lease_id] = lease.block_ids
         return list(lease.block_ids)

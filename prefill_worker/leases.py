@@ -35,7 +35,9 @@ class LeaseTable:
         self._clock = clock
         self._leases: dict[str, Lease] = {}
         self._expiry: list[tuple[float, str]] = []  # heap; stale entries are skipped
-        self._expired: OrderedDict[str, None] = OrderedDict()  # recent expiries, to tell a late pull why
+        self._expired: OrderedDict[str, None] = (
+            OrderedDict()
+        )  # recent expiries, to tell a late pull why
 
     def expired_recently(self, lease_id: str) -> bool:
         return lease_id in self._expired
@@ -46,10 +48,19 @@ class LeaseTable:
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 
-    def grant(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, ttl_s: float) -> Lease:
+    def grant(
+        self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, ttl_s: float
+    ) -> Lease:
         now = self._clock()
-        lease = Lease(uuid.uuid4().hex, request_id, block_ids, num_tokens, ttl_s, now + ttl_s,
-                      int((time.time() + ttl_s) * 1000))
+        lease = Lease(
+            uuid.uuid4().hex,
+            request_id,
+            block_ids,
+            num_tokens,
+            ttl_s,
+            now + ttl_s,
+            int((time.time() + ttl_s) * 1000),
+        )
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
         return lease

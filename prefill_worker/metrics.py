@@ -12,34 +12,69 @@ _TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 class PrefillMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.queue_length = Gauge("splitserve_prefill_queue_length", "requests waiting for admission", registry=r)
-        self.running = Gauge("splitserve_prefill_running_requests", "requests admitted, prompt not done",
-                             registry=r)
-        self.batch_tokens = Histogram("splitserve_prefill_batch_tokens", "prompt tokens computed per step",
-                                      buckets=_TOKENS, registry=r)
-        self.step_seconds = Histogram("splitserve_prefill_step_seconds", "model time per prefill step",
-                                      buckets=_LATENCY, registry=r)
-        self.queue_seconds = Histogram("splitserve_prefill_queue_seconds", "arrival to admission",
-                                       buckets=_LATENCY, registry=r)
-        self.ttft_seconds = Histogram("splitserve_prefill_ttft_seconds",
-                                      "the prefill worker's part of TTFT: arrival to first token",
-                                      buckets=_LATENCY, registry=r)
-        self.prompt_tokens = Counter("splitserve_prefill_prompt_tokens", "prompt tokens of finished prefills",
-                                     registry=r)
-        self.cached_tokens = Counter("splitserve_prefill_cached_prompt_tokens",
-                                     "prompt tokens served from the prefix cache", registry=r)
-        self.cached_ratio = Gauge("splitserve_prefill_cached_token_ratio",
-                                  "cached / total prompt tokens since start", registry=r)
-        self.requests = Counter("splitserve_prefill_requests", "finished Prefill calls by outcome",
-                                ["outcome"], registry=r)
-        self.leases_held = Gauge("splitserve_kv_leases_held", "KV leases held for decode workers", registry=r)
-        self.lease_expired = Counter("splitserve_kv_lease_expired", "leases that nobody released in time",
-                                     registry=r)
-        self.blocks_free = Gauge("splitserve_kv_blocks_free", "free KV blocks (evictable cached ones included)",
-                                 registry=r)
-        self.blocks_used = Gauge("splitserve_kv_blocks_used", "KV blocks with a reference", registry=r)
-        self.cached_blocks = Gauge("splitserve_prefix_cache_blocks", "blocks with a prefix-cache hash",
-                                   registry=r)
+        self.queue_length = Gauge(
+            "splitserve_prefill_queue_length", "requests waiting for admission", registry=r
+        )
+        self.running = Gauge(
+            "splitserve_prefill_running_requests", "requests admitted, prompt not done", registry=r
+        )
+        self.batch_tokens = Histogram(
+            "splitserve_prefill_batch_tokens",
+            "prompt tokens computed per step",
+            buckets=_TOKENS,
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "splitserve_prefill_step_seconds",
+            "model time per prefill step",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue_seconds = Histogram(
+            "splitserve_prefill_queue_seconds", "arrival to admission", buckets=_LATENCY, registry=r
+        )
+        self.ttft_seconds = Histogram(
+            "splitserve_prefill_ttft_seconds",
+            "the prefill worker's part of TTFT: arrival to first token",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "splitserve_prefill_prompt_tokens", "prompt tokens of finished prefills", registry=r
+        )
+        self.cached_tokens = Counter(
+            "splitserve_prefill_cached_prompt_tokens",
+            "prompt tokens served from the prefix cache",
+            registry=r,
+        )
+        self.cached_ratio = Gauge(
+            "splitserve_prefill_cached_token_ratio",
+            "cached / total prompt tokens since start",
+            registry=r,
+        )
+        self.requests = Counter(
+            "splitserve_prefill_requests",
+            "finished Prefill calls by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.leases_held = Gauge(
+            "splitserve_kv_leases_held", "KV leases held for decode workers", registry=r
+        )
+        self.lease_expired = Counter(
+            "splitserve_kv_lease_expired", "leases that nobody released in time", registry=r
+        )
+        self.blocks_free = Gauge(
+            "splitserve_kv_blocks_free",
+            "free KV blocks (evictable cached ones included)",
+            registry=r,
+        )
+        self.blocks_used = Gauge(
+            "splitserve_kv_blocks_used", "KV blocks with a reference", registry=r
+        )
+        self.cached_blocks = Gauge(
+            "splitserve_prefix_cache_blocks", "blocks with a prefix-cache hash", registry=r
+        )
 
         self._totals = [0, 0]  # prompt, cached: the ratio gauge's source
 

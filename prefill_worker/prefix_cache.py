@@ -58,7 +58,9 @@ class PrefixCache:
             if block is None:
                 break
             entry = self._entries[block]
-            if entry.parent_hash != parent or entry.tokens != tuple(token_ids[i * bs : (i + 1) * bs]):
+            if entry.parent_hash != parent or entry.tokens != tuple(
+                token_ids[i * bs : (i + 1) * bs]
+            ):
                 break  # a hash collision: treat as a miss
             hits.append(block)
             parent = h
@@ -82,7 +84,9 @@ class PrefixCache:
             self._evict(b)
         return [*hits, *fresh.block_ids]
 
-    def register(self, block_id: int, block_hash: int, parent_hash: int, tokens: Sequence[int]) -> bool:
+    def register(
+        self, block_id: int, block_hash: int, parent_hash: int, tokens: Sequence[int]
+    ) -> bool:
         """Publishes a fully computed block; False when the prefix is already cached elsewhere."""
         if not self.enabled or block_hash in self._by_hash or block_id in self._entries:
             return False

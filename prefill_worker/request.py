@@ -1,7 +1,7 @@
 """Typed messages of the prefill engine, one per direction.
 
-    servicer ──PrefillSeq──▶ engine (scheduler: waiting -> running -> done)
-    servicer ◀─PrefillResult── engine (first token, cached tokens, lease or finish reason)
+servicer ──PrefillSeq──▶ engine (scheduler: waiting -> running -> done)
+servicer ◀─PrefillResult── engine (first token, cached tokens, lease or finish reason)
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 from splitserve.engine.sampler import TokenLogprobs
-from splitserve.request.sampling_params import SamplingParams
 from splitserve.prefill_worker.leases import Lease
+from splitserve.request.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)

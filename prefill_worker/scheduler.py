@@ -20,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from splitserve.config.engine_config import SchedulerConfig
-from splitserve.request.errors import RequestError
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillSeq
+from splitserve.request.errors import RequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,11 +54,13 @@ class PrefillScheduler:
         if need > usable:
             raise RequestError.exhausted(
                 f"the prompt needs {need} KV blocks but this worker's pool has {usable}; "
-                "shorten the prompt or run the worker with more --num-blocks")
+                "shorten the prompt or run the worker with more --num-blocks"
+            )
         if len(self.waiting) >= self.cfg.max_queue_len:
             raise RequestError.exhausted(
                 f"prefill queue is full ({len(self.waiting)} waiting, max_queue_len "
-                f"{self.cfg.max_queue_len}); retry later or on another prefill worker")
+                f"{self.cfg.max_queue_len}); retry later or on another prefill worker"
+            )
         self.waiting.append(seq)
 
     def remove(self, seq: PrefillSeq) -> None:

@@ -10,6 +10,12 @@ import asyncio
 
 import grpc
 
+from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
+from splitserve.prefill_worker.config import PrefillWorkerConfig
+from splitserve.prefill_worker.engine import PrefillEngine
+from splitserve.prefill_worker.leases import Lease
+from splitserve.prefill_worker.request import PrefillResult
+from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.request.errors import RequestError
 from splitserve.service.proto_convert import (
     finish_reason_to_proto,
@@ -17,12 +23,6 @@ from splitserve.service.proto_convert import (
     stop_reason_to_proto,
     validate_request,
 )
-from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
-from splitserve.prefill_worker.config import PrefillWorkerConfig
-from splitserve.prefill_worker.engine import PrefillEngine
-from splitserve.prefill_worker.leases import Lease
-from splitserve.prefill_worker.request import PrefillResult
-from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 
 
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -34,20 +34,31 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def _engine(self) -> PrefillEngine:
         if self.engine is None:
-            raise RequestError.unavailable("the prefill worker is still loading its model; "
-                                           "retry when its health check says SERVING")
+            raise RequestError.unavailable(
+                "the prefill worker is still loading its model; "
+                "retry when its health check says SERVING"
+            )
         return self.engine
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
+    async def Prefill(
+        self, request: worker_pb2.PrefillRequest, context
+    ) -> worker_pb2.PrefillResponse:
         try:
             engine = self._engine()
             if not request.request_id:
                 raise RequestError.invalid("request_id is empty; give every request a unique id")
             params = validate_request(
-                request.prompt_token_ids, request.sampling if request.HasField("sampling") else None,
-                vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
-            result = await engine.prefill(request.request_id, request.prompt_token_ids, params,
-                                          self._lease_ttl_s(request.lease_ttl_ms))
+                request.prompt_token_ids,
+                request.sampling if request.HasField("sampling") else None,
+                vocab_size=engine.vocab_size,
+                max_model_len=engine.max_model_len,
+            )
+            result = await engine.prefill(
+                request.request_id,
+                request.prompt_token_ids,
+                params,
+                self._lease_ttl_s(request.lease_ttl_ms),
+            )
             if delay := self.cfg.faults.reply_delay(request.request_id):  # tests only
                 await asyncio.sleep(delay)
         except RequestError as err:
@@ -56,11 +67,17 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await err.abort(context)
         return self._response(result)
 
-    async def Abort(self, request: generate_pb2.AbortRequest, context) -> generate_pb2.AbortResponse:
+    async def Abort(
+        self, request: generate_pb2.AbortRequest, context
+    ) -> generate_pb2.AbortResponse:
         engine = self.engine
-        return generate_pb2.AbortResponse(found=engine is not None and engine.abort(request.request_id))
+        return generate_pb2.AbortResponse(
+            found=engine is not None and engine.abort(request.request_id)
+        )
 
-    async def ReleaseLease(self, request: worker_pb2.ReleaseLeaseRequest, context) -> worker_pb2.ReleaseLeaseResponse:
+    async def ReleaseLease(
+        self, request: worker_pb2.ReleaseLeaseRequest, context
+    ) -> worker_pb2.ReleaseLeaseResponse:
         try:
             released = self._engine().release_lease(request.lease_id, request.request_id)
         except RequestError as err:
@@ -82,8 +99,12 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         load.prefix_cache.num_cached_blocks = engine.cache.num_cached_blocks
         load.leases_held = len(engine.leases)
         load.model_compat_hash = engine.runner.compat_hash
-        if self.kv_port:  # the router dials it once: an unreachable advertised host fails at registration
-            load.kv_address.CopyFrom(kv_pb2.UcxAddress(host=self.cfg.server.public_host, port=self.kv_port))
+        if (
+            self.kv_port
+        ):  # the router dials it once: an unreachable advertised host fails at registration
+            load.kv_address.CopyFrom(
+                kv_pb2.UcxAddress(host=self.cfg.server.public_host, port=self.kv_port)
+            )
         return load
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -93,14 +114,19 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if ttl_ms > self.cfg.max_lease_ttl_s * 1000:
             raise RequestError.invalid(
                 f"lease_ttl_ms {ttl_ms} exceeds this worker's max_lease_ttl_s ({self.cfg.max_lease_ttl_s:g} s); "
-                "ask for less, or 0 for the worker's default")
+                "ask for less, or 0 for the worker's default"
+            )
         return ttl_ms / 1000
 
     def _response(self, r: PrefillResult) -> worker_pb2.PrefillResponse:
         resp = worker_pb2.PrefillResponse(
-            request_id=r.request_id, first_token_id=r.first_token_id,
-            finish_reason=finish_reason_to_proto(r.finish_reason), cached_prompt_tokens=r.num_cached_tokens,
-            queue_time_ms=r.queue_time_s * 1000, compute_time_ms=r.compute_time_s * 1000)
+            request_id=r.request_id,
+            first_token_id=r.first_token_id,
+            finish_reason=finish_reason_to_proto(r.finish_reason),
+            cached_prompt_tokens=r.num_cached_tokens,
+            queue_time_ms=r.queue_time_s * 1000,
+            compute_time_ms=r.compute_time_s * 1000,
+        )
         if r.logprob is not None:
             resp.first_token_logprob.CopyFrom(logprob_to_proto(r.logprob))
         stop = stop_reason_to_proto(r.stop_reason)
@@ -112,9 +138,19 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     def kv_handle(self, lease: Lease) -> kv_pb2.KvHandle:
         runner = self._engine().runner
-        spec = PoolSpec.of(runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads)
-        handle = make_handle(spec, host=self.cfg.server.public_host, port=self.kv_port, lease_id=lease.lease_id,
-                             request_id=lease.request_id, num_blocks=len(lease.block_ids),
-                             num_tokens=lease.num_tokens, ttl_s=lease.ttl_s, shard_ports=self.shard_ports)
+        spec = PoolSpec.of(
+            runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads
+        )
+        handle = make_handle(
+            spec,
+            host=self.cfg.server.public_host,
+            port=self.kv_port,
+            lease_id=lease.lease_id,
+            request_id=lease.request_id,
+            num_blocks=len(lease.block_ids),
+            num_tokens=lease.num_tokens,
+            ttl_s=lease.ttl_s,
+            shard_ports=self.shard_ports,
+        )
         handle.expires_at_unix_ms = lease.expires_at_unix_ms
         return handle

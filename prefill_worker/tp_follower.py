@@ -38,7 +38,9 @@ GRANT_WAIT_S = 5.0  # a pull may reach a follower just before rank 0's grant doe
 class MirroredLeaseTable(LeaseTable):
     """Rank 0's lease table; publishes every grant and every removal to the followers."""
 
-    def __init__(self, publish: Callable[[tuple], None], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, publish: Callable[[tuple], None], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         super().__init__(clock)
         self._publish = publish
 
@@ -46,11 +48,15 @@ class MirroredLeaseTable(LeaseTable):
         if leases:
             try:
                 self._publish(("lease_drop", [lease.lease_id for lease in leases]))
-            except RuntimeError:  # the followers are gone: nothing left to mirror, rank 0 still frees
+            except (
+                RuntimeError
+            ):  # the followers are gone: nothing left to mirror, rank 0 still frees
                 log.debug("lease drop not mirrored: the followers are gone")
         return leases
 
-    def grant(self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, ttl_s: float) -> Lease:
+    def grant(
+        self, request_id: str, block_ids: tuple[int, ...], num_tokens: int, ttl_s: float
+    ) -> Lease:
         lease = super().grant(request_id, block_ids, num_tokens, ttl_s)
         self._publish(("lease_grant", lease.lease_id, lease.request_id, tuple(lease.block_ids)))
         return lease
@@ -108,15 +114,19 @@ class MirrorLeaseSource:
                 entry = self._leases.get(lease_id)
                 if entry is not None:
                     if entry[0] != request_id:
-                        raise LeaseLookupError(kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
-                                               f"lease {lease_id} belongs to another request")
+                        raise LeaseLookupError(
+                            kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
+                            f"lease {lease_id} belongs to another request",
+                        )
                     self._pins[lease_id] += 1
                     return list(entry[1])
                 gone = lease_id in self._gone
             if gone or time.monotonic() > deadline:
-                raise LeaseLookupError(kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
-                                       f"no lease {lease_id} on this tensor-parallel rank (released, expired, "
-                                       "aborted or never granted)")
+                raise LeaseLookupError(
+                    kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
+                    f"no lease {lease_id} on this tensor-parallel rank (released, expired, "
+                    "aborted or never granted)",
+                )
             await asyncio.sleep(0.01)
 
     def end_pull(self, lease_id: str, delivered: bool) -> None:
@@ -165,6 +175,7 @@ async def _serve(tp, runner, cfg) -> None:
         def run(*args) -> None:
             leases.wait_quiet()
             fn(*args)
+
         return run
 
     handlers = {

@@ -17,9 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from splitserve.service.grpc_service import run_service, service_name
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.worker.worker_skeleton import WorkerSkeleton
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.server import KvTransferServer
@@ -28,8 +26,14 @@ from splitserve.prefill_worker.engine import PrefillEngine
 from splitserve.prefill_worker.kv_source import EngineLeaseSource
 from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.prefill_worker.servicer import PrefillWorkerServicer
-from splitserve.prefill_worker.tp_follower import MirroredLeaseTable, exchange_ports, prefill_follower_main
+from splitserve.prefill_worker.tp_follower import (
+    MirroredLeaseTable,
+    exchange_ports,
+    prefill_follower_main,
+)
 from splitserve.protos import worker_pb2, worker_pb2_grpc
+from splitserve.service.grpc_service import run_service, service_name
+from splitserve.worker.worker_skeleton import WorkerSkeleton
 
 log = logging.getLogger("splitserve.prefill_worker")
 
@@ -42,8 +46,12 @@ class PrefillWorker(WorkerSkeleton):
 
     def __init__(self, cfg: PrefillWorkerConfig, runner: ModelRunner | None = None) -> None:
         self.metrics = PrefillMetrics()
-        super().__init__(cfg, self.metrics.registry, worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
-                         PrefillWorkerServicer(cfg))
+        super().__init__(
+            cfg,
+            self.metrics.registry,
+            worker_pb2_grpc.add_PrefillWorkerServicer_to_server,
+            PrefillWorkerServicer(cfg),
+        )
         self._runner = runner
         self.engine: PrefillEngine | None = None
         self.kv_server: KvTransferServer | None = None
@@ -63,10 +71,17 @@ class PrefillWorker(WorkerSkeleton):
             self.engine.leases = MirroredLeaseTable(runner.mirror)
             self.watch_ranks()
         await self.engine.start()
-        spec = PoolSpec.of(runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads)
-        self.kv_server = KvTransferServer(runner.kv_cache, spec, EngineLeaseSource(self.engine), self.cfg.kv_transfer,
-                                          faults=self.cfg.faults.transfer,
-                                          metrics=KvTransferMetrics(self.metrics.registry))
+        spec = PoolSpec.of(
+            runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads
+        )
+        self.kv_server = KvTransferServer(
+            runner.kv_cache,
+            spec,
+            EngineLeaseSource(self.engine),
+            self.cfg.kv_transfer,
+            faults=self.cfg.faults.transfer,
+            metrics=KvTransferMetrics(self.metrics.registry),
+        )
         self.servicer.kv_port = await self.kv_server.start()
         if runner.tp.enabled:
             self.servicer.shard_ports = [self.servicer.kv_port, *self._follower_ports]
@@ -98,9 +113,19 @@ class PrefillWorker(WorkerSkeleton):
 
     def describe(self) -> str:
         r = self.engine.runner if self.engine else None
-        what = (f"model {self.cfg.engine.model_path} ({r.device}, {str(r.dtype).removeprefix('torch.')}), "
-                f"{r.num_blocks - 1} KV blocks x {r.block_size} tokens, max_model_len {r.max_model_len}") if r else ""
-        metrics = f", metrics on :{self.server.metrics_port}" if self.server.metrics_port is not None else ""
+        what = (
+            (
+                f"model {self.cfg.engine.model_path} ({r.device}, {str(r.dtype).removeprefix('torch.')}), "
+                f"{r.num_blocks - 1} KV blocks x {r.block_size} tokens, max_model_len {r.max_model_len}"
+            )
+            if r
+            else ""
+        )
+        metrics = (
+            f", metrics on :{self.server.metrics_port}"
+            if self.server.metrics_port is not None
+            else ""
+        )
         kv = f", KV over UCX on :{self.kv_server.port}" if self.kv_server is not None else ""
         if r is not None and r.tp.enabled:
             kv += f", tensor parallel {r.tp.size} (rank UCX ports {self.servicer.shard_ports})"

@@ -32,7 +32,9 @@ class Allocation:
 class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+            raise ValueError(
+                f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}"
+            )
         self.num_blocks = num_blocks
         self._refcount = [0] * num_blocks
         # Insertion order = reuse order (oldest freed first), so a prefix cache keeps its most
@@ -98,4 +100,6 @@ class BlockAllocator:
         on_list = set(free)
         for b in range(1, self.num_blocks):
             if (b in on_list) != (self._refcount[b] == 0) or self._refcount[b] < 0:
-                raise BlockAllocatorError(f"block {b}: refcount {self._refcount[b]}, on free list {b in on_list}")
+                raise BlockAllocatorError(
+                    f"block {b}: refcount {self._refcount[b]}, on free list {b in on_list}"
+                )

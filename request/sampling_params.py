@@ -65,7 +65,9 @@ class SamplingParams(BaseModel):
     @property
     def needs_penalties(self) -> bool:
         return (
-            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
         )
 
 

@@ -43,7 +43,11 @@ def _default_template(value: Any) -> str | None:
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the printable character that stands for each byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     extra = [b for b in range(256) if b not in keep]
     chars = [chr(b) for b in keep] + [chr(256 + i) for i in range(len(extra))]
     return dict(zip(chars, keep + extra))
@@ -86,7 +90,9 @@ class Tokenizer:
             )
         backend = tokenizers.Tokenizer.from_file(str(file))
         config_file = folder / CONFIG_FILE
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        config = (
+            json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        )
         return cls(backend, config)
 
     def _id_or_none(self, token: str | None) -> int | None:

@@ -51,9 +51,16 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -62,8 +69,9 @@ def _strftime_now(fmt: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def compile_template(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -76,24 +84,38 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], model_name
     if not tokenizer.chat_template:
         raise RequestError.invalid(
             f"model {model_name!r} has no chat_template in its tokenizer_config.json, so it cannot take chat "
-            "messages; send the prompt text to /v1/completions, or add a chat_template to the checkpoint")
+            "messages; send the prompt text to /v1/completions, or add a chat_template to the checkpoint"
+        )
     try:
         template = compile_template(tokenizer.chat_template)
     except jinja2.exceptions.TemplateError as exc:
-        raise RequestError(grpc.StatusCode.INTERNAL, f"the chat_template of model {model_name!r} does not "
-                                                     f"compile ({exc}); fix tokenizer_config.json") from None
+        raise RequestError(
+            grpc.StatusCode.INTERNAL,
+            f"the chat_template of model {model_name!r} does not "
+            f"compile ({exc}); fix tokenizer_config.json",
+        ) from None
     context = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
     try:
-        return template.render(messages=messages, add_generation_prompt=True, tools=None, documents=None,
-                               **{k: v for k, v in context.items() if v is not None})
+        return template.render(
+            messages=messages,
+            add_generation_prompt=True,
+            tools=None,
+            documents=None,
+            **{k: v for k, v in context.items() if v is not None},
+        )
     except jinja2.exceptions.TemplateError as exc:
-        raise RequestError.invalid(f"messages: the model's chat template refused them: {exc}") from None
+        raise RequestError.invalid(
+            f"messages: the model's chat template refused them: {exc}"
+        ) from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        raise RequestError.invalid(f"messages: the model's chat template failed on them "
-                                   f"({type(exc).__name__}: {exc})") from None
+        raise RequestError.invalid(
+            f"messages: the model's chat template failed on them ({type(exc).__name__}: {exc})"
+        ) from None
 
 
-async def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], model_name: str) -> list[int]:
+async def chat_prompt_ids(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], model_name: str
+) -> list[int]:
     text = render_chat(tokenizer, messages, model_name)
     if len(text) > _TOKENIZE_IN_THREAD:
         return await asyncio.to_thread(tokenizer.encode, text, False)

@@ -65,7 +65,9 @@ class WorkersConfig(_Frozen):
     def _disjoint(self) -> WorkersConfig:
         both = sorted(set(self.prefill) & set(self.decode))
         if both:
-            raise ValueError(f"{both[0]} is listed as both a prefill and a decode worker; one role per address")
+            raise ValueError(
+                f"{both[0]} is listed as both a prefill and a decode worker; one role per address"
+            )
         return self
 
 
@@ -73,56 +75,94 @@ class PrefixPolicyConfig(_Frozen):
     """Cache-aware prefill routing (SGLang's rule): follow the longest cached prefix unless
     the queues are clearly unbalanced, then take the shortest queue."""
 
-    balance_abs_threshold: int = Field(4, ge=0, description="queue difference that counts as unbalanced ...")
-    balance_rel_threshold: float = Field(1.5, ge=1.0, description="... together with longest > this x shortest")
-    min_match_blocks: int = Field(1, ge=1, description="fewest cached blocks that make a prefix worth following")
+    balance_abs_threshold: int = Field(
+        4, ge=0, description="queue difference that counts as unbalanced ..."
+    )
+    balance_rel_threshold: float = Field(
+        1.5, ge=1.0, description="... together with longest > this x shortest"
+    )
+    min_match_blocks: int = Field(
+        1, ge=1, description="fewest cached blocks that make a prefix worth following"
+    )
 
 
 class RoutingConfig(_Frozen):
-    colocated: bool = Field(False, description="no prefill workers: each request goes to a decode worker alone, "
-                                               "which computes the prompt and decodes in one batch loop (to "
-                                               "compare against disaggregated serving on the same machine)")
+    colocated: bool = Field(
+        False,
+        description="no prefill workers: each request goes to a decode worker alone, "
+        "which computes the prompt and decodes in one batch loop (to "
+        "compare against disaggregated serving on the same machine)",
+    )
     prefill_policy: PolicyName = "prefix_aware"
     decode_policy: PolicyName = "least_loaded"
     prefix: PrefixPolicyConfig = PrefixPolicyConfig()
-    prefill_retry: bool = Field(True, description="retry a prefill that failed UNAVAILABLE once, on another worker")
-    decode_retry: bool = Field(True, description="retry a Decode that failed UNAVAILABLE before its first chunk "
-                                                 "(a worker gone or draining) once, on another decode worker")
+    prefill_retry: bool = Field(
+        True, description="retry a prefill that failed UNAVAILABLE once, on another worker"
+    )
+    decode_retry: bool = Field(
+        True,
+        description="retry a Decode that failed UNAVAILABLE before its first chunk "
+        "(a worker gone or draining) once, on another decode worker",
+    )
     release_lease_after_decode: bool = Field(
-        True, description="release the prefill lease once the decode stream has started (the decode worker "
-                          "normally does after its pull; this is the safety net); a request that ends before "
-                          "Decode took the lease always releases it")
+        True,
+        description="release the prefill lease once the decode stream has started (the decode worker "
+        "normally does after its pull; this is the safety net); a request that ends before "
+        "Decode took the lease always releases it",
+    )
 
     @field_validator("decode_policy")
     @classmethod
     def _decode_has_no_prefix_cache(cls, v: str) -> str:
         if v == "prefix_aware":
-            raise ValueError("decode workers report no prefix cache; use least_loaded or round_robin")
+            raise ValueError(
+                "decode workers report no prefix cache; use least_loaded or round_robin"
+            )
         return v
 
 
 class RegistryConfig(_Frozen):
-    poll_interval_s: float = Field(0.5, gt=0, le=60, description="health Check + GetLoad of every worker")
-    probe_timeout_s: float = Field(1.0, gt=0, le=60, description="a probe slower than this counts as failed")
+    poll_interval_s: float = Field(
+        0.5, gt=0, le=60, description="health Check + GetLoad of every worker"
+    )
+    probe_timeout_s: float = Field(
+        1.0, gt=0, le=60, description="a probe slower than this counts as failed"
+    )
     probe_failures_to_evict: int = Field(
-        3, ge=1, le=100, description="consecutive timed-out probes before a busy worker is evicted; a refused "
-                                     "connection, a broken transport, NOT_SERVING or a request's UNAVAILABLE "
-                                     "evicts at once")
-    heartbeat_interval_s: float = Field(1.0, gt=0, description="what registered workers are told to use")
-    heartbeat_timeout_s: float = Field(3.0, gt=0, description="silence after which a registered worker is evicted")
-    forget_after_s: float = Field(60.0, gt=0, description="silence after which it is removed from the registry")
-    max_prefix_hashes: int = Field(4096, ge=0, description="block hashes asked of prefill workers per poll")
+        3,
+        ge=1,
+        le=100,
+        description="consecutive timed-out probes before a busy worker is evicted; a refused "
+        "connection, a broken transport, NOT_SERVING or a request's UNAVAILABLE "
+        "evicts at once",
+    )
+    heartbeat_interval_s: float = Field(
+        1.0, gt=0, description="what registered workers are told to use"
+    )
+    heartbeat_timeout_s: float = Field(
+        3.0, gt=0, description="silence after which a registered worker is evicted"
+    )
+    forget_after_s: float = Field(
+        60.0, gt=0, description="silence after which it is removed from the registry"
+    )
+    max_prefix_hashes: int = Field(
+        4096, ge=0, description="block hashes asked of prefill workers per poll"
+    )
     verify_addresses: bool = Field(
-        True, description="refuse a RegisterWorker whose address the router cannot dial (health Check within "
-                          "probe_timeout_s), and keep a prefill worker whose advertised KV (UCX) listener it "
-                          "cannot open a TCP connection to out of rotation; false only where a firewall lets the "
-                          "decode workers, not the router, reach the KV listeners")
+        True,
+        description="refuse a RegisterWorker whose address the router cannot dial (health Check within "
+        "probe_timeout_s), and keep a prefill worker whose advertised KV (UCX) listener it "
+        "cannot open a TCP connection to out of rotation; false only where a firewall lets the "
+        "decode workers, not the router, reach the KV listeners",
+    )
 
     @model_validator(mode="after")
     def _order(self) -> RegistryConfig:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
-            raise ValueError(f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_interval_s "
-                             f"({self.heartbeat_interval_s}), or every worker is evicted between two heartbeats")
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s}) must exceed heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}), or every worker is evicted between two heartbeats"
+            )
         if self.forget_after_s < self.heartbeat_timeout_s:
             raise ValueError("forget_after_s must be at least heartbeat_timeout_s")
         return self
@@ -131,40 +171,58 @@ class RegistryConfig(_Frozen):
 class HttpConfig(_Frozen):
     """The OpenAI-compatible HTTP front (http_server.py), on the router's event loop."""
 
-    port: int | None = Field(None, ge=0, le=65535, description="HTTP port; None: no HTTP front, 0: a free one")
+    port: int | None = Field(
+        None, ge=0, le=65535, description="HTTP port; None: no HTTP front, 0: a free one"
+    )
     host: str | None = Field(None, min_length=1, description="address to bind; None: server.host")
 
 
 class RouterConfig(_Frozen):
-    model_path: str = Field(min_length=1, description="checkpoint folder: tokenizer.json and config.json")
-    model_name: str | None = Field(None, min_length=1, description="name in GetServerInfo; None: the folder name")
-    max_model_len: int | None = Field(None, gt=1, description="None: the model's max_position_embeddings")
+    model_path: str = Field(
+        min_length=1, description="checkpoint folder: tokenizer.json and config.json"
+    )
+    model_name: str | None = Field(
+        None, min_length=1, description="name in GetServerInfo; None: the folder name"
+    )
+    max_model_len: int | None = Field(
+        None, gt=1, description="None: the model's max_position_embeddings"
+    )
     server: ServerConfig = ServerConfig()
     workers: WorkersConfig = WorkersConfig()
     routing: RoutingConfig = RoutingConfig()
     registry: RegistryConfig = RegistryConfig()
     http: HttpConfig = HttpConfig()
-    max_request_bytes: int = Field(8 * 2**20, gt=0, description="largest GenerateRequest taken (serialized)")
+    max_request_bytes: int = Field(
+        8 * 2**20, gt=0, description="largest GenerateRequest taken (serialized)"
+    )
     max_request_id_len: int = Field(256, gt=0)
-    worker_call_timeout_s: float = Field(5.0, gt=0, description="Abort / ReleaseLease calls to workers")
+    worker_call_timeout_s: float = Field(
+        5.0, gt=0, description="Abort / ReleaseLease calls to workers"
+    )
 
     @field_validator("routing")
     @classmethod
     def _colocated_has_no_prefill(cls, v: RoutingConfig, info: ValidationInfo) -> RoutingConfig:
         workers = info.data.get("workers")
         if v.colocated and workers is not None and workers.prefill:
-            raise ValueError(f"colocated mode sends no prefills, but workers.prefill lists {list(workers.prefill)}; "
-                             "drop the prefill workers or routing.colocated")
+            raise ValueError(
+                f"colocated mode sends no prefills, but workers.prefill lists {list(workers.prefill)}; "
+                "drop the prefill workers or routing.colocated"
+            )
         return v
 
     @model_validator(mode="after")
     def _request_fits_transport(self) -> RouterConfig:
         if self.max_request_bytes > self.server.max_message_mb * 2**20:
-            raise ValueError(f"max_request_bytes ({self.max_request_bytes}) exceeds server.max_message_mb "
-                             f"({self.server.max_message_mb} MiB); gRPC would refuse such requests first")
+            raise ValueError(
+                f"max_request_bytes ({self.max_request_bytes}) exceeds server.max_message_mb "
+                f"({self.server.max_message_mb} MiB); gRPC would refuse such requests first"
+            )
         return self
 
     @classmethod
-    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RouterConfig:
+    def load(
+        cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None
+    ) -> RouterConfig:
         """YAML file (optional) with dotted-key overrides on top, e.g. {"routing.decode_policy": "round_robin"}."""
         return load_config(cls, path, overrides)

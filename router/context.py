@@ -48,7 +48,9 @@ class Background:
     async def drain(self, timeout: float) -> None:
         if self._tasks:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), timeout)
+                await asyncio.wait_for(
+                    asyncio.gather(*self._tasks, return_exceptions=True), timeout
+                )
 
 
 @dataclass

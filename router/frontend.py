@@ -20,8 +20,8 @@ from typing import Protocol
 
 import grpc
 
-from splitserve.request.errors import RequestError
 from splitserve.protos import generate_pb2
+from splitserve.request.errors import RequestError
 from splitserve.router.context import RouterContext
 from splitserve.router.generation import Generation, LiveRequest
 from splitserve.router.intake import prepare
@@ -42,8 +42,9 @@ class Frontend:
         self.ctx = ctx
         self.live: dict[str, LiveRequest] = {}
 
-    async def generate(self, request: generate_pb2.GenerateRequest, sink: ChunkSink,
-                       arrival: float | None = None) -> None:
+    async def generate(
+        self, request: generate_pb2.GenerateRequest, sink: ChunkSink, arrival: float | None = None
+    ) -> None:
         """Validates and runs one request, writing its chunks to `sink`; RequestError on failure
         (validation before any worker is touched, or a worker failure later)."""
         arrival = time.monotonic() if arrival is None else arrival
@@ -51,9 +52,11 @@ class Frontend:
         try:
             req = await prepare(request, self.ctx.model, self.ctx.cfg)
             if req.request_id in self.live:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                                   f"request_id {req.request_id!r} is already in flight on this router; give every "
-                                   "request a unique id, or leave it empty for the router to assign one")
+                raise RequestError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"request_id {req.request_id!r} is already in flight on this router; give every "
+                    "request a unique id, or leave it empty for the router to assign one",
+                )
         except RequestError as err:
             m.requests.labels(err.code.name.lower()).inc()
             raise

@@ -29,8 +29,8 @@ import time
 
 import grpc
 
-from splitserve.request.errors import RequestError
 from splitserve.protos import generate_pb2, worker_pb2
+from splitserve.request.errors import RequestError
 from splitserve.router.context import RouterContext
 from splitserve.router.intake import PreparedRequest
 from splitserve.router.output import OutputStream
@@ -38,14 +38,22 @@ from splitserve.router.registry import DECODE, PREFILL, Worker
 
 log = logging.getLogger(__name__)
 
-_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED,
-                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
-                 grpc.StatusCode.FAILED_PRECONDITION}
+_PASS_THROUGH = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
 # A client whose deadline passes cancels the call a little before the server's copy of the
 # deadline (started when the request arrived) runs out; a cancel this close to it counts as one.
 DEADLINE_SLACK_S = 0.25
-_OUTCOME = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",
-            generate_pb2.FINISH_REASON_ABORT: "abort"}
+_OUTCOME = {
+    generate_pb2.FINISH_REASON_STOP: "stop",
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+    generate_pb2.FINISH_REASON_ABORT: "abort",
+}
 
 
 class _DecodeRefused(Exception):
@@ -72,23 +80,37 @@ class LiveRequest:
             self.call.cancel()
 
 
-def worker_error(stage: str, w: Worker, err: grpc.aio.AioRpcError, tokens_sent: int = 0) -> RequestError:
+def worker_error(
+    stage: str, w: Worker, err: grpc.aio.AioRpcError, tokens_sent: int = 0
+) -> RequestError:
     code, details = err.code(), err.details()
     if tokens_sent:
         return RequestError.unavailable(
             f"{stage} worker {w.address} failed after {tokens_sent} tokens were streamed ({code.name}: {details}); "
-            "the stream cannot be resumed, send the request again")
+            "the stream cannot be resumed, send the request again"
+        )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return RequestError(code, f"the request's deadline passed during {stage} on {w.address}; "
-                                  "give the call a longer timeout or ask for fewer tokens")
+        return RequestError(
+            code,
+            f"the request's deadline passed during {stage} on {w.address}; "
+            "give the call a longer timeout or ask for fewer tokens",
+        )
     if code not in _PASS_THROUGH:
-        return RequestError.unavailable(f"{stage} worker {w.address} failed ({code.name}: {details}); retry")
+        return RequestError.unavailable(
+            f"{stage} worker {w.address} failed ({code.name}: {details}); retry"
+        )
     return RequestError(code, f"{stage} worker {w.address}: {details}")
 
 
 class Generation:
-    def __init__(self, ctx: RouterContext, req: PreparedRequest, live: LiveRequest,
-                 context: grpc.aio.ServicerContext, arrival: float) -> None:
+    def __init__(
+        self,
+        ctx: RouterContext,
+        req: PreparedRequest,
+        live: LiveRequest,
+        context: grpc.aio.ServicerContext,
+        arrival: float,
+    ) -> None:
         self.ctx = ctx
         self.req = req
         self.live = live
@@ -111,7 +133,9 @@ class Generation:
                 if left is not None and left < DEADLINE_SLACK_S:  # the client's clock ran out first
                     self.outcome = "deadline_exceeded"
                 raise  # the client cancelled or its deadline passed: nobody to write to
-            await self._finish(self.out.end(None, generate_pb2.FINISH_REASON_ABORT))  # our Abort RPC
+            await self._finish(
+                self.out.end(None, generate_pb2.FINISH_REASON_ABORT)
+            )  # our Abort RPC
         finally:
             if not self.decode_took_lease:
                 self._release_lease("request_ended")
@@ -129,9 +153,15 @@ class Generation:
         self.out.cached_prompt_tokens = first.cached_prompt_tokens
         chunk = self.out.add([first.first_token_id], [first.first_token_logprob])
         if not self.out.finished and first.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-            self.out.end(chunk, first.finish_reason, first.stop_reason if first.HasField("stop_reason") else None)
+            self.out.end(
+                chunk,
+                first.finish_reason,
+                first.stop_reason if first.HasField("stop_reason") else None,
+            )
         self.ctx.metrics.ttft_seconds.observe(time.monotonic() - self.arrival)
-        self._observe_components(prefill_queue=first.queue_time_ms, prefill_compute=first.compute_time_ms)
+        self._observe_components(
+            prefill_queue=first.queue_time_ms, prefill_compute=first.compute_time_ms
+        )
         if self.out.finished:
             await self._finish(chunk)
             return
@@ -140,8 +170,10 @@ class Generation:
             await self._finish(self.out.end(None, generate_pb2.FINISH_REASON_ABORT))
             return
         if self.lease is None:
-            raise RequestError.unavailable(f"prefill worker {worker.address} returned neither a finish reason nor "
-                                           "a KvHandle; check that it runs this splitserve version")
+            raise RequestError.unavailable(
+                f"prefill worker {worker.address} returned neither a finish reason nor "
+                "a KvHandle; check that it runs this splitserve version"
+            )
         await self._decode(first)
 
     # ---- prefill -----------------------------------------------------------------------------------
@@ -152,14 +184,20 @@ class Generation:
         while True:
             w = reg.choose(PREFILL, self.ctx.prefill_policy, req.prompt, exclude=tried)
             tried.append(w.address)
-            call = w.stub.Prefill(worker_pb2.PrefillRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
-                                                            sampling=req.sampling), timeout=self._timeout())
+            call = w.stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id=req.request_id, prompt_token_ids=req.prompt, sampling=req.sampling
+                ),
+                timeout=self._timeout(),
+            )
             self.live.call = call
             w.in_flight += 1
             try:
                 return w, await call
             except asyncio.CancelledError:
-                self._abort_on(w)  # its reply, and the lease in it, may be on the wire: drop them there
+                self._abort_on(
+                    w
+                )  # its reply, and the lease in it, may be on the wire: drop them there
                 raise
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE:
@@ -172,8 +210,12 @@ class Generation:
                 if len(tried) >= attempts or not others:
                     raise worker_error("prefill", w, err) from None
                 self.ctx.metrics.prefill_retries.inc()
-                log.warning("%s: prefill on %s UNAVAILABLE (%s); retrying on another worker",
-                            req.request_id, w.address, err.details())
+                log.warning(
+                    "%s: prefill on %s UNAVAILABLE (%s); retrying on another worker",
+                    req.request_id,
+                    w.address,
+                    err.details(),
+                )
             finally:
                 w.in_flight -= 1
                 self.live.call = None
@@ -186,16 +228,23 @@ class Generation:
         req = self.req
         if first is None:
             compat = ""
-            decode_req = worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
-                                                  sampling=req.sampling)
+            decode_req = worker_pb2.DecodeRequest(
+                request_id=req.request_id, prompt_token_ids=req.prompt, sampling=req.sampling
+            )
         else:
             compat = first.kv.model_compat_hash or self.lease[0].load.model_compat_hash
-            decode_req = worker_pb2.DecodeRequest(request_id=req.request_id, prompt_token_ids=req.prompt,
-                                                  first_token_id=first.first_token_id, sampling=req.sampling,
-                                                  kv=first.kv)
+            decode_req = worker_pb2.DecodeRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt,
+                first_token_id=first.first_token_id,
+                sampling=req.sampling,
+                kv=first.kv,
+            )
         tried: list[str] = []
         while True:
-            w = self.ctx.registry.choose(DECODE, self.ctx.decode_policy, req.prompt, exclude=tried, compat_hash=compat)
+            w = self.ctx.registry.choose(
+                DECODE, self.ctx.decode_policy, req.prompt, exclude=tried, compat_hash=compat
+            )
             tried.append(w.address)
             try:
                 await self._decode_on(w, decode_req, first)
@@ -204,11 +253,19 @@ class Generation:
                 others = [x for x in self.ctx.registry.healthy(DECODE) if x.address not in tried]
                 if not (self.ctx.cfg.routing.decode_retry and len(tried) < 2 and others):
                     raise refused.error from None
-                log.warning("%s: decode on %s UNAVAILABLE before its first chunk (%s); retrying on another worker",
-                            req.request_id, w.address, refused.why)
+                log.warning(
+                    "%s: decode on %s UNAVAILABLE before its first chunk (%s); retrying on another worker",
+                    req.request_id,
+                    w.address,
+                    refused.why,
+                )
 
-    async def _decode_on(self, w: Worker, decode_req: worker_pb2.DecodeRequest,
-                         first: worker_pb2.PrefillResponse | None) -> None:
+    async def _decode_on(
+        self,
+        w: Worker,
+        decode_req: worker_pb2.DecodeRequest,
+        first: worker_pb2.PrefillResponse | None,
+    ) -> None:
         call = w.stub.Decode(decode_req, timeout=self._timeout())
         self.live.call = call
         w.in_flight += 1
@@ -219,15 +276,23 @@ class Generation:
                     if first is None:  # colocated: no transfer
                         self._observe_components(decode_queue=resp.queue_time_ms)
                     else:
-                        self._observe_components(transfer=resp.transfer_time_ms, decode_queue=resp.queue_time_ms)
+                        self._observe_components(
+                            transfer=resp.transfer_time_ms, decode_queue=resp.queue_time_ms
+                        )
                     if self.ctx.cfg.routing.release_lease_after_decode:
                         self._release_lease("decode_started")
                 if first is None and resp.token_ids and not self.out.num_tokens:
                     self.ctx.metrics.ttft_seconds.observe(time.monotonic() - self.arrival)
                 chunk = self.out.add(resp.token_ids, resp.logprobs)
-                if not self.out.finished and resp.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-                    self.out.end(chunk, resp.finish_reason,
-                                 resp.stop_reason if resp.HasField("stop_reason") else None)
+                if (
+                    not self.out.finished
+                    and resp.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+                ):
+                    self.out.end(
+                        chunk,
+                        resp.finish_reason,
+                        resp.stop_reason if resp.HasField("stop_reason") else None,
+                    )
                 if self.out.finished:
                     await self._finish(chunk)
                     return
@@ -235,7 +300,8 @@ class Generation:
                     await self._write(chunk)
             raise RequestError.unavailable(
                 f"decode worker {w.address} ended the stream without a finish reason after "
-                f"{self.out.num_tokens} tokens; the stream cannot be resumed, send the request again")
+                f"{self.out.num_tokens} tokens; the stream cannot be resumed, send the request again"
+            )
         except grpc.aio.AioRpcError as err:
             error = worker_error("decode", w, err, tokens_sent=self.out.num_tokens)
             if err.code() == grpc.StatusCode.UNAVAILABLE:
@@ -277,8 +343,10 @@ class Generation:
     def _timeout(self) -> float | None:
         left = self._time_left()
         if left == 0.0:
-            raise RequestError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               "the request's deadline passed before a worker was called; give it a longer timeout")
+            raise RequestError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the request's deadline passed before a worker was called; give it a longer timeout",
+            )
         return left
 
     def _release_lease(self, reason: str) -> None:
@@ -286,11 +354,16 @@ class Generation:
             return
         w, lease_id = self.lease
         self.lease = None
-        rid, timeout, metric = self.req.request_id, self.ctx.cfg.worker_call_timeout_s, self.ctx.metrics
+        rid, timeout, metric = (
+            self.req.request_id,
+            self.ctx.cfg.worker_call_timeout_s,
+            self.ctx.metrics,
+        )
 
         async def release() -> None:
-            got = await w.stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=rid),
-                                            timeout=timeout)
+            got = await w.stub.ReleaseLease(
+                worker_pb2.ReleaseLeaseRequest(lease_id=lease_id, request_id=rid), timeout=timeout
+            )
             if got.released:
                 metric.leases_released.labels(reason).inc()
 
@@ -299,5 +372,9 @@ class Generation:
     def _abort_on(self, w: Worker) -> None:
         rid = self.req.request_id
         self.ctx.background.spawn(
-            w.stub.Abort(generate_pb2.AbortRequest(request_id=rid), timeout=self.ctx.cfg.worker_call_timeout_s),
-            f"Abort {rid} on {w.address}")
+            w.stub.Abort(
+                generate_pb2.AbortRequest(request_id=rid),
+                timeout=self.ctx.cfg.worker_call_timeout_s,
+            ),
+            f"Abort {rid} on {w.address}",
+        )

@@ -30,9 +30,8 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from splitserve.request.errors import RequestError
-from splitserve.service.net import local_dial_host
 from splitserve.protos import generate_pb2
+from splitserve.request.errors import RequestError
 from splitserve.router.chat_template import chat_prompt_ids
 from splitserve.router.context import RouterContext
 from splitserve.router.frontend import Frontend
@@ -45,8 +44,10 @@ from splitserve.router.openai_protocol import (
 )
 from splitserve.router.openai_response import ResponseBuilder
 from splitserve.router.registry import DECODE, PREFILL
+from splitserve.service.net import local_dial_host
 
 log = logging.getLogger(__name__)
+
 
 def _dumps(body: dict[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
@@ -81,8 +82,13 @@ class _EventStream:
         await self.resp.write(b"data: " + _dumps(body) + b"\n\n")
 
     async def start(self) -> None:
-        self.resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                "X-Request-Id": self.builder.id})
+        self.resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": self.builder.id,
+            }
+        )
         await self.resp.prepare(self.request)
         if self.builder.kind == "chat":
             await self.send(self.builder.role_chunk())
@@ -117,7 +123,9 @@ class OpenAIServer:
         self.host = cfg.http.host or cfg.server.host
         self.port: int | None = None
         self.created = int(time.time())
-        self.app = web.Application(client_max_size=4 * cfg.max_request_bytes, middlewares=[self._middleware])
+        self.app = web.Application(
+            client_max_size=4 * cfg.max_request_bytes, middlewares=[self._middleware]
+        )
         self.app.router.add_post("/v1/completions", self.completions)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/v1/models", self.models)
@@ -138,15 +146,19 @@ class OpenAIServer:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.ctx.cfg.http.port)
         try:
             await site.start()
         except OSError as exc:
             await runner.cleanup()
-            raise RuntimeError(f"cannot listen on {self.host}:{self.ctx.cfg.http.port} for the HTTP API "
-                               f"({exc.strerror}); pick another --http-port (0 picks a free one)") from None
+            raise RuntimeError(
+                f"cannot listen on {self.host}:{self.ctx.cfg.http.port} for the HTTP API "
+                f"({exc.strerror}); pick another --http-port (0 picks a free one)"
+            ) from None
         self._runner = runner
         self.port = runner.addresses[0][1]
 
@@ -177,17 +189,24 @@ class OpenAIServer:
         status = 500
         try:
             if self._draining and route not in ("/health", "/metrics"):
-                raise OpenAIError(503, "the server is shutting down; retry on another replica", code="unavailable")
+                raise OpenAIError(
+                    503, "the server is shutting down; retry on another replica", code="unavailable"
+                )
             resp = await handler(request)
             status = resp.status
             return resp
         except OpenAIError as err:
             status = err.status
             return web.json_response(err.body(), status=err.status)
-        except web.HTTPException as exc:  # no such route (404), wrong method (405), body too large (413)
+        except (
+            web.HTTPException
+        ) as exc:  # no such route (404), wrong method (405), body too large (413)
             status = exc.status
-            err = OpenAIError(exc.status, f"{request.method} {request.path}: {exc.reason}", code=exc.reason.lower()
-                              .replace(" ", "_"))
+            err = OpenAIError(
+                exc.status,
+                f"{request.method} {request.path}: {exc.reason}",
+                code=exc.reason.lower().replace(" ", "_"),
+            )
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
             return web.json_response(err.body(), status=exc.status, headers=allow)
         except (asyncio.CancelledError, ConnectionResetError):  # the client went away
@@ -211,8 +230,13 @@ class OpenAIServer:
     def _check_model(self, name: str | None) -> None:
         served = self.ctx.model.name
         if name is not None and name != served:
-            raise OpenAIError(404, f"The model `{name}` does not exist; this server serves `{served}` "
-                                   "(GET /v1/models)", "model", "model_not_found")
+            raise OpenAIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{served}` "
+                "(GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
 
     @staticmethod
     def _request_id(request: web.Request, prefix: str) -> str:
@@ -223,35 +247,58 @@ class OpenAIServer:
         req = parse(CompletionRequest, await self._body(request))
         self._check_model(req.model)
         rid = self._request_id(request, "cmpl")
-        builder = ResponseBuilder("completion", rid, self.ctx.model.name, self.ctx.model.tokenizer,
-                                  req.logprobs is not None, req.include_usage)
-        return await self._generate(request, req.to_generate(rid), builder, req.stream, req.names(), "prompt")
+        builder = ResponseBuilder(
+            "completion",
+            rid,
+            self.ctx.model.name,
+            self.ctx.model.tokenizer,
+            req.logprobs is not None,
+            req.include_usage,
+        )
+        return await self._generate(
+            request, req.to_generate(rid), builder, req.stream, req.names(), "prompt"
+        )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse(ChatCompletionRequest, await self._body(request))
         self._check_model(req.model)
         model = self.ctx.model
         try:
-            ids = await chat_prompt_ids(model.tokenizer, [m.as_template_input() for m in req.messages], model.name)
+            ids = await chat_prompt_ids(
+                model.tokenizer, [m.as_template_input() for m in req.messages], model.name
+            )
         except RequestError as err:
             oe = error_from_request_error(err, {}, "messages")
             oe.param = "messages"
             raise oe from None
         rid = self._request_id(request, "chatcmpl")
-        builder = ResponseBuilder("chat", rid, model.name, model.tokenizer, req.logprobs, req.include_usage)
-        return await self._generate(request, req.to_generate(rid, ids), builder, req.stream, req.names(),
-                                    "messages")
+        builder = ResponseBuilder(
+            "chat", rid, model.name, model.tokenizer, req.logprobs, req.include_usage
+        )
+        return await self._generate(
+            request, req.to_generate(rid, ids), builder, req.stream, req.names(), "messages"
+        )
 
-    async def _generate(self, request: web.Request, gen: generate_pb2.GenerateRequest, builder: ResponseBuilder,
-                        stream: bool, names: dict[str, str], prompt_param: str) -> web.StreamResponse:
+    async def _generate(
+        self,
+        request: web.Request,
+        gen: generate_pb2.GenerateRequest,
+        builder: ResponseBuilder,
+        stream: bool,
+        names: dict[str, str],
+        prompt_param: str,
+    ) -> web.StreamResponse:
         if not stream:
             sink = _Collect()
             try:
                 await self.frontend.generate(gen, sink)
             except RequestError as err:
                 raise error_from_request_error(err, names, prompt_param) from None
-            return web.json_response(builder.full(sink.chunks), dumps=lambda b: _dumps(b).decode(),
-                                     headers={"X-Request-Id": builder.id})
+            return web.json_response(
+                builder.full(sink.chunks),
+                dumps=lambda b: _dumps(b).decode(),
+                headers={"X-Request-Id": builder.id},
+            )
         events = _EventStream(request, builder)
         try:
             await self.frontend.generate(gen, events)
@@ -265,8 +312,14 @@ class OpenAIServer:
     # ---- the rest --------------------------------------------------------------------------------
     def _card(self) -> dict[str, Any]:
         m = self.ctx.model
-        return {"id": m.name, "object": "model", "created": self.created, "owned_by": "splitserve",
-                "max_model_len": m.max_model_len, "vocab_size": m.vocab_size}
+        return {
+            "id": m.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "splitserve",
+            "max_model_len": m.max_model_len,
+            "vocab_size": m.vocab_size,
+        }
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._card()]})
@@ -278,10 +331,15 @@ class OpenAIServer:
     async def health(self, request: web.Request) -> web.Response:
         reg = self.ctx.registry
         ok = self.ready() and not self._draining
-        body = {"status": "ok" if ok else "unavailable", "healthy_prefill": len(reg.healthy(PREFILL)),
-                "healthy_decode": len(reg.healthy(DECODE))}
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "healthy_prefill": len(reg.healthy(PREFILL)),
+            "healthy_decode": len(reg.healthy(DECODE)),
+        }
         return web.json_response(body, status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.ctx.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=generate_latest(self.ctx.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )

@@ -13,13 +13,13 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.request.errors import RequestError
 from splitserve.config.hf_config import load_model_config
-from splitserve.service.proto_convert import sampling_params_from_proto, validate_prompt
+from splitserve.protos import generate_pb2
+from splitserve.request.errors import RequestError
 from splitserve.request.sampling_params import SamplingParams
 from splitserve.request.tokenizer import Tokenizer
-from splitserve.protos import generate_pb2
 from splitserve.router.config import RouterConfig
+from splitserve.service.proto_convert import sampling_params_from_proto, validate_prompt
 
 _TOKENIZE_IN_THREAD = 32_768  # characters; longer texts are tokenized off the event loop
 
@@ -37,11 +37,18 @@ class ModelInfo:
         model = load_model_config(cfg.model_path)
         max_len = cfg.max_model_len or model.max_position_embeddings
         if max_len > model.max_position_embeddings:
-            raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings "
-                             f"({model.max_position_embeddings}); lower --max-model-len")
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's max_position_embeddings "
+                f"({model.max_position_embeddings}); lower --max-model-len"
+            )
         tokenizer = Tokenizer.from_dir(cfg.model_path)
-        return cls(cfg.model_name or Path(cfg.model_path).resolve().name, model.vocab_size, max_len,
-                   tuple(model.eos_token_ids), tokenizer)
+        return cls(
+            cfg.model_name or Path(cfg.model_path).resolve().name,
+            model.vocab_size,
+            max_len,
+            tuple(model.eos_token_ids),
+            tokenizer,
+        )
 
 
 @dataclass(frozen=True)
@@ -62,15 +69,19 @@ def _request_id(request: generate_pb2.GenerateRequest, cfg: RouterConfig) -> str
     if not rid:
         return uuid.uuid4().hex
     if len(rid) > cfg.max_request_id_len or not rid.isprintable():
-        raise RequestError.invalid(f"request_id must be at most {cfg.max_request_id_len} printable characters; "
-                                   "use a shorter id, or leave it empty for the router to assign one")
+        raise RequestError.invalid(
+            f"request_id must be at most {cfg.max_request_id_len} printable characters; "
+            "use a shorter id, or leave it empty for the router to assign one"
+        )
     return rid
 
 
 async def _prompt(request: generate_pb2.GenerateRequest, model: ModelInfo) -> tuple[list[int], str]:
     which = request.WhichOneof("prompt")
     if which is None:
-        raise RequestError.invalid("prompt is not set; send prompt text in `text` or token ids in `token_ids`")
+        raise RequestError.invalid(
+            "prompt is not set; send prompt text in `text` or token ids in `token_ids`"
+        )
     if which == "token_ids":
         return list(request.token_ids.ids), "token_ids.ids"
     text = request.text
@@ -81,18 +92,22 @@ async def _prompt(request: generate_pb2.GenerateRequest, model: ModelInfo) -> tu
     return model.tokenizer.encode(text), "text"
 
 
-async def prepare(request: generate_pb2.GenerateRequest, model: ModelInfo, cfg: RouterConfig) -> PreparedRequest:
+async def prepare(
+    request: generate_pb2.GenerateRequest, model: ModelInfo, cfg: RouterConfig
+) -> PreparedRequest:
     size = request.ByteSize()
     if size > cfg.max_request_bytes:
         raise RequestError.invalid(
             f"the request is {size} bytes, over this router's limit of {cfg.max_request_bytes} bytes; send a "
-            f"shorter prompt (at most {model.max_model_len - 1} tokens fit anyway) or raise max_request_bytes")
+            f"shorter prompt (at most {model.max_model_len - 1} tokens fit anyway) or raise max_request_bytes"
+        )
     rid = _request_id(request, cfg)
     prompt, field = await _prompt(request, model)
     validate_prompt(prompt, model.vocab_size, model.max_model_len, field=field)
     msg = request.sampling if request.HasField("sampling") else None
-    params = sampling_params_from_proto(msg, prompt_len=len(prompt), max_model_len=model.max_model_len,
-                                        vocab_size=model.vocab_size)
+    params = sampling_params_from_proto(
+        msg, prompt_len=len(prompt), max_model_len=model.max_model_len, vocab_size=model.vocab_size
+    )
     sampling = generate_pb2.SamplingParams()
     if msg is not None:
         sampling.CopyFrom(msg)

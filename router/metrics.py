@@ -10,50 +10,105 @@ _E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 # why the router stopped sending a worker requests (registry.py)
-EVICTION_REASONS = ("probe_timeout", "refused", "not_serving", "wrong_role", "probe_error", "heartbeat_silence",
-                    "kv_unreachable", "request_unavailable", "removed")
+EVICTION_REASONS = (
+    "probe_timeout",
+    "refused",
+    "not_serving",
+    "wrong_role",
+    "probe_error",
+    "heartbeat_silence",
+    "kv_unreachable",
+    "request_unavailable",
+    "removed",
+)
 
 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
-        self.ttft_seconds = Histogram("splitserve_router_ttft_seconds",
-                                      "arrival to the first token's chunk (the prefill path)", buckets=_LATENCY,
-                                      registry=r)
+        self.ttft_seconds = Histogram(
+            "splitserve_router_ttft_seconds",
+            "arrival to the first token's chunk (the prefill path)",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.ttft_component_seconds = Histogram(
             "splitserve_router_ttft_component_seconds",
             "TTFT broken down as the workers report it: prefill_queue (arrival to admission on the prefill "
             "worker), prefill_compute (admission to first token), transfer (the decode worker's KV pull), "
             "decode_queue (decode admission request to its first token)",
-            ["component"], buckets=_LATENCY, registry=r)
-        self.itl_seconds = Histogram("splitserve_router_itl_seconds", "time between streamed token chunks",
-                                     buckets=_LATENCY, registry=r)
-        self.e2e_seconds = Histogram("splitserve_router_e2e_seconds", "arrival to the last chunk of a finished "
-                                     "request", buckets=_E2E, registry=r)
-        self.requests = Counter("splitserve_router_requests", "Generate calls by outcome (finish reason or status)",
-                                ["outcome"], registry=r)
-        self.in_flight = Gauge("splitserve_router_requests_in_flight", "Generate calls in progress", registry=r)
-        self.prompt_tokens = Counter("splitserve_router_prompt_tokens", "prompt tokens of routed requests",
-                                     registry=r)
-        self.completion_tokens = Counter("splitserve_router_completion_tokens", "tokens streamed to clients",
-                                         registry=r)
-        self.prefill_retries = Counter("splitserve_router_prefill_retries",
-                                       "prefills retried on another worker after UNAVAILABLE", registry=r)
-        self.leases_released = Counter("splitserve_router_leases_released",
-                                       "prefill leases the router released (the decode side had not)",
-                                       ["reason"], registry=r)
-        self.worker_healthy = Gauge("splitserve_router_worker_healthy", "1 when the worker receives requests",
-                                    ["role", "address"], registry=r)
-        self.worker_queue = Gauge("splitserve_router_worker_queue", "waiting + running requests (last GetLoad)",
-                                  ["role", "address"], registry=r)
-        self.worker_free_blocks = Gauge("splitserve_router_worker_free_blocks", "free KV blocks (last GetLoad)",
-                                        ["role", "address"], registry=r)
-        self.http_requests = Counter("splitserve_router_http_requests",
-                                     "OpenAI HTTP API requests by route and status code (499: client gone)",
-                                     ["route", "status"], registry=r)
-        self.worker_evictions = Counter("splitserve_router_worker_evictions",
-                                        "healthy -> evicted transitions, by reason (EVICTION_REASONS)",
-                                        ["role", "address", "reason"], registry=r)
+            ["component"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl_seconds = Histogram(
+            "splitserve_router_itl_seconds",
+            "time between streamed token chunks",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.e2e_seconds = Histogram(
+            "splitserve_router_e2e_seconds",
+            "arrival to the last chunk of a finished request",
+            buckets=_E2E,
+            registry=r,
+        )
+        self.requests = Counter(
+            "splitserve_router_requests",
+            "Generate calls by outcome (finish reason or status)",
+            ["outcome"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "splitserve_router_requests_in_flight", "Generate calls in progress", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "splitserve_router_prompt_tokens", "prompt tokens of routed requests", registry=r
+        )
+        self.completion_tokens = Counter(
+            "splitserve_router_completion_tokens", "tokens streamed to clients", registry=r
+        )
+        self.prefill_retries = Counter(
+            "splitserve_router_prefill_retries",
+            "prefills retried on another worker after UNAVAILABLE",
+            registry=r,
+        )
+        self.leases_released = Counter(
+            "splitserve_router_leases_released",
+            "prefill leases the router released (the decode side had not)",
+            ["reason"],
+            registry=r,
+        )
+        self.worker_healthy = Gauge(
+            "splitserve_router_worker_healthy",
+            "1 when the worker receives requests",
+            ["role", "address"],
+            registry=r,
+        )
+        self.worker_queue = Gauge(
+            "splitserve_router_worker_queue",
+            "waiting + running requests (last GetLoad)",
+            ["role", "address"],
+            registry=r,
+        )
+        self.worker_free_blocks = Gauge(
+            "splitserve_router_worker_free_blocks",
+            "free KV blocks (last GetLoad)",
+            ["role", "address"],
+            registry=r,
+        )
+        self.http_requests = Counter(
+            "splitserve_router_http_requests",
+            "OpenAI HTTP API requests by route and status code (499: client gone)",
+            ["route", "status"],
+            registry=r,
+        )
+        self.worker_evictions = Counter(
+            "splitserve_router_worker_evictions",
+            "healthy -> evicted transitions, by reason (EVICTION_REASONS)",
+            ["role", "address", "reason"],
+            registry=r,
+        )
 
     def evictions_of(self, role: str, address: str) -> dict[str, int]:
         """reason -> evictions of one worker (the reasons seen so far)."""
@@ -61,7 +116,10 @@ class RouterMetrics:
         for metric in self.worker_evictions.collect():
             for sample in metric.samples:
                 labels = sample.labels
-                if sample.name.endswith("_total") and (labels["role"], labels["address"]) == (role, address):
+                if sample.name.endswith("_total") and (labels["role"], labels["address"]) == (
+                    role,
+                    address,
+                ):
                     out[labels["reason"]] = int(sample.value)
         return out
 

@@ -17,8 +17,8 @@ from typing import Any, Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from splitserve.request.errors import RequestError
 from splitserve.protos import generate_pb2
+from splitserve.request.errors import RequestError
 
 _U32 = 2**32 - 1
 _U64 = 2**64 - 1
@@ -38,8 +38,14 @@ _HTTP = {
 class OpenAIError(Exception):
     """An HTTP error answered as {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -52,23 +58,32 @@ class OpenAIError(Exception):
         return cls(400, message, param, "invalid_argument")
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
-def error_from_request_error(err: RequestError, names: dict[str, str], prompt_param: str) -> OpenAIError:
+def error_from_request_error(
+    err: RequestError, names: dict[str, str], prompt_param: str
+) -> OpenAIError:
     """A RequestError of the shared path, its status mapped and its field renamed: `names` maps
     proto sampling fields to the OpenAI names the client used; prompt fields become `prompt_param`."""
     status, type_ = _HTTP.get(err.code, (500, "server_error"))
     message, param = err.message, None
     if m := re.match(r"sampling\.(\w+)", message):
         param = names.get(m[1], m[1])
-        message = param + message[m.end():]
+        message = param + message[m.end() :]
     elif m := re.match(r"(text|token_ids\.ids)\b", message):
         param = prompt_param
-        message = prompt_param + message[m.end():]
+        message = prompt_param + message[m.end() :]
     elif message.startswith("request_id"):
         param = "X-Request-Id"
-        message = "the X-Request-Id header" + message[len("request_id"):]
+        message = "the X-Request-Id header" + message[len("request_id") :]
     return OpenAIError(status, message, param, err.code.name.lower(), type_)
 
 
@@ -89,14 +104,17 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         err = exc.errors()[0]
         param = _loc(err["loc"])
         if err["type"] == "extra_forbidden":
-            raise OpenAIError.bad(param, f"{param}: unknown parameter, not supported by this server; "
-                                         "remove it") from None
+            raise OpenAIError.bad(
+                param, f"{param}: unknown parameter, not supported by this server; remove it"
+            ) from None
         if err["type"] == "missing":
             raise OpenAIError.bad(param, f"{param} is required") from None
         msg = err["msg"].removeprefix("Value error, ")
         last = str(err["loc"][-1]) if err["loc"] else ""
-        if err["type"] == "value_error" and last and msg.startswith(last):  # our own messages name the field
-            raise OpenAIError.bad(param, param + msg[len(last):]) from None
+        if (
+            err["type"] == "value_error" and last and msg.startswith(last)
+        ):  # our own messages name the field
+            raise OpenAIError.bad(param, param + msg[len(last) :]) from None
         got = repr(err.get("input"))
         got = f" (got {got})" if len(got) <= 80 else ""
         raise OpenAIError.bad(param, f"{param}: {msg}{got}") from None
@@ -115,6 +133,7 @@ def _unsupported(name: str, why: str):
         if v is not None and not (isinstance(v, (list, dict)) and not v):
             raise ValueError(f"{name} is not supported by this server ({why})")
         return v
+
     return field_validator(name)(classmethod(check))
 
 
@@ -146,14 +165,20 @@ class _Common(_Strict):
     @classmethod
     def _one_choice(cls, v: int | None) -> int | None:
         if v is not None and v != 1:
-            raise ValueError(f"n = {v} is not supported: one choice per request; send {v} requests "
-                             "(with different seeds) instead")
+            raise ValueError(
+                f"n = {v} is not supported: one choice per request; send {v} requests "
+                "(with different seeds) instead"
+            )
         return v
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v: Any) -> str | list[str] | None:
-        if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)):
+        if (
+            v is None
+            or isinstance(v, str)
+            or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+        ):
             return v
         raise ValueError("stop must be a string or a list of strings")
 
@@ -167,16 +192,29 @@ class _Common(_Strict):
 
     def _checks(self) -> None:
         if self.stream_options is not None and not self.stream:
-            raise OpenAIError.bad("stream_options", "stream_options is only allowed with stream: true")
+            raise OpenAIError.bad(
+                "stream_options", "stream_options is only allowed with stream: true"
+            )
 
-    def _sampling(self, max_tokens: int | None, logprobs: int | None) -> generate_pb2.SamplingParams:
+    def _sampling(
+        self, max_tokens: int | None, logprobs: int | None
+    ) -> generate_pb2.SamplingParams:
         sp = generate_pb2.SamplingParams(
-            top_k=0 if self.top_k in (None, -1) else self.top_k, ignore_eos=self.ignore_eos,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output,
             stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
-            stop_token_ids=self.stop_token_ids or [])
-        for name in ("temperature", "top_p", "seed", "repetition_penalty", "min_p", "presence_penalty",
-                     "frequency_penalty"):
+            stop_token_ids=self.stop_token_ids or [],
+        )
+        for name in (
+            "temperature",
+            "top_p",
+            "seed",
+            "repetition_penalty",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             if (value := getattr(self, name)) is not None:
                 setattr(sp, name, value)
         if max_tokens is not None:
@@ -204,7 +242,9 @@ class CompletionRequest(_Common):
     @classmethod
     def _no_echo(cls, v: bool) -> bool:
         if v:
-            raise ValueError("echo is not supported by this server (no prompt logprobs); leave it false")
+            raise ValueError(
+                "echo is not supported by this server (no prompt logprobs); leave it false"
+            )
         return v
 
     @field_validator("best_of")
@@ -222,8 +262,12 @@ class CompletionRequest(_Common):
         if isinstance(v, str):
             return v
         if isinstance(v, list) and v and all(isinstance(t, (str, list)) for t in v):
-            raise ValueError(f"a batch of {len(v)} prompts is not supported; send one request per prompt")
-        if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            raise ValueError(
+                f"a batch of {len(v)} prompts is not supported; send one request per prompt"
+            )
+        if not isinstance(v, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in v
+        ):
             raise ValueError("must be a string or a list of token ids")
         bad = next((i for i, t in enumerate(v) if not 0 <= t <= _U32), None)
         if bad is not None:
@@ -232,8 +276,11 @@ class CompletionRequest(_Common):
 
     def to_generate(self, request_id: str) -> generate_pb2.GenerateRequest:
         self._checks()
-        req = generate_pb2.GenerateRequest(request_id=request_id, skip_special_tokens=self.skip_special_tokens,
-                                           sampling=self._sampling(self.max_tokens, self.logprobs))
+        req = generate_pb2.GenerateRequest(
+            request_id=request_id,
+            skip_special_tokens=self.skip_special_tokens,
+            sampling=self._sampling(self.max_tokens, self.logprobs),
+        )
         if isinstance(self.prompt, str):
             req.text = self.prompt
         else:
@@ -264,11 +311,17 @@ class ChatMessage(_Strict):
         for part in v:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text":
-                raise ValueError(f"content parts of type {kind!r} are not supported; this model takes text")
+                raise ValueError(
+                    f"content parts of type {kind!r} are not supported; this model takes text"
+                )
         return [TextPart.model_validate(p) for p in v]
 
     def as_template_input(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        content = (
+            self.content
+            if isinstance(self.content, str)
+            else "\n".join(p.text for p in self.content)
+        )
         msg = {"role": self.role, "content": content}
         if self.name is not None:
             msg["name"] = self.name
@@ -277,7 +330,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0, le=_U32)  # deprecated by OpenAI, still sent by many clients
+    max_tokens: int | None = Field(
+        None, ge=0, le=_U32
+    )  # deprecated by OpenAI, still sent by many clients
     max_completion_tokens: int | None = Field(None, ge=0, le=_U32)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=_U32)
@@ -296,29 +351,44 @@ class ChatCompletionRequest(_Common):
     @classmethod
     def _no_tool_choice(cls, v: Any) -> Any:
         if v not in (None, "none"):
-            raise ValueError("tool_choice is not supported by this server (no tool calling); leave it out or 'none'")
+            raise ValueError(
+                "tool_choice is not supported by this server (no tool calling); leave it out or 'none'"
+            )
         return v
 
     @field_validator("response_format")
     @classmethod
     def _text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None and v.get("type") != "text":
-            raise ValueError(f"response_format type {v.get('type')!r} is not supported (no structured output); "
-                             "only {\"type\": \"text\"}")
+            raise ValueError(
+                f"response_format type {v.get('type')!r} is not supported (no structured output); "
+                'only {"type": "text"}'
+            )
         return v
 
     def to_generate(self, request_id: str, prompt_ids: list[int]) -> generate_pb2.GenerateRequest:
         self._checks()
         if self.max_tokens is not None and self.max_completion_tokens is not None:
-            raise OpenAIError.bad("max_completion_tokens", "give max_completion_tokens or max_tokens, not both")
+            raise OpenAIError.bad(
+                "max_completion_tokens", "give max_completion_tokens or max_tokens, not both"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError.bad("top_logprobs", "top_logprobs needs logprobs: true")
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return generate_pb2.GenerateRequest(request_id=request_id, token_ids=generate_pb2.TokenIds(ids=prompt_ids),
-                                            skip_special_tokens=self.skip_special_tokens,
-                                            sampling=self._sampling(max_tokens, logprobs))
+        return generate_pb2.GenerateRequest(
+            request_id=request_id,
+            token_ids=generate_pb2.TokenIds(ids=prompt_ids),
+            skip_special_tokens=self.skip_special_tokens,
+            sampling=self._sampling(max_tokens, logprobs),
+        )
 
     def names(self) -> dict[str, str]:
-        return {"max_tokens": "max_tokens" if self.max_tokens is not None else "max_completion_tokens",
-                "logprobs": "top_logprobs"}
+        return {
+            "max_tokens": "max_tokens" if self.max_tokens is not None else "max_completion_tokens",
+            "logprobs": "top_logprobs",
+        }

@@ -21,11 +21,14 @@ import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from splitserve.request.tokenizer import Tokenizer
 from splitserve.protos import generate_pb2
+from splitserve.request.tokenizer import Tokenizer
 
-FINISH = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length",
-          generate_pb2.FINISH_REASON_ABORT: "abort"}
+FINISH = {
+    generate_pb2.FINISH_REASON_STOP: "stop",
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+    generate_pb2.FINISH_REASON_ABORT: "abort",
+}
 
 
 def _lp(value: float) -> float:
@@ -34,14 +37,24 @@ def _lp(value: float) -> float:
 
 
 def usage_json(u: generate_pb2.Usage) -> dict[str, Any]:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
+    }
 
 
 class ResponseBuilder:
-    def __init__(self, kind: Literal["completion", "chat"], request_id: str, model: str, tokenizer: Tokenizer,
-                 want_logprobs: bool, include_usage: bool = False) -> None:
+    def __init__(
+        self,
+        kind: Literal["completion", "chat"],
+        request_id: str,
+        model: str,
+        tokenizer: Tokenizer,
+        want_logprobs: bool,
+        include_usage: bool = False,
+    ) -> None:
         self.kind = kind
         self.id = request_id
         self.model = model
@@ -66,16 +79,31 @@ class ResponseBuilder:
             content = []
             for lp in lps:
                 text, raw = self._piece(lp.token_id)
-                top = [{"token": self._piece(t.token_id)[0], "logprob": _lp(t.logprob),
-                        "bytes": self._piece(t.token_id)[1]} for t in lp.top_logprobs]
-                content.append({"token": text, "logprob": _lp(lp.logprob), "bytes": raw, "top_logprobs": top})
+                top = [
+                    {
+                        "token": self._piece(t.token_id)[0],
+                        "logprob": _lp(t.logprob),
+                        "bytes": self._piece(t.token_id)[1],
+                    }
+                    for t in lp.top_logprobs
+                ]
+                content.append(
+                    {"token": text, "logprob": _lp(lp.logprob), "bytes": raw, "top_logprobs": top}
+                )
             return {"content": content, "refusal": None}
-        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        out: dict[str, list] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
         for lp in lps:
             text = self._piece(lp.token_id)[0]
             out["tokens"].append(text)
             out["token_logprobs"].append(_lp(lp.logprob))
-            out["top_logprobs"].append({self._piece(t.token_id)[0]: _lp(t.logprob) for t in lp.top_logprobs})
+            out["top_logprobs"].append(
+                {self._piece(t.token_id)[0]: _lp(t.logprob) for t in lp.top_logprobs}
+            )
             out["text_offset"].append(self._offset)
             self._offset += len(text)
         return out
@@ -83,14 +111,28 @@ class ResponseBuilder:
     # ---- streaming -------------------------------------------------------------------------------
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        body = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
         if self.include_usage:
             body["usage"] = None
         return body
 
     def role_chunk(self) -> dict[str, Any]:
-        return self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None}])
+        return self._envelope(
+            [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ]
+        )
 
     def stream_chunk(self, chunk: generate_pb2.GenerateResponse) -> dict[str, Any] | None:
         finish = FINISH.get(chunk.finish_reason)
@@ -115,11 +157,26 @@ class ResponseBuilder:
         last = chunks[-1]
         lps = self._logprobs([lp for c in chunks for lp in c.logprobs])
         if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": lps, "finish_reason": FINISH.get(last.finish_reason)}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": lps,
+                "finish_reason": FINISH.get(last.finish_reason),
+            }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": FINISH.get(last.finish_reason)}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": lps,
+                "finish_reason": FINISH.get(last.finish_reason),
+            }
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice],
-                "usage": usage_json(last.usage)}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": usage_json(last.usage),
+        }

@@ -81,7 +81,9 @@ class LeastLoaded:
         return min(views, key=least_loaded_key)
 
 
-def cached_prefix_blocks(view: WorkerView, prompt: Sequence[int], hashes: Sequence[int] | None = None) -> int:
+def cached_prefix_blocks(
+    view: WorkerView, prompt: Sequence[int], hashes: Sequence[int] | None = None
+) -> int:
     """Leading full blocks of `prompt` whose chained hash the worker reports as cached. A chained
     hash names its whole prefix, so the longest reported block counts, even when the capped
     summary left out an earlier one."""
@@ -114,7 +116,9 @@ class PrefixAware:
         for v in views:
             if v.block_size > 0 and v.block_size not in by_block_size:
                 by_block_size[v.block_size] = block_hashes(prompt, v.block_size)
-            matched[v.address] = cached_prefix_blocks(v, prompt, by_block_size.get(v.block_size, []))
+            matched[v.address] = cached_prefix_blocks(
+                v, prompt, by_block_size.get(v.block_size, [])
+            )
         best = max(matched.values())
         if best < self.cfg.min_match_blocks:
             return min(views, key=least_loaded_key)
@@ -128,4 +132,6 @@ def make_policy(name: PolicyName, prefix: PrefixPolicyConfig | None = None) -> P
         return LeastLoaded()
     if name == "prefix_aware":
         return PrefixAware(prefix)
-    raise ValueError(f"unknown routing policy {name!r}; use round_robin, least_loaded or prefix_aware")
+    raise ValueError(
+        f"unknown routing policy {name!r}; use round_robin, least_loaded or prefix_aware"
+    )

@@ -22,8 +22,8 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.service.grpc_service import channel_options
 from splitserve.protos import generate_pb2, router_pb2, router_pb2_grpc
+from splitserve.service.grpc_service import channel_options
 
 log = logging.getLogger("splitserve.registration")
 
@@ -36,50 +36,81 @@ async def wait_for_worker(worker: str, timeout_s: float) -> bool:
     together with its worker: registering before the worker listens would be refused."""
     async with grpc.aio.insecure_channel(worker, options=channel_options()) as channel:
         try:
-            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s,
-                                                            wait_for_ready=True)
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True
+            )
         except grpc.aio.AioRpcError as err:
             if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 return False
         return True
 
 
-async def keep_registered(router: str, role: str, worker: str, stop: asyncio.Event | None = None,
-                          call_timeout_s: float = 5.0, max_backoff_s: float = 10.0,
-                          worker_wait_s: float = 30.0) -> None:
+async def keep_registered(
+    router: str,
+    role: str,
+    worker: str,
+    stop: asyncio.Event | None = None,
+    call_timeout_s: float = 5.0,
+    max_backoff_s: float = 10.0,
+    worker_wait_s: float = 30.0,
+) -> None:
     """Runs until `stop` is set (or the task is cancelled). Errors that retrying cannot fix
     (INVALID_ARGUMENT, FAILED_PRECONDITION: e.g. the router cannot reach `worker`) are raised.
     Waits up to `worker_wait_s` for the worker to answer at `worker` before registering."""
     stop = stop or asyncio.Event()
     role_id = ROLES[role]
     if worker_wait_s > 0 and not await wait_for_worker(worker, worker_wait_s):
-        log.warning("%s worker not answering at %s after %.0fs; registering anyway (the router refuses an "
-                    "address it cannot dial)", role, worker, worker_wait_s)
+        log.warning(
+            "%s worker not answering at %s after %.0fs; registering anyway (the router refuses an "
+            "address it cannot dial)",
+            role,
+            worker,
+            worker_wait_s,
+        )
     async with grpc.aio.insecure_channel(router, options=channel_options()) as channel:
         stub = router_pb2_grpc.RouterControlStub(channel)
         interval, backoff, registered = 1.0, 0.5, False
         while not stop.is_set():
             try:
                 if not registered:
-                    got = await stub.RegisterWorker(router_pb2.RegisterWorkerRequest(role=role_id, address=worker),
-                                                    timeout=call_timeout_s)
+                    got = await stub.RegisterWorker(
+                        router_pb2.RegisterWorkerRequest(role=role_id, address=worker),
+                        timeout=call_timeout_s,
+                    )
                     interval = max(0.05, got.heartbeat_interval_ms / 1000)
                     registered = True
-                    log.info("registered %s worker %s with router %s (heartbeat every %.1fs)",
-                             role, worker, router, interval)
+                    log.info(
+                        "registered %s worker %s with router %s (heartbeat every %.1fs)",
+                        role,
+                        worker,
+                        router,
+                        interval,
+                    )
                 else:
-                    got = await stub.Heartbeat(router_pb2.HeartbeatRequest(address=worker, role=role_id),
-                                               timeout=call_timeout_s)
+                    got = await stub.Heartbeat(
+                        router_pb2.HeartbeatRequest(address=worker, role=role_id),
+                        timeout=call_timeout_s,
+                    )
                     if not got.known:
-                        log.warning("router %s forgot %s worker %s; registering again", router, role, worker)
+                        log.warning(
+                            "router %s forgot %s worker %s; registering again", router, role, worker
+                        )
                         registered = False
                         continue
                 backoff = 0.5
                 wait = interval
             except grpc.aio.AioRpcError as err:
-                if err.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                if err.code() in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ):
                     raise
-                log.warning("router %s unreachable (%s); retrying in %.1fs", router, err.code().name, backoff)
+                log.warning(
+                    "router %s unreachable (%s); retrying in %.1fs",
+                    router,
+                    err.code().name,
+                    backoff,
+                )
                 registered = False
                 wait, backoff = backoff, min(max_backoff_s, backoff * 2)
             with contextlib.suppress(TimeoutError):
@@ -87,22 +118,37 @@ async def keep_registered(router: str, role: str, worker: str, stop: asyncio.Eve
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m splitserve.router.registration", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m splitserve.router.registration", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--router", required=True, metavar="HOST:PORT", help="the router's gRPC address")
     p.add_argument("--role", required=True, choices=sorted(ROLES))
-    p.add_argument("--worker", required=True, metavar="HOST:PORT", help="the worker's address as the router dials it")
-    p.add_argument("--worker-wait-s", type=float, default=30.0,
-                   help="seconds to wait for the worker to answer before the first registration (default 30)")
+    p.add_argument(
+        "--worker",
+        required=True,
+        metavar="HOST:PORT",
+        help="the worker's address as the router dials it",
+    )
+    p.add_argument(
+        "--worker-wait-s",
+        type=float,
+        default=30.0,
+        help="seconds to wait for the worker to answer before the first registration (default 30)",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await keep_registered(args.router, args.role, args.worker, stop, worker_wait_s=args.worker_wait_s)
+        await keep_registered(
+            args.router, args.role, args.worker, stop, worker_wait_s=args.worker_wait_s
+        )
 
     try:
         asyncio.run(run())

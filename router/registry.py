@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.request.errors import RequestError
-from splitserve.service.grpc_service import channel_options
 from splitserve.router.config import RouterConfig, check_address
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import Policy, WorkerView
 from splitserve.router.reachability import check_reachable, kv_unreachable_message, tcp_unreachable
-from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.service.grpc_service import channel_options
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +74,26 @@ class Worker:
 
     def view(self) -> WorkerView:
         ld = self.load
-        return WorkerView(self.address, ld.num_running, ld.num_waiting, ld.free_blocks, ld.total_blocks,
-                          ld.block_size, self.prefix_hashes, self.in_flight)
+        return WorkerView(
+            self.address,
+            ld.num_running,
+            ld.num_waiting,
+            ld.free_blocks,
+            ld.total_blocks,
+            ld.block_size,
+            self.prefix_hashes,
+            self.in_flight,
+        )
 
 
 class WorkerRegistry:
-    def __init__(self, cfg: RouterConfig, metrics: RouterMetrics,
-                 on_change: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        metrics: RouterMetrics,
+        on_change: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cfg = cfg
         self.rc = cfg.registry
         self.metrics = metrics
@@ -88,7 +101,9 @@ class WorkerRegistry:
         self._clock = clock
         self._workers: dict[str, Worker] = {}
         self._closed = False
-        self._prefix_hashes = self.rc.max_prefix_hashes if cfg.routing.prefill_policy == "prefix_aware" else 0
+        self._prefix_hashes = (
+            self.rc.max_prefix_hashes if cfg.routing.prefill_policy == "prefix_aware" else 0
+        )
 
     # ---- membership --------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,12 +121,21 @@ class WorkerRegistry:
 
     def _add(self, role: int, address: str, static: bool) -> Worker:
         channel = grpc.aio.insecure_channel(address, options=channel_options(self.cfg.server))
-        w = Worker(role, address, static, channel, _STUB[role](channel), health_pb2_grpc.HealthStub(channel),
-                   last_heartbeat=self._clock())
+        w = Worker(
+            role,
+            address,
+            static,
+            channel,
+            _STUB[role](channel),
+            health_pb2_grpc.HealthStub(channel),
+            last_heartbeat=self._clock(),
+        )
         self._workers[address] = w
         self.metrics.worker_healthy.labels(w.role_name, address).set(0)
         w.task = asyncio.get_running_loop().create_task(self._watch(w), name=f"probe {address}")
-        log.info("%s worker %s added (%s)", w.role_name, address, "static" if static else "registered")
+        log.info(
+            "%s worker %s added (%s)", w.role_name, address, "static" if static else "registered"
+        )
         return w
 
     async def _drop(self, w: Worker) -> None:
@@ -127,9 +151,17 @@ class WorkerRegistry:
         reach is FAILED_PRECONDITION naming --advertise-host, not a worker that never gets healthy."""
         self._validate(role, address)
         if self.rc.verify_addresses and address not in self._workers:
-            async with grpc.aio.insecure_channel(address, options=channel_options(self.cfg.server)) as channel:
-                await check_reachable(channel, ROLE_NAME[role], SERVICE[role], address, self.rc.probe_timeout_s,
-                                      check_kv=role == PREFILL)
+            async with grpc.aio.insecure_channel(
+                address, options=channel_options(self.cfg.server)
+            ) as channel:
+                await check_reachable(
+                    channel,
+                    ROLE_NAME[role],
+                    SERVICE[role],
+                    address,
+                    self.rc.probe_timeout_s,
+                    check_kv=role == PREFILL,
+                )
         return self.register(role, address)
 
     def register(self, role: int, address: str) -> Worker:
@@ -142,20 +174,28 @@ class WorkerRegistry:
 
     def _validate(self, role: int, address: str) -> None:
         if role not in ROLE_NAME:
-            raise RequestError.invalid("role is unset; register as WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE")
+            raise RequestError.invalid(
+                "role is unset; register as WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE"
+            )
         try:
             check_address(address)
         except ValueError as exc:
-            raise RequestError.invalid(f"address: {exc}; give the address the router should dial") from None
+            raise RequestError.invalid(
+                f"address: {exc}; give the address the router should dial"
+            ) from None
         if role == PREFILL and self.cfg.routing.colocated:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                               "this router runs colocated (routing.colocated) and sends no prefills; register "
-                               "decode workers only, or restart the router without --colocated")
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this router runs colocated (routing.colocated) and sends no prefills; register "
+                "decode workers only, or restart the router without --colocated",
+            )
         w = self._workers.get(address)
         if w is not None and w.role != role:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                               f"{address} is already registered as a {w.role_name} worker; one role per "
-                               "address (restart the router to change it, or use another port)")
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{address} is already registered as a {w.role_name} worker; one role per "
+                "address (restart the router to change it, or use another port)",
+            )
 
     def heartbeat(self, role: int, address: str) -> bool:
         w = self._workers.get(address)
@@ -174,24 +214,39 @@ class WorkerRegistry:
         return [w for w in self._workers.values() if w.role == role and w.healthy]
 
     # ---- choosing ------------------------------------------------------------------------------
-    def choose(self, role: int, policy: Policy, prompt: Sequence[int], exclude: Sequence[str] = (),
-               compat_hash: str = "") -> Worker:
+    def choose(
+        self,
+        role: int,
+        policy: Policy,
+        prompt: Sequence[int],
+        exclude: Sequence[str] = (),
+        compat_hash: str = "",
+    ) -> Worker:
         """A healthy worker of `role` (not in `exclude`; serving the same model when
         `compat_hash` is given) picked by `policy`; UNAVAILABLE when there is none."""
         name = ROLE_NAME[role]
         pool = [w for w in self.healthy(role) if w.address not in exclude]
         if not pool:
             known = [w for w in self._workers.values() if w.role == role]
-            why = "; ".join(f"{w.address}: {w.why}" for w in known if not w.healthy) or f"no {name} worker is known"
+            why = (
+                "; ".join(f"{w.address}: {w.why}" for w in known if not w.healthy)
+                or f"no {name} worker is known"
+            )
             raise RequestError.unavailable(
                 f"no healthy {name} worker{' besides ' + ', '.join(exclude) if exclude else ''} ({why}); "
-                f"start one, list it with --{name}, or let it RegisterWorker, then retry")
+                f"start one, list it with --{name}, or let it RegisterWorker, then retry"
+            )
         if compat_hash:
-            same = [w for w in pool if not w.load.model_compat_hash or w.load.model_compat_hash == compat_hash]
+            same = [
+                w
+                for w in pool
+                if not w.load.model_compat_hash or w.load.model_compat_hash == compat_hash
+            ]
             if not same:
                 raise RequestError.unavailable(
                     f"no healthy {name} worker serves the model of the prefill worker (compat hash {compat_hash}); "
-                    "run prefill and decode workers on the same checkpoint, dtype and block size")
+                    "run prefill and decode workers on the same checkpoint, dtype and block size"
+                )
             pool = same
         by_address = {w.address: w for w in pool}
         return by_address[policy.choose([w.view() for w in pool], prompt).address]
@@ -210,7 +265,9 @@ class WorkerRegistry:
             if not w.static:
                 silent = self._clock() - w.last_heartbeat
                 if silent > self.rc.forget_after_s:
-                    log.warning("%s worker %s silent for %.0fs: removed", w.role_name, w.address, silent)
+                    log.warning(
+                        "%s worker %s silent for %.0fs: removed", w.role_name, w.address, silent
+                    )
                     self._set_healthy(w, False, "removed", "removed")
                     if self._workers.get(w.address) is w:
                         del self._workers[w.address]
@@ -218,9 +275,19 @@ class WorkerRegistry:
                     return
                 if ok and silent > self.rc.heartbeat_timeout_s:
                     ok, why, reason = False, f"no heartbeat for {silent:.1f}s", "heartbeat_silence"
-            if reason == "probe_timeout" and w.healthy and w.slow_probes < self.rc.probe_failures_to_evict:
-                log.info("%s worker %s: slow probe %d of %d before eviction (%s)", w.role_name, w.address,
-                         w.slow_probes, self.rc.probe_failures_to_evict, why)
+            if (
+                reason == "probe_timeout"
+                and w.healthy
+                and w.slow_probes < self.rc.probe_failures_to_evict
+            ):
+                log.info(
+                    "%s worker %s: slow probe %d of %d before eviction (%s)",
+                    w.role_name,
+                    w.address,
+                    w.slow_probes,
+                    self.rc.probe_failures_to_evict,
+                    why,
+                )
             else:
                 self._set_healthy(w, ok, why, reason)
             await asyncio.sleep(self.rc.poll_interval_s)
@@ -232,25 +299,44 @@ class WorkerRegistry:
         try:
             health, load = await asyncio.gather(
                 w.health.Check(health_pb2.HealthCheckRequest(service=SERVICE[w.role]), timeout=t),
-                w.stub.GetLoad(worker_pb2.GetLoadRequest(max_prefix_hashes=n), timeout=t))
+                w.stub.GetLoad(worker_pb2.GetLoadRequest(max_prefix_hashes=n), timeout=t),
+            )
         except grpc.aio.AioRpcError as err:
             code = err.code()
-            reason = {grpc.StatusCode.DEADLINE_EXCEEDED: "probe_timeout",
-                      grpc.StatusCode.UNAVAILABLE: "refused"}.get(code, "probe_error")
+            reason = {
+                grpc.StatusCode.DEADLINE_EXCEEDED: "probe_timeout",
+                grpc.StatusCode.UNAVAILABLE: "refused",
+            }.get(code, "probe_error")
             return False, f"probe failed: {code.name} ({err.details()})", reason
         except Exception as exc:  # noqa: BLE001 - a probe must never end the watch loop
             log.debug("probe of %s failed", w.address, exc_info=exc)
             return False, f"probe failed: {type(exc).__name__}: {exc}", "probe_error"
         if health.status != health_pb2.HealthCheckResponse.SERVING:
-            return False, f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}", "not_serving"
+            return (
+                False,
+                f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}",
+                "not_serving",
+            )
         if load.role != w.role:
-            return False, (f"it answers as a {ROLE_NAME.get(load.role, 'unknown')} worker, not {w.role_name}; "
-                           "fix the router's worker lists"), "wrong_role"
-        if w.role == PREFILL and self.rc.verify_addresses and (why := await self._kv_unreachable(w, load)):
+            return (
+                False,
+                (
+                    f"it answers as a {ROLE_NAME.get(load.role, 'unknown')} worker, not {w.role_name}; "
+                    "fix the router's worker lists"
+                ),
+                "wrong_role",
+            )
+        if (
+            w.role == PREFILL
+            and self.rc.verify_addresses
+            and (why := await self._kv_unreachable(w, load))
+        ):
             return False, why, "kv_unreachable"
         w.load = load
         w.prefix_hashes = frozenset(load.prefix_cache.block_hashes)
-        self.metrics.worker_queue.labels(w.role_name, w.address).set(load.num_running + load.num_waiting)
+        self.metrics.worker_queue.labels(w.role_name, w.address).set(
+            load.num_running + load.num_waiting
+        )
         self.metrics.worker_free_blocks.labels(w.role_name, w.address).set(load.free_blocks)
         return True, "", ""
 
@@ -280,7 +366,9 @@ class WorkerRegistry:
         if healthy:
             log.info("%s worker %s is healthy: receiving requests", w.role_name, w.address)
         else:
-            self.metrics.worker_evictions.labels(w.role_name, w.address, reason or "probe_error").inc()
+            self.metrics.worker_evictions.labels(
+                w.role_name, w.address, reason or "probe_error"
+            ).inc()
             log.warning("%s worker %s evicted: %s", w.role_name, w.address, why)
         if self._on_change is not None:
             self._on_change()

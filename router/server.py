@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from splitserve.service.grpc_service import GrpcServer, NOT_SERVING, SERVING, run_service, service_name
 from splitserve.protos import generate_pb2, generate_pb2_grpc, router_pb2, router_pb2_grpc
 from splitserve.router.config import RouterConfig
 from splitserve.router.context import RouterContext
@@ -25,6 +24,13 @@ from splitserve.router.intake import ModelInfo
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.registry import DECODE, PREFILL, WorkerRegistry
 from splitserve.router.servicer import GenerateServicer, RouterControlServicer
+from splitserve.service.grpc_service import (
+    NOT_SERVING,
+    SERVING,
+    GrpcServer,
+    run_service,
+    service_name,
+)
 
 log = logging.getLogger("splitserve.router")
 
@@ -41,16 +47,23 @@ class Router:
         self.server = GrpcServer(cfg.server, self.metrics.registry)
         self.frontend = Frontend(self.ctx)  # the one request path, shared by gRPC and HTTP
         self.generate = GenerateServicer(self.ctx, self.frontend)
-        self.server.add(generate_pb2_grpc.add_GenerateServiceServicer_to_server, self.generate, SERVICE_NAME)
-        self.server.add(router_pb2_grpc.add_RouterControlServicer_to_server, RouterControlServicer(self.ctx),
-                        CONTROL_NAME)
+        self.server.add(
+            generate_pb2_grpc.add_GenerateServiceServicer_to_server, self.generate, SERVICE_NAME
+        )
+        self.server.add(
+            router_pb2_grpc.add_RouterControlServicer_to_server,
+            RouterControlServicer(self.ctx),
+            CONTROL_NAME,
+        )
         self._health_tasks: set[asyncio.Task] = set()
         self._stopped = False
         self.http = None
         if cfg.http.port is not None:
             from splitserve.router.http_server import OpenAIServer
 
-            self.http = OpenAIServer(self.ctx, self.frontend, ready=lambda: self.ready and not self._stopped)
+            self.http = OpenAIServer(
+                self.ctx, self.frontend, ready=lambda: self.ready and not self._stopped
+            )
             self.server.drain_hooks.append(self.http.drain)
 
     @property
@@ -98,14 +111,23 @@ class Router:
     def describe(self) -> str:
         m = self.ctx.model
         r = self.cfg.routing
-        metrics = f", metrics on :{self.server.metrics_port}" if self.server.metrics_port is not None else ""
+        metrics = (
+            f", metrics on :{self.server.metrics_port}"
+            if self.server.metrics_port is not None
+            else ""
+        )
         if self.http is not None:
             metrics += f", OpenAI HTTP API on http://{self.http.address}/v1"
-        prefill = "colocated (no prefill workers)" if r.colocated else \
-            f"prefill {list(self.cfg.workers.prefill)} by {r.prefill_policy}"
-        return (f"router serving {SERVICE_NAME} on {self.address}: model {m.name} (vocab {m.vocab_size}, "
-                f"max_model_len {m.max_model_len}), {prefill}, "
-                f"decode {list(self.cfg.workers.decode)} by {r.decode_policy}{metrics}")
+        prefill = (
+            "colocated (no prefill workers)"
+            if r.colocated
+            else f"prefill {list(self.cfg.workers.prefill)} by {r.prefill_policy}"
+        )
+        return (
+            f"router serving {SERVICE_NAME} on {self.address}: model {m.name} (vocab {m.vocab_size}, "
+            f"max_model_len {m.max_model_len}), {prefill}, "
+            f"decode {list(self.cfg.workers.decode)} by {r.decode_policy}{metrics}"
+        )
 
 
 async def run_router(cfg: RouterConfig) -> int:

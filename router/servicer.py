@@ -12,8 +12,8 @@ import time
 
 import grpc
 
-from splitserve.request.errors import RequestError
 from splitserve.protos import generate_pb2, generate_pb2_grpc, router_pb2, router_pb2_grpc
+from splitserve.request.errors import RequestError
 from splitserve.router.context import RouterContext
 from splitserve.router.frontend import Frontend
 
@@ -24,13 +24,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         self.frontend = frontend or Frontend(ctx)
         self.live = self.frontend.live  # in-flight requests of every transport
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> None:
         try:
             await self.frontend.generate(request, context, time.monotonic())
         except RequestError as err:
             await err.abort(context)
 
-    async def Abort(self, request: generate_pb2.AbortRequest, context) -> generate_pb2.AbortResponse:
+    async def Abort(
+        self, request: generate_pb2.AbortRequest, context
+    ) -> generate_pb2.AbortResponse:
         return generate_pb2.AbortResponse(found=self.frontend.abort(request.request_id))
 
     async def GetServerInfo(self, request, context) -> generate_pb2.ServerInfo:
@@ -38,24 +42,37 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
         workers = self.ctx.registry.workers()
         block_size = next((w.load.block_size for w in workers if w.load.block_size), 0)
         return generate_pb2.ServerInfo(
-            model_name=model.name, max_model_len=model.max_model_len, vocab_size=model.vocab_size,
+            model_name=model.name,
+            max_model_len=model.max_model_len,
+            vocab_size=model.vocab_size,
             block_size=block_size,
-            workers=[generate_pb2.WorkerInfo(role=w.role, address=w.address, healthy=w.healthy) for w in workers])
+            workers=[
+                generate_pb2.WorkerInfo(role=w.role, address=w.address, healthy=w.healthy)
+                for w in workers
+            ],
+        )
 
 
 class RouterControlServicer(router_pb2_grpc.RouterControlServicer):
     def __init__(self, ctx: RouterContext) -> None:
         self.ctx = ctx
 
-    async def RegisterWorker(self, request: router_pb2.RegisterWorkerRequest, context) -> (
-            router_pb2.RegisterWorkerResponse):
+    async def RegisterWorker(
+        self, request: router_pb2.RegisterWorkerRequest, context
+    ) -> router_pb2.RegisterWorkerResponse:
         try:
             await self.ctx.registry.register_checked(request.role, request.address)
         except RequestError as err:
             await err.abort(context)
         rc = self.ctx.cfg.registry
-        return router_pb2.RegisterWorkerResponse(heartbeat_interval_ms=int(rc.heartbeat_interval_s * 1000),
-                                                 heartbeat_timeout_ms=int(rc.heartbeat_timeout_s * 1000))
+        return router_pb2.RegisterWorkerResponse(
+            heartbeat_interval_ms=int(rc.heartbeat_interval_s * 1000),
+            heartbeat_timeout_ms=int(rc.heartbeat_timeout_s * 1000),
+        )
 
-    async def Heartbeat(self, request: router_pb2.HeartbeatRequest, context) -> router_pb2.HeartbeatResponse:
-        return router_pb2.HeartbeatResponse(known=self.ctx.registry.heartbeat(request.role, request.address))
+    async def Heartbeat(
+        self, request: router_pb2.HeartbeatRequest, context
+    ) -> router_pb2.HeartbeatResponse:
+        return router_pb2.HeartbeatResponse(
+            known=self.ctx.registry.heartbeat(request.role, request.address)
+        )

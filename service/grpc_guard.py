@@ -19,8 +19,10 @@ from google.protobuf.message import DecodeError
 
 class Malformed:
     def __init__(self, type_name: str, exc: Exception) -> None:
-        self.message = (f"the request is not a valid {type_name} protobuf message ({exc}); send the message "
-                        "serialized by code generated from this service's .proto files")
+        self.message = (
+            f"the request is not a valid {type_name} protobuf message ({exc}); send the message "
+            "serialized by code generated from this service's .proto files"
+        )
 
 
 def _tolerant(deserialize):
@@ -32,23 +34,27 @@ def _tolerant(deserialize):
             return deserialize(raw)
         except DecodeError as exc:
             return Malformed(type_name, exc)
+
     return parse
 
 
 def _guard(behavior):
     if inspect.isasyncgenfunction(behavior):
+
         async def stream(request, context):
             if isinstance(request, Malformed):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             async with contextlib.aclosing(behavior(request, context)) as items:
                 async for item in items:
                     yield item
+
         return stream
 
     async def call(request, context):
         if isinstance(request, Malformed):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return await behavior(request, context)
+
     return call
 
 
@@ -57,8 +63,10 @@ def guarded(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | No
     if handler is None or handler.request_streaming or handler.request_deserializer is None:
         return handler
     kind = "unary_stream" if handler.response_streaming else "unary_unary"
-    return handler._replace(request_deserializer=_tolerant(handler.request_deserializer),
-                            **{kind: _guard(getattr(handler, kind))})
+    return handler._replace(
+        request_deserializer=_tolerant(handler.request_deserializer),
+        **{kind: _guard(getattr(handler, kind))},
+    )
 
 
 class _GuardedGeneric(grpc.GenericRpcHandler):
@@ -83,4 +91,6 @@ class RejectMalformed:
         self._server.add_generic_rpc_handlers(tuple(_GuardedGeneric(h) for h in handlers))
 
     def add_registered_method_handlers(self, service_name: str, handlers: dict) -> None:
-        self._server.add_registered_method_handlers(service_name, {m: guarded(h) for m, h in handlers.items()})
+        self._server.add_registered_method_handlers(
+            service_name, {m: guarded(h) for m, h in handlers.items()}
+        )

@@ -47,33 +47,61 @@ class ServerConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    host: str = Field("127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 for all interfaces")
+    host: str = Field(
+        "127.0.0.1", min_length=1, description="address to bind; 0.0.0.0 for all interfaces"
+    )
     port: int = Field(0, ge=0, le=65535, description="gRPC port; 0 picks a free one")
-    advertise_host: str | None = Field(None, min_length=1, description="host peers use to reach this one; "
-                                                                       "None: `host`, or this machine's "
-                                                                       "routable IP when `host` is 0.0.0.0")
-    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port; None: off")
-    drain_grace_s: float = Field(30.0, ge=0, description="time in-flight RPCs get to finish on SIGTERM")
-    drain_announce_s: float = Field(0.0, ge=0, description="on SIGTERM, health says NOT_SERVING this long "
-                                                            "before the port closes, so health-polling load "
-                                                            "balancers and the router see the drain")
-    stop_timeout_s: float = Field(15.0, gt=0, description="after the drain, the rest of the stop (engine, UCX, "
-                                                          "ranks) gets this long; then the process logs the "
-                                                          "stuck threads' stacks and exits with status 3")
+    advertise_host: str | None = Field(
+        None,
+        min_length=1,
+        description="host peers use to reach this one; "
+        "None: `host`, or this machine's "
+        "routable IP when `host` is 0.0.0.0",
+    )
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535, description="Prometheus /metrics port; None: off"
+    )
+    drain_grace_s: float = Field(
+        30.0, ge=0, description="time in-flight RPCs get to finish on SIGTERM"
+    )
+    drain_announce_s: float = Field(
+        0.0,
+        ge=0,
+        description="on SIGTERM, health says NOT_SERVING this long "
+        "before the port closes, so health-polling load "
+        "balancers and the router see the drain",
+    )
+    stop_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="after the drain, the rest of the stop (engine, UCX, "
+        "ranks) gets this long; then the process logs the "
+        "stuck threads' stacks and exits with status 3",
+    )
     max_message_mb: int = Field(64, gt=0, le=2047)
     # a peer whose host vanished (link down, node lost) shows only through keepalive: 10 s + 5 s
     # bounds how long an open stream to it hangs (gRPC's 2 h default is far too long here)
-    keepalive_time_s: float = Field(10.0, gt=0, description="ping an idle connection after this long")
-    keepalive_timeout_s: float = Field(5.0, gt=0, description="a ping unanswered this long closes the connection")
-    max_reconnect_backoff_s: float = Field(5.0, gt=0, description="longest wait between reconnect tries to a "
-                                                                   "peer that was gone (gRPC's default: 120 s)")
+    keepalive_time_s: float = Field(
+        10.0, gt=0, description="ping an idle connection after this long"
+    )
+    keepalive_timeout_s: float = Field(
+        5.0, gt=0, description="a ping unanswered this long closes the connection"
+    )
+    max_reconnect_backoff_s: float = Field(
+        5.0,
+        gt=0,
+        description="longest wait between reconnect tries to a "
+        "peer that was gone (gRPC's default: 120 s)",
+    )
 
     @field_validator("advertise_host")
     @classmethod
     def _dialable(cls, v: str | None) -> str | None:
         if v is not None and is_wildcard(v):
-            raise ValueError(f"{v} is no address a peer can dial; give this host's IP or DNS name as other hosts "
-                             "reach it, or leave it unset (the bound IP, or the routable IP when bound to all)")
+            raise ValueError(
+                f"{v} is no address a peer can dial; give this host's IP or DNS name as other hosts "
+                "reach it, or leave it unset (the bound IP, or the routable IP when bound to all)"
+            )
         return v
 
     @property
@@ -109,7 +137,9 @@ def channel_options(cfg: ServerConfig | None = None) -> list[tuple[str, int]]:
     """Options for a client channel to a splitserve service (same message size and keepalive;
     a peer back after an outage is dialled again within max_reconnect_backoff_s)."""
     cfg = cfg or ServerConfig()
-    return _common_options(cfg) + [("grpc.max_reconnect_backoff_ms", int(cfg.max_reconnect_backoff_s * 1000))]
+    return _common_options(cfg) + [
+        ("grpc.max_reconnect_backoff_ms", int(cfg.max_reconnect_backoff_s * 1000))
+    ]
 
 
 def service_name(file_descriptor, service: str) -> str:
@@ -138,13 +168,16 @@ class GrpcServer:
         return f"[{host}]:{self.port}" if bare_v6 else f"{host}:{self.port}"
 
     def add(self, add_to_server: Callable, servicer, name: str) -> None:
-        add_to_server(servicer, RejectMalformed(self._server))  # undecodable bytes: INVALID_ARGUMENT
+        add_to_server(
+            servicer, RejectMalformed(self._server)
+        )  # undecodable bytes: INVALID_ARGUMENT
         self._names.append(name)
 
     async def start(self) -> None:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
-            [*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+            [*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        )
         await self.set_serving(False)
         target = f"{self.cfg.host}:{self.cfg.port}"
         try:
@@ -152,17 +185,22 @@ class GrpcServer:
         except RuntimeError:
             self.port = 0
         if not self.port:
-            raise RuntimeError(f"cannot listen on {target}: the port is in use or the host is not a local "
-                               "address; pick another --port (0 picks a free one) or --host")
+            raise RuntimeError(
+                f"cannot listen on {target}: the port is in use or the host is not a local "
+                "address; pick another --port (0 picks a free one) or --host"
+            )
         await self._server.start()
         if self.cfg.metrics_port is not None:
             try:
                 self._metrics_http, _ = start_http_server(
-                    self.cfg.metrics_port, addr=self.cfg.host, registry=self.registry or REGISTRY)
+                    self.cfg.metrics_port, addr=self.cfg.host, registry=self.registry or REGISTRY
+                )
             except OSError as exc:
                 await self._server.stop(None)
-                raise RuntimeError(f"cannot serve metrics on {self.cfg.host}:{self.cfg.metrics_port} ({exc}); "
-                                   "pick another --metrics-port") from None
+                raise RuntimeError(
+                    f"cannot serve metrics on {self.cfg.host}:{self.cfg.metrics_port} ({exc}); "
+                    "pick another --metrics-port"
+                ) from None
             self.metrics_port = self._metrics_http.server_port
 
     async def set_serving(self, serving: bool) -> None:
@@ -178,18 +216,27 @@ class GrpcServer:
             return
         self._draining = True
         grace = self.cfg.drain_grace_s if grace_s is None else grace_s
-        EXIT_DEADLINE.arm(self.cfg.drain_announce_s + grace + self.cfg.stop_timeout_s, f"service on {self.address}")
+        EXIT_DEADLINE.arm(
+            self.cfg.drain_announce_s + grace + self.cfg.stop_timeout_s,
+            f"service on {self.address}",
+        )
         await self.health.enter_graceful_shutdown()
-        if self.cfg.drain_announce_s:  # still accepting: a poller reads NOT_SERVING, not a refused connection
+        if (
+            self.cfg.drain_announce_s
+        ):  # still accepting: a poller reads NOT_SERVING, not a refused connection
             await asyncio.sleep(self.cfg.drain_announce_s)
         await asyncio.gather(self._server.stop(grace), *(hook(grace) for hook in self.drain_hooks))
-        EXIT_DEADLINE.arm(self.cfg.stop_timeout_s, f"service on {self.address}")  # the rest of the stop
+        EXIT_DEADLINE.arm(
+            self.cfg.stop_timeout_s, f"service on {self.address}"
+        )  # the rest of the stop
         if self._metrics_http is not None:
             self._metrics_http.shutdown()
             self._metrics_http.server_close()
             self._metrics_http = None
 
-    async def serve_until_signal(self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)) -> int:
+    async def serve_until_signal(
+        self, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
+    ) -> int:
         """Serves until one of `signals` (or until the server stops); drains; returns the signal number
         (0 when the server stopped by itself)."""
         loop = asyncio.get_running_loop()
@@ -201,7 +248,11 @@ class GrpcServer:
             await asyncio.wait([got, stopped], return_when=asyncio.FIRST_COMPLETED)
             received = got.result() if got.done() else 0
             if received:
-                log.info("received %s: draining (grace %.1fs)", signal.Signals(received).name, self.cfg.drain_grace_s)
+                log.info(
+                    "received %s: draining (grace %.1fs)",
+                    signal.Signals(received).name,
+                    self.cfg.drain_grace_s,
+                )
             await self.drain()
             return received
         finally:

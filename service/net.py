@@ -65,8 +65,10 @@ def routable_host() -> str:
     """The address to advertise when bound to every interface (cached for the process)."""
     ip = default_route_ipv4() or next(iter(interface_ipv4s()), None)
     if ip is None:
-        log.warning("no non-loopback IPv4 address found: advertising 127.0.0.1, which only this machine can "
-                    "dial; set --advertise-host to an address peers can reach")
+        log.warning(
+            "no non-loopback IPv4 address found: advertising 127.0.0.1, which only this machine can "
+            "dial; set --advertise-host to an address peers can reach"
+        )
         return "127.0.0.1"
     return ip
 
@@ -88,7 +90,8 @@ _PICK_TRIES = 200
 
 def ephemeral_range() -> tuple[int, int]:
     try:
-        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
     except (OSError, ValueError):
         return 32768, 60999  # Linux's default
     return low, high

@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from splitserve.protos import generate_pb2
 from splitserve.request.errors import RequestError
 from splitserve.request.sampling_params import MAX_LOGPROBS, SamplingParams, validate_against_vocab
-from splitserve.protos import generate_pb2
 
-if TYPE_CHECKING:  # the sampler imports torch, which the router (a user of this module) does not need
+if (
+    TYPE_CHECKING
+):  # the sampler imports torch, which the router (a user of this module) does not need
     from splitserve.engine.sampler import TokenLogprobs
 
 # How to fix each sampling field, appended to pydantic's description of what is wrong.
@@ -35,7 +37,14 @@ _HINTS = {
     "logprobs": f"ask for at most {MAX_LOGPROBS} alternatives, or leave it unset",
 }
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
-_PLAIN = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "include_stop_str_in_output", "ignore_eos")
+_PLAIN = (
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "include_stop_str_in_output",
+    "ignore_eos",
+)
 
 _FINISH = {
     None: generate_pb2.FINISH_REASON_UNSPECIFIED,
@@ -45,8 +54,9 @@ _FINISH = {
 }
 
 
-def validate_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: int,
-                    field: str = "prompt_token_ids") -> None:
+def validate_prompt(
+    token_ids: Sequence[int], vocab_size: int, max_model_len: int, field: str = "prompt_token_ids"
+) -> None:
     """A prompt the model can take: non-empty, ids in the vocabulary, room for one new token."""
     if not token_ids:
         raise RequestError.invalid(f"{field} is empty; send at least one token")
@@ -54,28 +64,46 @@ def validate_prompt(token_ids: Sequence[int], vocab_size: int, max_model_len: in
     if bad is not None:
         raise RequestError.invalid(
             f"{field}[{bad}] = {token_ids[bad]} is outside the model's vocabulary (size {vocab_size}); "
-            "tokenize with this model's tokenizer")
+            "tokenize with this model's tokenizer"
+        )
     if len(token_ids) >= max_model_len:
         raise RequestError.invalid(
             f"{field} has {len(token_ids)} tokens but max_model_len is {max_model_len} (prompt plus at "
-            f"least one generated token must fit); shorten the prompt to at most {max_model_len - 1} tokens")
+            f"least one generated token must fit); shorten the prompt to at most {max_model_len - 1} tokens"
+        )
 
 
-def sampling_params_from_proto(msg: generate_pb2.SamplingParams | None, *, prompt_len: int,
-                               max_model_len: int, vocab_size: int,
-                               field: str = "sampling") -> SamplingParams:
+def sampling_params_from_proto(
+    msg: generate_pb2.SamplingParams | None,
+    *,
+    prompt_len: int,
+    max_model_len: int,
+    vocab_size: int,
+    field: str = "sampling",
+) -> SamplingParams:
     """proto SamplingParams -> engine SamplingParams. Unset max_tokens means "up to
     max_model_len", as generate.proto documents (not the engine's default of 16)."""
     msg = msg if msg is not None else generate_pb2.SamplingParams()
     if msg.min_tokens:
-        raise RequestError.invalid(f"{field}.min_tokens is not supported by this server yet; leave it 0")
+        raise RequestError.invalid(
+            f"{field}.min_tokens is not supported by this server yet; leave it 0"
+        )
     values: dict = {name: getattr(msg, name) for name in _PLAIN}
     values |= {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
     values.setdefault("max_tokens", max(1, max_model_len - prompt_len))
     values["stop"] = tuple(msg.stop)
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        if name in values and not math.isfinite(values[name]):  # say it plainly; pydantic says "finite number"
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ):
+        if name in values and not math.isfinite(
+            values[name]
+        ):  # say it plainly; pydantic says "finite number"
             raise RequestError.invalid(f"{field}.{name} is {values[name]}; {_HINTS[name]}")
     try:
         params = SamplingParams(**values)
@@ -92,25 +120,38 @@ def sampling_params_from_proto(msg: generate_pb2.SamplingParams | None, *, promp
     return params
 
 
-def validate_request(prompt_token_ids: Sequence[int], sampling: generate_pb2.SamplingParams | None, *,
-                     vocab_size: int, max_model_len: int) -> SamplingParams:
+def validate_request(
+    prompt_token_ids: Sequence[int],
+    sampling: generate_pb2.SamplingParams | None,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+) -> SamplingParams:
     """The checks every service runs on a request before allocating anything."""
     validate_prompt(prompt_token_ids, vocab_size, max_model_len)
-    return sampling_params_from_proto(sampling, prompt_len=len(prompt_token_ids),
-                                      max_model_len=max_model_len, vocab_size=vocab_size)
+    return sampling_params_from_proto(
+        sampling,
+        prompt_len=len(prompt_token_ids),
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+    )
 
 
 def logprob_to_proto(lp: TokenLogprobs) -> generate_pb2.TokenLogprob:
     return generate_pb2.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob,
-        top_logprobs=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        top_logprobs=[generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+    )
 
 
 def finish_reason_to_proto(reason: str | None) -> int:
     try:
         return _FINISH[reason]
     except KeyError:
-        raise ValueError(f"unknown finish reason {reason!r}; expected one of {sorted(map(str, _FINISH))}") from None
+        raise ValueError(
+            f"unknown finish reason {reason!r}; expected one of {sorted(map(str, _FINISH))}"
+        ) from None
 
 
 def stop_reason_to_proto(reason: str | int | None) -> generate_pb2.StopReason | None:

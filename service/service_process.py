@@ -83,9 +83,15 @@ class ExitDeadline:
     def _expire(self) -> None:
         while (left := self._deadline - time.monotonic()) > 0:
             time.sleep(min(left, 0.5))
-        stuck = ", ".join(sorted(t.name for t in threading.enumerate() if t is not threading.current_thread()))
-        log.error("%s did not stop in time (threads left: %s); their stacks follow; exiting with status %d",
-                  self._what, stuck, EXIT_STUCK)
+        stuck = ", ".join(
+            sorted(t.name for t in threading.enumerate() if t is not threading.current_thread())
+        )
+        log.error(
+            "%s did not stop in time (threads left: %s); their stacks follow; exiting with status %d",
+            self._what,
+            stuck,
+            EXIT_STUCK,
+        )
         with contextlib.suppress(Exception):
             faulthandler.dump_traceback(all_threads=True)
         exit_now(EXIT_STUCK)

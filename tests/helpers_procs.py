@@ -60,8 +60,11 @@ def health_status(address: str, service: str = "", timeout: float = 2.0) -> int 
     """The health status of `service` at `address`, None when it does not answer."""
     with grpc.insecure_channel(address) as channel:
         try:
-            return health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout).status
+            return (
+                health_pb2_grpc.HealthStub(channel)
+                .Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+                .status
+            )
         except grpc.RpcError:
             return None
 
@@ -86,7 +89,7 @@ class ServiceProcess:
 
     def _log_since_launch(self) -> str:
         data = self.log_path.read_bytes() if self.log_path.exists() else b""
-        return data[self._log_start:].decode(errors="replace")
+        return data[self._log_start :].decode(errors="replace")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -99,12 +102,18 @@ class ServiceProcess:
         retries = PORT_RETRIES
         while health_status(self.address, self.service) != health_pb2.HealthCheckResponse.SERVING:
             if not self.alive():
-                if retries and self._relaunch is not None and PORT_TAKEN in self._log_since_launch():
+                if (
+                    retries
+                    and self._relaunch is not None
+                    and PORT_TAKEN in self._log_since_launch()
+                ):
                     retries -= 1
                     self._close_log()
                     self._relaunch(self)
                     continue
-                raise AssertionError(f"{self.name} exited with {self.proc.returncode} before serving:\n{self.log()}")
+                raise AssertionError(
+                    f"{self.name} exited with {self.proc.returncode} before serving:\n{self.log()}"
+                )
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.name} not SERVING within {timeout}s:\n{self.log()}")
             time.sleep(0.1)
@@ -117,7 +126,9 @@ class ServiceProcess:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"{self.name} did not exit within {timeout}s of SIGTERM:\n{self.log()}") from None
+            raise AssertionError(
+                f"{self.name} did not exit within {timeout}s of SIGTERM:\n{self.log()}"
+            ) from None
         finally:
             self._close_log()
 
@@ -142,8 +153,15 @@ class ProcessGroup:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[ServiceProcess] = []
 
-    def start(self, subcommand: str, *args: str, name: str | None = None, port: int | None = None,
-              wait: bool = True, timeout: float = START_TIMEOUT_S) -> ServiceProcess:
+    def start(
+        self,
+        subcommand: str,
+        *args: str,
+        name: str | None = None,
+        port: int | None = None,
+        wait: bool = True,
+        timeout: float = START_TIMEOUT_S,
+    ) -> ServiceProcess:
         """Starts `splitserve <subcommand> --host 127.0.0.1 --port P *args`; with wait, returns once
         its health says SERVING (else call `wait_serving()` yourself)."""
         name = name or f"{subcommand}-{len(self.procs)}"
@@ -154,9 +172,18 @@ class ProcessGroup:
             target_port = chosen or free_port()
             target._log_start = target.log_path.stat().st_size if target.log_path.exists() else 0
             target._log_file = open(target.log_path, "a")  # noqa: SIM115 - closed by stop()/kill()
-            cmd = [*cli_command(subcommand), "--host", "127.0.0.1", "--port", str(target_port), *args]
+            cmd = [
+                *cli_command(subcommand),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(target_port),
+                *args,
+            ]
             env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"}
-            target.proc = subprocess.Popen(cmd, stdout=target._log_file, stderr=subprocess.STDOUT, env=env)
+            target.proc = subprocess.Popen(
+                cmd, stdout=target._log_file, stderr=subprocess.STDOUT, env=env
+            )
             target.address = f"127.0.0.1:{target_port}"
 
         launch(sp, port)
@@ -206,6 +233,8 @@ def offline_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list
     from splitserve.engine.offline import OfflineEngine
     from splitserve.request.sampling_params import SamplingParams
 
-    runner = ModelRunner(EngineConfig(model_path=str(model_dir), cache={"num_blocks": 128, "block_size": 4}))
+    runner = ModelRunner(
+        EngineConfig(model_path=str(model_dir), cache={"num_blocks": 128, "block_size": 4})
+    )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [c.token_ids for c in OfflineEngine(runner).generate(prompts, [params] * len(prompts))]

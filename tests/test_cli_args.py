@@ -7,10 +7,16 @@ import pytest
 from splitserve.cli.main import build_parser
 
 
-@pytest.mark.parametrize("argv", [
-    ["serve", "--port", "70000"], ["serve", "--http-port", "-1"], ["router", "--port", "x"],
-    ["prefill-worker", "--metrics-port", "65536"], ["decode-worker", "--port", "99999"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "70000"],
+        ["serve", "--http-port", "-1"],
+        ["router", "--port", "x"],
+        ["prefill-worker", "--metrics-port", "65536"],
+        ["decode-worker", "--port", "99999"],
+    ],
+)
 def test_bad_port_is_a_one_line_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(argv)

@@ -11,6 +11,11 @@ def test_configuration_reference_is_current():
 
 def test_reference_lists_nested_keys_with_defaults_and_limits():
     text = config_reference.render()
-    for key in ("engine.cache.block_size", "kv_transfer.failure_policy", "routing.prefill_policy", "lease_ttl_s"):
+    for key in (
+        "engine.cache.block_size",
+        "kv_transfer.failure_policy",
+        "routing.prefill_policy",
+        "lease_ttl_s",
+    ):
         assert f"| `{key}` |" in text, key
     assert "| `engine.cache.block_size` | `int` | `16` |" in text

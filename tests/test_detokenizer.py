@@ -8,8 +8,8 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from splitserve.request.detokenizer import IncrementalDetokenizer
 from splitserve.cli.tiny_tokenizer import write_byte_level_tokenizer
+from splitserve.request.detokenizer import IncrementalDetokenizer
 from splitserve.request.tokenizer import Tokenizer
 
 MULTIBYTE = [

@@ -20,12 +20,16 @@ def test_health_not_serving_until_ready_and_while_draining():
         await server.start()
         async with grpc.aio.insecure_channel(server.address, options=channel_options()) as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            assert (await health.Check(health_pb2.HealthCheckRequest())).status == Status.NOT_SERVING
+            assert (
+                await health.Check(health_pb2.HealthCheckRequest())
+            ).status == Status.NOT_SERVING
             await server.set_serving(True)
             assert (await health.Check(health_pb2.HealthCheckRequest())).status == Status.SERVING
             watch = health.Watch(health_pb2.HealthCheckRequest())
             assert (await watch.read()).status == Status.SERVING
-            drain = asyncio.ensure_future(server.drain(grace_s=1.0))  # the watch is an in-flight call
+            drain = asyncio.ensure_future(
+                server.drain(grace_s=1.0)
+            )  # the watch is an in-flight call
             assert (await watch.read()).status == Status.NOT_SERVING
             await server.set_serving(True)  # ignored once draining
             await drain
@@ -43,7 +47,9 @@ def test_taken_port_is_a_one_line_error():
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             server = GrpcServer(ServerConfig(port=taken.getsockname()[1]))
-            with pytest.raises(RuntimeError, match=r"cannot listen on 127\.0\.0\.1:\d+: .*pick another --port"):
+            with pytest.raises(
+                RuntimeError, match=r"cannot listen on 127\.0\.0\.1:\d+: .*pick another --port"
+            ):
                 await server.start()
             await server.drain(0)
 

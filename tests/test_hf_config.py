@@ -8,9 +8,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from splitserve.cli.make_model import PRESETS
 from splitserve.config.engine_config import CacheConfig, EngineConfig
 from splitserve.config.hf_config import UnsupportedModelError, load_model_config, parse_hf_config
-from splitserve.cli.make_model import PRESETS
 from splitserve.engine.rope import inverse_frequencies
 
 BASE = {**PRESETS["tiny"], "hidden_act": "silu"}
@@ -44,8 +44,13 @@ def test_invalid_geometry_names_the_field():
 
 
 def test_rope_scaling_spellings_and_math():
-    new_style = parse_hf_config({**BASE, "rope_scaling": None,
-                                 "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}})
+    new_style = parse_hf_config(
+        {
+            **BASE,
+            "rope_scaling": None,
+            "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+        }
+    )
     assert new_style.rope_theta == 5e5 and new_style.rope_scaling.rope_type == "linear"
     plain = parse_hf_config({**BASE, "rope_scaling": None, "rope_theta": 5e5})
     torch.testing.assert_close(inverse_frequencies(new_style), inverse_frequencies(plain) / 2.0)
@@ -53,7 +58,9 @@ def test_rope_scaling_spellings_and_math():
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    hf_cfg = transformers.LlamaConfig(**{k: v for k, v in BASE.items() if k not in ("architectures",)})
+    hf_cfg = transformers.LlamaConfig(
+        **{k: v for k, v in BASE.items() if k not in ("architectures",)}
+    )
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
     torch.testing.assert_close(inverse_frequencies(llama3), ref)
 

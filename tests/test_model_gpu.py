@@ -20,7 +20,9 @@ def test_cuda_greedy_equals_cpu(fixture, request):
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
     outs = {}
     for device in ("cpu", "cuda"):
-        runner = ModelRunner(EngineConfig(model_path=folder, device=device, cache={"num_blocks": 64}))
+        runner = ModelRunner(
+            EngineConfig(model_path=folder, device=device, cache={"num_blocks": 64})
+        )
         engine = OfflineEngine(runner)
         outs[device] = [c.token_ids for c in engine.generate(PROMPTS, params)]
         assert engine.allocator.num_free == engine.allocator.num_usable
@@ -28,9 +30,14 @@ def test_cuda_greedy_equals_cpu(fixture, request):
 
 
 def test_cuda_bf16_prefill_logits_close_to_fp32(tiny_llama):
-    ref = ModelRunner(EngineConfig(model_path=str(tiny_llama), device="cuda", cache={"num_blocks": 32}))
-    bf16 = ModelRunner(EngineConfig(model_path=str(tiny_llama), device="cuda", dtype="bfloat16",
-                                    cache={"num_blocks": 32}))
+    ref = ModelRunner(
+        EngineConfig(model_path=str(tiny_llama), device="cuda", cache={"num_blocks": 32})
+    )
+    bf16 = ModelRunner(
+        EngineConfig(
+            model_path=str(tiny_llama), device="cuda", dtype="bfloat16", cache={"num_blocks": 32}
+        )
+    )
     chunks = [PrefillChunk(p, 0, list(range(1 + 8 * i, 9 + 8 * i))) for i, p in enumerate(PROMPTS)]
     a, b = ref.prefill(chunks), bf16.prefill(chunks)
     assert torch.isfinite(b).all()

@@ -12,7 +12,9 @@ from splitserve.engine.model_runner import DecodeLane, ModelRunner, PrefillChunk
 
 
 def _runner(folder, blocks=128, block_size=4):
-    return ModelRunner(EngineConfig(model_path=str(folder), cache={"num_blocks": blocks, "block_size": block_size}))
+    return ModelRunner(
+        EngineConfig(model_path=str(folder), cache={"num_blocks": blocks, "block_size": block_size})
+    )
 
 
 def test_decode_over_scattered_blocks_equals_recompute(tiny_llama):
@@ -47,4 +49,6 @@ def test_chunked_prefill_equals_one_shot(tiny_qwen2):
     kv = runner.kv_cache
     n = len(prompt)
     flat = lambda ids: kv[:, :, ids].flatten(2, 3)[:, :, :n]  # noqa: E731
-    torch.testing.assert_close(flat([7, 8, 9, 10, 11, 12]), flat([1, 2, 3, 4, 5, 6]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        flat([7, 8, 9, 10, 11, 12]), flat([1, 2, 3, 4, 5, 6]), atol=1e-5, rtol=1e-5
+    )

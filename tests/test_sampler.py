@@ -52,15 +52,27 @@ def test_greedy_fast_path_has_no_softmax_or_copy(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "sort", boom)
     monkeypatch.setattr(torch.Tensor, "to", boom)
     logits = rand_logits(4, 100)
-    seqs = [info(SP(temperature=0.0)), info(SP(top_k=1)), info(SP(temperature=0.0, seed=3)), info(SP(top_k=1))]
+    seqs = [
+        info(SP(temperature=0.0)),
+        info(SP(top_k=1)),
+        info(SP(temperature=0.0, seed=3)),
+        info(SP(top_k=1)),
+    ]
     assert Sampler().sample(logits, seqs).token_ids == logits.argmax(-1).tolist()
 
 
 def test_mixed_greedy_and_random_rows():
     logits = rand_logits(4, 200, seed=5)
-    seqs = [info(SP(temperature=0.0)), info(SP(seed=1)), info(SP(top_k=1, frequency_penalty=0.1)), info(SP())]
+    seqs = [
+        info(SP(temperature=0.0)),
+        info(SP(seed=1)),
+        info(SP(top_k=1, frequency_penalty=0.1)),
+        info(SP()),
+    ]
     out = Sampler(seed=0).sample(logits, seqs).token_ids
-    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()  # outputs empty: no penalty yet
+    assert (
+        out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+    )  # outputs empty: no penalty yet
 
 
 # ----------------------------------------------------------------- penalties
@@ -85,7 +97,9 @@ def test_penalties_only_touch_their_rows_and_flip_greedy():
     ]
     x = raw.clone()
     apply_penalties(x, seqs)
-    assert x[0].tolist() == pytest.approx([4.8, 4.9, 0.0]) and x[1].tolist() == pytest.approx([5 / 1.1, 4.9, 0.0])
+    assert x[0].tolist() == pytest.approx([4.8, 4.9, 0.0]) and x[1].tolist() == pytest.approx(
+        [5 / 1.1, 4.9, 0.0]
+    )
     assert torch.equal(x[2], raw[2])
     assert Sampler().sample(raw, seqs).token_ids == [1, 1, 0]
 
@@ -143,14 +157,22 @@ def test_seeded_reproducible_across_calls_batches_and_order():
     v = 64
     logits = rand_logits(3, v, seed=11, scale=1.0)
     target = lambda s: info(SP(seed=s, temperature=0.9, top_p=0.95), output=[5] * (s % 4))  # noqa: E731
-    others = [info(SP()), info(SP(temperature=0.0, repetition_penalty=1.3)), info(SP(seed=999, top_k=5))]
+    others = [
+        info(SP()),
+        info(SP(temperature=0.0, repetition_penalty=1.3)),
+        info(SP(seed=999, top_k=5)),
+    ]
     for s in range(25):
         alone = Sampler(seed=1).sample(logits[:1], [target(s)]).token_ids[0]
         again = Sampler(seed=2).sample(logits[:1], [target(s)]).token_ids[0]
         batch = torch.cat([logits[1:2], logits[:1], logits[2:3], logits[:1]])
         rows = [others[0], target(s), others[2], others[1]]
         in_batch = Sampler(seed=3).sample(batch, rows).token_ids[1]
-        reordered = Sampler().sample(torch.cat([logits[:1], logits[1:3]]), [target(s), *others[:2]]).token_ids[0]
+        reordered = (
+            Sampler()
+            .sample(torch.cat([logits[:1], logits[1:3]]), [target(s), *others[:2]])
+            .token_ids[0]
+        )
         assert alone == again == in_batch == reordered
 
 
@@ -258,9 +280,23 @@ def test_filtered_distribution_is_renormalised():
 @pytest.mark.gpu
 def test_seeded_same_on_cuda_as_on_cpu():
     logits = rand_logits(64, 32000, seed=21)
-    seqs = [info(SP(seed=s, temperature=0.8, top_p=0.9, top_k=50 * (s % 2), min_p=0.01 * (s % 3),
-                    repetition_penalty=1.2), output=[1] * s) for s in range(64)]
+    seqs = [
+        info(
+            SP(
+                seed=s,
+                temperature=0.8,
+                top_p=0.9,
+                top_k=50 * (s % 2),
+                min_p=0.01 * (s % 3),
+                repetition_penalty=1.2,
+            ),
+            output=[1] * s,
+        )
+        for s in range(64)
+    ]
     cpu = Sampler().sample(logits, seqs).token_ids
     assert Sampler().sample(logits.cuda(), seqs).token_ids == cpu
-    assert Sampler().sample(logits[3:4].cuda().half(), [seqs[3]]).token_ids[0] == Sampler().sample(
-        logits[3:4].half(), [seqs[3]]).token_ids[0]
+    assert (
+        Sampler().sample(logits[3:4].cuda().half(), [seqs[3]]).token_ids[0]
+        == Sampler().sample(logits[3:4].half(), [seqs[3]]).token_ids[0]
+    )

@@ -64,8 +64,17 @@ def test_defaults_and_edges_accepted():
     assert p.seed is None and p.logprobs is None and p.stop == () and p.stop_token_ids == ()
     assert not p.is_greedy and not p.needs_penalties
     edge = SamplingParams(
-        temperature=0.0, top_p=1e-9, top_k=-1, min_p=1.0, seed=2**64 - 1, repetition_penalty=1e-3,
-        presence_penalty=-2.0, frequency_penalty=2.0, logprobs=20, stop=["a", "bc"], stop_token_ids=[0, 7],
+        temperature=0.0,
+        top_p=1e-9,
+        top_k=-1,
+        min_p=1.0,
+        seed=2**64 - 1,
+        repetition_penalty=1e-3,
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        logprobs=20,
+        stop=["a", "bc"],
+        stop_token_ids=[0, 7],
     )
     assert edge.stop == ("a", "bc") and edge.stop_token_ids == (0, 7)  # lists become tuples
     assert SamplingParams(logprobs=0).logprobs == 0
@@ -84,8 +93,13 @@ def test_frozen():
 
 @pytest.mark.parametrize(
     ("kwargs", "greedy"),
-    [({"temperature": 0.0}, True), ({"top_k": 1}, True), ({"temperature": 0.01}, False),
-     ({"top_k": 2}, False), ({"top_k": -1}, False)],
+    [
+        ({"temperature": 0.0}, True),
+        ({"top_k": 1}, True),
+        ({"temperature": 0.01}, False),
+        ({"top_k": 2}, False),
+        ({"top_k": -1}, False),
+    ],
 )
 def test_is_greedy(kwargs, greedy):
     assert SamplingParams(**kwargs).is_greedy is greedy
@@ -93,8 +107,13 @@ def test_is_greedy(kwargs, greedy):
 
 @pytest.mark.parametrize(
     ("kwargs", "needs"),
-    [({}, False), ({"repetition_penalty": 1.1}, True), ({"presence_penalty": 0.5}, True),
-     ({"frequency_penalty": -0.5}, True), ({"temperature": 0.0, "top_k": 5}, False)],
+    [
+        ({}, False),
+        ({"repetition_penalty": 1.1}, True),
+        ({"presence_penalty": 0.5}, True),
+        ({"frequency_penalty": -0.5}, True),
+        ({"temperature": 0.0, "top_k": 5}, False),
+    ],
 )
 def test_needs_penalties(kwargs, needs):
     assert SamplingParams(**kwargs).needs_penalties is needs

@@ -19,10 +19,35 @@ SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 @pytest.mark.slow
 def test_small_soak_loses_nothing_and_leaks_nothing(tmp_path, tiny_llama):
     out = tmp_path / "soak.json"
-    run = subprocess.run([sys.executable, str(SOAK), "--model-dir", str(tiny_llama), "--requests", "80",
-                          "--concurrency", "4", "--cancel-share", "0.15", "--abort-share", "0.1", "--bursts", "1",
-                          "--kills", "3", "--max-tokens", "12", "--log-dir", str(tmp_path / "logs"),
-                          "--json-out", str(out)], capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(SOAK),
+            "--model-dir",
+            str(tiny_llama),
+            "--requests",
+            "80",
+            "--concurrency",
+            "4",
+            "--cancel-share",
+            "0.15",
+            "--abort-share",
+            "0.1",
+            "--bursts",
+            "1",
+            "--kills",
+            "3",
+            "--max-tokens",
+            "12",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stdout[-12000:] + run.stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["lost"] == 0 and got["duplicated"] == 0
@@ -34,4 +59,6 @@ def test_small_soak_loses_nothing_and_leaks_nothing(tmp_path, tiny_llama):
     assert [k["worker"] for k in got["kills"]] == ["decode-worker-0", "prefill-worker-0", "router"]
     for kill in got["kills"]:
         assert kill["detect_s"] < 5 and kill["recover_s"] < 120, kill
-    assert all(v == {"leaked_blocks": 0, "leases": 0, "running": 0} for v in got["kv_at_end"].values())
+    assert all(
+        v == {"leaked_blocks": 0, "leases": 0, "running": 0} for v in got["kv_at_end"].values()
+    )

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from splitserve.cli.tiny_tokenizer import write_byte_level_tokenizer
 from splitserve.request.detokenizer import IncrementalDetokenizer
 from splitserve.request.stop_checker import StopChecker
-from splitserve.cli.tiny_tokenizer import write_byte_level_tokenizer
 from splitserve.request.tokenizer import Tokenizer
 
 EOS = 2
@@ -26,7 +26,9 @@ class Params:
 
 
 def checker(max_model_len=1000, prompt_len=5, **kw) -> StopChecker:
-    return StopChecker(Params(**kw), eos_token_ids=(EOS,), max_model_len=max_model_len, prompt_len=prompt_len)
+    return StopChecker(
+        Params(**kw), eos_token_ids=(EOS,), max_model_len=max_model_len, prompt_len=prompt_len
+    )
 
 
 def feed(chk: StopChecker, deltas, token_ids=None):
@@ -94,7 +96,9 @@ def test_ignore_eos_keeps_going():
 
 
 def test_stop_token_ids():
-    pieces, result = feed(checker(stop_token_ids=(7, 9)), ["a", "b", "c"], [TEXT_TOKEN, 9, TEXT_TOKEN])
+    pieces, result = feed(
+        checker(stop_token_ids=(7, 9)), ["a", "b", "c"], [TEXT_TOKEN, 9, TEXT_TOKEN]
+    )
     assert pieces == ["a", ""] and (result.finish_reason, result.stop_reason) == ("stop", 9)
 
 
@@ -108,7 +112,9 @@ def test_max_tokens():
 
 @pytest.mark.parametrize("max_tokens", [None, 100])
 def test_max_model_len(max_tokens):
-    pieces, result = feed(checker(max_model_len=8, prompt_len=6, max_tokens=max_tokens), ["a", "b", "c"])
+    pieces, result = feed(
+        checker(max_model_len=8, prompt_len=6, max_tokens=max_tokens), ["a", "b", "c"]
+    )
     assert pieces == ["a", "b"] and result.finish_reason == "length"
 
 
@@ -138,8 +144,12 @@ def reference(deltas, stops, include):
 def test_random_streams_match_the_reference():
     rng = random.Random(0)
     for _ in range(500):
-        stops = tuple("".join(rng.choices("ab<>", k=rng.randint(1, 4))) for _ in range(rng.randint(1, 3)))
-        deltas = ["".join(rng.choices("ab<>", k=rng.randint(0, 3))) for _ in range(rng.randint(1, 12))]
+        stops = tuple(
+            "".join(rng.choices("ab<>", k=rng.randint(1, 4))) for _ in range(rng.randint(1, 3))
+        )
+        deltas = [
+            "".join(rng.choices("ab<>", k=rng.randint(0, 3))) for _ in range(rng.randint(1, 12))
+        ]
         include = rng.random() < 0.5
         chk = checker(stop=stops, include_stop_str_in_output=include, max_tokens=len(deltas))
         pieces, result = feed(chk, deltas)

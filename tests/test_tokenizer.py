@@ -123,14 +123,20 @@ def test_without_config_the_post_processor_still_decides(tmp_path, folder):
 
 def test_transformers_loads_and_agrees(folder, tok, hf_auto):
     hf = hf_auto.from_pretrained(folder)
-    assert (len(hf), hf.bos_token_id, hf.eos_token_id) == (tok.vocab_size, tok.bos_token_id, tok.eos_token_id)
+    assert (len(hf), hf.bos_token_id, hf.eos_token_id) == (
+        tok.vocab_size,
+        tok.bos_token_id,
+        tok.eos_token_id,
+    )
     assert sorted(hf.all_special_ids) == list(tok.all_special_ids)
     for text in TEXTS:
         for special in (True, False):
             ids = tok.encode(text, add_special_tokens=special)
             assert hf.encode(text, add_special_tokens=special) == ids, (text, special)
             for skip in (True, False):
-                assert hf.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+                assert hf.decode(ids, skip_special_tokens=skip) == tok.decode(
+                    ids, skip_special_tokens=skip
+                )
     messages = [{"role": "user", "content": "hi"}]
     rendered = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == "<s><|user|>\nhi</s>\n<|assistant|>\n"
@@ -139,7 +145,10 @@ def test_transformers_loads_and_agrees(folder, tok, hf_auto):
 def _bos_pp(bos: str, bos_id: int) -> dict:
     return {
         "type": "TemplateProcessing",
-        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "single": [
+            {"SpecialToken": {"id": bos, "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
         "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
         "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
     }
@@ -148,13 +157,19 @@ def _bos_pp(bos: str, bos_id: int) -> dict:
 @pytest.mark.parametrize(
     "config_edit, post_processor, bos_count",
     [
-        ({"add_bos_token": False}, "keep", 1),  # transformers ignores the flag next to tokenizer.json
+        (
+            {"add_bos_token": False},
+            "keep",
+            1,
+        ),  # transformers ignores the flag next to tokenizer.json
         ({"add_bos_token": None}, "keep", 1),  # Llama-3 style: only the post-processor adds bos
         ({"add_bos_token": True}, None, 0),  # no post-processor: nothing is added
         ({"add_bos_token": True}, "bos", 1),  # explicit flag + bos post-processor: not doubled
     ],
 )
-def test_bos_handling_mirrors_transformers(tmp_path, folder, hf_auto, config_edit, post_processor, bos_count):
+def test_bos_handling_mirrors_transformers(
+    tmp_path, folder, hf_auto, config_edit, post_processor, bos_count
+):
     config = json.loads((folder / "tokenizer_config.json").read_text()) | config_edit
     config = {key: value for key, value in config.items() if value is not None}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))

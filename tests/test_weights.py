@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from splitserve.config.engine_config import EngineConfig
 from splitserve.cli.make_model import make_model
+from splitserve.config.engine_config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
 from splitserve.engine.weights import CheckpointError
 

@@ -26,9 +26,16 @@ log = logging.getLogger(__name__)
 
 
 class StallWatch:
-    def __init__(self, name: str, busy: Callable[[], bool], progress: Callable[[], int], failed: Callable[[], bool],
-                 stall_s: float, set_serving: Callable[[bool], Awaitable[None]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        name: str,
+        busy: Callable[[], bool],
+        progress: Callable[[], int],
+        failed: Callable[[], bool],
+        stall_s: float,
+        set_serving: Callable[[bool], Awaitable[None]],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.name = name
         self._busy, self._progress, self._failed = busy, progress, failed
         self.stall_s = stall_s
@@ -40,7 +47,9 @@ class StallWatch:
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"{self.name} stall watch")
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"{self.name} stall watch"
+        )
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -61,8 +70,12 @@ class StallWatch:
                 self.stalled = stalled
                 if stalled:
                     self.stalls += 1
-                    log.error("%s engine made no progress for %.1fs with work queued; health NOT_SERVING until "
-                              "it moves again", self.name, now - since)
+                    log.error(
+                        "%s engine made no progress for %.1fs with work queued; health NOT_SERVING until "
+                        "it moves again",
+                        self.name,
+                        now - since,
+                    )
                 else:
                     log.warning("%s engine is making progress again; health SERVING", self.name)
                 await self._set_serving(not stalled and not self._failed())

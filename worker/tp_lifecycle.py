@@ -1,10 +1,10 @@
 """Rank 0 of a tensor-parallel worker after losing a follower: it cannot serve any more.
 
-    follower dies ─▶ RankSet.watch fires (not during a clean stop) ─▶ the worker:
-        health NOT_SERVING, in-flight requests UNAVAILABLE, `lost` set
-    serve_until_lost(): the failed calls send their status, the server stops
-    exit_after_rank_loss(): the other followers are killed, the process exits 1 (its
-        orchestrator restarts it)
+follower dies ─▶ RankSet.watch fires (not during a clean stop) ─▶ the worker:
+    health NOT_SERVING, in-flight requests UNAVAILABLE, `lost` set
+serve_until_lost(): the failed calls send their status, the server stops
+exit_after_rank_loss(): the other followers are killed, the process exits 1 (its
+    orchestrator restarts it)
 """
 
 from __future__ import annotations

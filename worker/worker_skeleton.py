@@ -37,7 +37,9 @@ class WorkerSkeleton:
         self.server.add(add_servicer, servicer, self.service_name)
         self.ranks = None  # tp_control.RankSet when this process spawned the runner's ranks
         self.watch: StallWatch | None = None
-        self._lost = asyncio.Event()  # a tensor-parallel rank died: serve_until_signal exits the process
+        self._lost = (
+            asyncio.Event()
+        )  # a tensor-parallel rank died: serve_until_signal exits the process
 
     @property
     def address(self) -> str:
@@ -78,11 +80,18 @@ class WorkerSkeleton:
         """Once serving can begin: a follower's death fails the worker (called on the event loop)."""
         if self.ranks is not None:
             aio = asyncio.get_running_loop()
-            self.ranks.watch(lambda rank, code: aio.call_soon_threadsafe(self._rank_died, rank, code))
+            self.ranks.watch(
+                lambda rank, code: aio.call_soon_threadsafe(self._rank_died, rank, code)
+            )
 
     def _rank_died(self, rank: int, code) -> None:
-        log.error("tensor-parallel rank %d exited with %s; health NOT_SERVING, in-flight requests UNAVAILABLE, "
-                  "the %s worker exits", rank, code, self.role)
+        log.error(
+            "tensor-parallel rank %d exited with %s; health NOT_SERVING, in-flight requests UNAVAILABLE, "
+            "the %s worker exits",
+            rank,
+            code,
+            self.role,
+        )
         asyncio.ensure_future(self.server.set_serving(False))
         self.fail_in_flight(rank, code)
         self._lost.set()
@@ -92,8 +101,14 @@ class WorkerSkeleton:
         await self.server.start()
         await self.start_engine()
         await self.server.set_serving(True)
-        self.watch = StallWatch(self.role, self.engine_busy, self.engine_progress, self.engine_failed,
-                                self.cfg.engine.stall_timeout_s, self.server.set_serving)
+        self.watch = StallWatch(
+            self.role,
+            self.engine_busy,
+            self.engine_progress,
+            self.engine_failed,
+            self.cfg.engine.stall_timeout_s,
+            self.server.set_serving,
+        )
         self.watch.start()
 
     async def stop(self, grace_s: float | None = None) -> None:

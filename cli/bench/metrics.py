@@ -49,7 +49,9 @@ def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
     return True
 
 
-def summarize(results: Sequence[RequestResult], duration_s: float, slo: dict[str, float] | None = None) -> dict:
+def summarize(
+    results: Sequence[RequestResult], duration_s: float, slo: dict[str, float] | None = None
+) -> dict:
     ok = [r for r in results if r.ok]
     errors: dict[str, int] = {}
     for r in results:
@@ -84,7 +86,18 @@ def summarize(results: Sequence[RequestResult], duration_s: float, slo: dict[str
 
 def per_request(results: Sequence[RequestResult]) -> list[dict]:
     """The raw rows of the JSON output."""
-    return [{"index": r.index, "ok": r.ok, "error": r.error, "input_len": r.input_len, "output_len": r.output_len,
-             "start_s": r.start_s, "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1e3,
-             "tpot_ms": None if r.tpot_s is None else r.tpot_s * 1e3, "e2el_ms": r.e2e_s * 1e3,
-             "itls_ms": [x * 1e3 for x in r.itls_s]} for r in results]
+    return [
+        {
+            "index": r.index,
+            "ok": r.ok,
+            "error": r.error,
+            "input_len": r.input_len,
+            "output_len": r.output_len,
+            "start_s": r.start_s,
+            "ttft_ms": None if r.ttft_s is None else r.ttft_s * 1e3,
+            "tpot_ms": None if r.tpot_s is None else r.tpot_s * 1e3,
+            "e2el_ms": r.e2e_s * 1e3,
+            "itls_ms": [x * 1e3 for x in r.itls_s],
+        }
+        for r in results
+    ]

@@ -35,49 +35,83 @@ class OpenAIClient:
     @classmethod
     async def connect(cls, base_url: str) -> OpenAIClient:
         base_url = base_url.rstrip("/")
-        session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                        connector=aiohttp.TCPConnector(limit=0))
+        session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+        )
         try:
-            async with session.get(f"{base_url}/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            async with session.get(
+                f"{base_url}/models", timeout=aiohttp.ClientTimeout(total=10)
+            ) as resp:
                 if resp.status != 200:
-                    raise BenchError(f"GET {base_url}/models: HTTP {resp.status}: {(await resp.text())[:200]}")
+                    raise BenchError(
+                        f"GET {base_url}/models: HTTP {resp.status}: {(await resp.text())[:200]}"
+                    )
                 card = (await resp.json())["data"][0]
             workers: dict[str, int] = {}
             root = base_url.removesuffix("/v1")
-            async with session.get(f"{root}/health", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            async with session.get(
+                f"{root}/health", timeout=aiohttp.ClientTimeout(total=10)
+            ) as resp:
                 if resp.content_type == "application/json":
                     health = await resp.json()
-                    workers = {"prefill": health.get("healthy_prefill", 0), "decode": health.get("healthy_decode", 0)}
+                    workers = {
+                        "prefill": health.get("healthy_prefill", 0),
+                        "decode": health.get("healthy_decode", 0),
+                    }
         except (aiohttp.ClientError, OSError, KeyError, IndexError, ValueError) as exc:
             await session.close()
-            raise BenchError(f"cannot reach an OpenAI-compatible server at {base_url} ({type(exc).__name__}: "
-                             f"{exc}); start `splitserve serve` or pass --base-url") from None
+            raise BenchError(
+                f"cannot reach an OpenAI-compatible server at {base_url} ({type(exc).__name__}: "
+                f"{exc}); start `splitserve serve` or pass --base-url"
+            ) from None
         except BaseException:
             await session.close()
             raise
-        return cls(session, base_url, card["id"], int(card.get("max_model_len") or 0), card.get("vocab_size"),
-                   workers)
+        return cls(
+            session,
+            base_url,
+            card["id"],
+            int(card.get("max_model_len") or 0),
+            card.get("vocab_size"),
+            workers,
+        )
 
     async def close(self) -> None:
         await self.session.close()
 
 
 def _body(client: OpenAIClient, cfg: BenchConfig, prompt: BenchPrompt) -> dict[str, Any]:
-    return {"model": client.model, "prompt": prompt.prompt if isinstance(prompt.prompt, str) else list(prompt.prompt),
-            "max_tokens": prompt.output_len, "temperature": cfg.temperature, "ignore_eos": cfg.ignore_eos,
-            "stream": True, "stream_options": {"include_usage": True}}
+    return {
+        "model": client.model,
+        "prompt": prompt.prompt if isinstance(prompt.prompt, str) else list(prompt.prompt),
+        "max_tokens": prompt.output_len,
+        "temperature": cfg.temperature,
+        "ignore_eos": cfg.ignore_eos,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
-async def send_one(client: OpenAIClient, cfg: BenchConfig, prompt: BenchPrompt, index: int, t0: float,
-                   tag: str = "bench") -> RequestResult:
+async def send_one(
+    client: OpenAIClient,
+    cfg: BenchConfig,
+    prompt: BenchPrompt,
+    index: int,
+    t0: float,
+    tag: str = "bench",
+) -> RequestResult:
     res = RequestResult(index, input_len=prompt.known_input_len or 0)
     start = time.perf_counter()
     res.start_s = start - t0
     last, events = start, 0
     headers = {"X-Request-Id": f"{tag}-{RUN_ID}-{index}"}
     try:
-        async with client.session.post(f"{client.base_url}/completions", json=_body(client, cfg, prompt),
-                                       headers=headers, timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as resp:
+        async with client.session.post(
+            f"{client.base_url}/completions",
+            json=_body(client, cfg, prompt),
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=cfg.timeout_s),
+        ) as resp:
             if resp.status != 200:
                 text = await resp.text()
                 try:

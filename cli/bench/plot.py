@@ -18,8 +18,10 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib, which is not installed: pip install matplotlib "
-                           "(or leave --plot out)") from None
+        raise RuntimeError(
+            "--plot needs matplotlib, which is not installed: pip install matplotlib "
+            "(or leave --plot out)"
+        ) from None
 
 
 def plot_cdfs(path: str | Path, samples: dict[str, list[float]], title: str) -> None:
@@ -40,7 +42,9 @@ def plot_cdfs(path: str | Path, samples: dict[str, list[float]], title: str) -> 
             continue
         ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post")
         for q, style in ((50, ":"), (99, "--")):
-            ax.axvline(np.percentile(values, q), color="gray", linestyle=style, linewidth=1, label=f"p{q}")
+            ax.axvline(
+                np.percentile(values, q), color="gray", linestyle=style, linewidth=1, label=f"p{q}"
+            )
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=11)
     Path(path).parent.mkdir(parents=True, exist_ok=True)

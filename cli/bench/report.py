@@ -11,8 +11,12 @@ from typing import TextIO
 from splitserve.cli.bench.metrics import METRICS
 from splitserve.cli.bench.workload import BenchConfig
 
-NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-         "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+NAMES = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
 WIDTH = 52
 
 
@@ -38,8 +42,12 @@ def print_summary(out: TextIO, summary: dict, cfg: BenchConfig, model: str) -> N
     _row(out, "Request throughput (req/s):", summary["request_throughput"])
     if summary["goodput"] is not None:
         slo = ", ".join(f"{k}<={v:g}ms" for k, v in summary["slo_ms"].items())
-        _row(out, f"Request goodput (req/s):", summary["goodput"])
-        _row(out, f"  SLO {slo}:", f"{summary['good_requests']}/{summary['completed'] + summary['failed']}")
+        _row(out, "Request goodput (req/s):", summary["goodput"])
+        _row(
+            out,
+            f"  SLO {slo}:",
+            f"{summary['good_requests']}/{summary['completed'] + summary['failed']}",
+        )
     _row(out, "Output token throughput (tok/s):", summary["output_throughput"])
     _row(out, "Total token throughput (tok/s):", summary["total_token_throughput"])
     for m in METRICS:
@@ -51,12 +59,22 @@ def print_summary(out: TextIO, summary: dict, cfg: BenchConfig, model: str) -> N
     out.flush()
 
 
-def write_json(path: str | Path, summary: dict, cfg: BenchConfig, server: dict, requests: list[dict]) -> None:
+def write_json(
+    path: str | Path, summary: dict, cfg: BenchConfig, server: dict, requests: list[dict]
+) -> None:
     config = cfg.model_dump()
-    config["request_rate"] = "inf" if math.isinf(cfg.request_rate) else cfg.request_rate  # JSON has no inf
+    config["request_rate"] = (
+        "inf" if math.isinf(cfg.request_rate) else cfg.request_rate
+    )  # JSON has no inf
     backend = "splitserve" if cfg.backend == "grpc" else cfg.backend
-    doc = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "backend": backend, "server": server,
-           "config": config, **summary, "requests": requests}
+    doc = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "backend": backend,
+        "server": server,
+        "config": config,
+        **summary,
+        "requests": requests,
+    }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n")

@@ -22,7 +22,6 @@ from splitserve.cli.bench.workload import BenchConfig, BenchPrompt
 from splitserve.cli.client import make_request, rpc_error_line
 from splitserve.protos import generate_pb2, generate_pb2_grpc
 
-
 RUN_ID = uuid.uuid4().hex[:8]  # request ids are unique across concurrent bench runs
 
 
@@ -51,10 +50,14 @@ class RequestResult:
 
 
 def sampling(cfg: BenchConfig, output_len: int) -> generate_pb2.SamplingParams:
-    return generate_pb2.SamplingParams(max_tokens=output_len, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos)
+    return generate_pb2.SamplingParams(
+        max_tokens=output_len, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos
+    )
 
 
-async def server_info(stub: generate_pb2_grpc.GenerateServiceStub, address: str) -> generate_pb2.ServerInfo:
+async def server_info(
+    stub: generate_pb2_grpc.GenerateServiceStub, address: str
+) -> generate_pb2.ServerInfo:
     try:
         return await stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=10.0)
     except grpc.aio.AioRpcError as err:
@@ -65,14 +68,19 @@ def check_lengths(prompts: list[BenchPrompt], max_model_len: int) -> None:
     for i, p in enumerate(prompts):
         n = p.known_input_len
         if n is not None and n + p.output_len > max_model_len:
-            raise BenchError(f"prompt {i}: {n} input + {p.output_len} output tokens exceed the server's "
-                             f"max_model_len {max_model_len}; lower --input-len / --output-len")
+            raise BenchError(
+                f"prompt {i}: {n} input + {p.output_len} output tokens exceed the server's "
+                f"max_model_len {max_model_len}; lower --input-len / --output-len"
+            )
 
 
-async def send_one(stub, cfg: BenchConfig, prompt: BenchPrompt, index: int, t0: float,
-                   tag: str = "bench") -> RequestResult:
+async def send_one(
+    stub, cfg: BenchConfig, prompt: BenchPrompt, index: int, t0: float, tag: str = "bench"
+) -> RequestResult:
     prompt_value = prompt.prompt if isinstance(prompt.prompt, str) else list(prompt.prompt)
-    req = make_request(prompt_value, sampling(cfg, prompt.output_len), request_id=f"{tag}-{RUN_ID}-{index}")
+    req = make_request(
+        prompt_value, sampling(cfg, prompt.output_len), request_id=f"{tag}-{RUN_ID}-{index}"
+    )
     res = RequestResult(index, input_len=prompt.known_input_len or 0)
     start = time.perf_counter()
     res.start_s = start - t0
@@ -98,9 +106,14 @@ async def send_one(stub, cfg: BenchConfig, prompt: BenchPrompt, index: int, t0: 
     return res
 
 
-async def run_requests(stub, cfg: BenchConfig, prompts: list[BenchPrompt], offsets,
-                       on_done: Callable[[RequestResult], None] | None = None,
-                       send=None) -> tuple[list[RequestResult], float]:
+async def run_requests(
+    stub,
+    cfg: BenchConfig,
+    prompts: list[BenchPrompt],
+    offsets,
+    on_done: Callable[[RequestResult], None] | None = None,
+    send=None,
+) -> tuple[list[RequestResult], float]:
     """All requests at their offsets (and under --max-concurrency); returns results in send
     order and the wall time from the first send to the last finish. `send` is `send_one` of a
     backend (this module's for gRPC, openai_runner's for HTTP), `stub` its client."""
@@ -118,7 +131,9 @@ async def run_requests(stub, cfg: BenchConfig, prompts: list[BenchPrompt], offse
             on_done(res)
         return res
 
-    results = await asyncio.gather(*(one(i, p, float(at)) for i, (p, at) in enumerate(zip(prompts, offsets))))
+    results = await asyncio.gather(
+        *(one(i, p, float(at)) for i, (p, at) in enumerate(zip(prompts, offsets)))
+    )
     return list(results), time.perf_counter() - t0
 
 

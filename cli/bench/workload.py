@@ -38,8 +38,10 @@ def parse_slo(text: str) -> dict[str, float]:
         except ValueError:
             ms = -1.0
         if not sep or key not in SloKey.__args__ or not ms > 0:
-            raise argparse.ArgumentTypeError(f"--slo wants KEY:MS pairs like ttft:500,tpot:50 with keys "
-                                             f"{', '.join(SloKey.__args__)} and MS > 0, got {part!r}")
+            raise argparse.ArgumentTypeError(
+                f"--slo wants KEY:MS pairs like ttft:500,tpot:50 with keys "
+                f"{', '.join(SloKey.__args__)} and MS > 0, got {part!r}"
+            )
         out[key] = ms
     return out
 
@@ -61,29 +63,47 @@ class BenchConfig(BaseModel):
     seed: int = Field(0, ge=0)
     num_warmups: int = Field(1, ge=0)
     timeout_s: float = Field(600.0, gt=0, description="deadline of each request")
-    slo: dict[SloKey, float] = Field(default_factory=dict, description="milliseconds per metric, for goodput")
+    slo: dict[SloKey, float] = Field(
+        default_factory=dict, description="milliseconds per metric, for goodput"
+    )
 
     @field_validator("dataset")
     @classmethod
     def _exists(cls, v: str | None) -> str | None:
         if v is not None and not Path(v).is_file():
-            raise ValueError("no such file; give a JSONL file with a \"prompt\" or \"prompt_token_ids\" per line")
+            raise ValueError(
+                'no such file; give a JSONL file with a "prompt" or "prompt_token_ids" per line'
+            )
         return v
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, address: str) -> BenchConfig:
-        values = {"address": address, "backend": getattr(args, "backend", "grpc"), "num_prompts": args.num_prompts,
-                  "dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
-                  "request_rate": args.request_rate, "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
-                  "ignore_eos": not args.no_ignore_eos, "temperature": args.temperature, "seed": args.seed,
-                  "num_warmups": args.num_warmups, "timeout_s": args.timeout, "slo": args.slo or {}}
+        values = {
+            "address": address,
+            "backend": getattr(args, "backend", "grpc"),
+            "num_prompts": args.num_prompts,
+            "dataset": args.dataset,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "request_rate": args.request_rate,
+            "burstiness": args.burstiness,
+            "max_concurrency": args.max_concurrency,
+            "ignore_eos": not args.no_ignore_eos,
+            "temperature": args.temperature,
+            "seed": args.seed,
+            "num_warmups": args.num_warmups,
+            "timeout_s": args.timeout,
+            "slo": args.slo or {},
+        }
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
             err = exc.errors()[0]
             flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
             flag = {"--timeout-s": "--timeout", "--ignore-eos": "--no-ignore-eos"}.get(flag, flag)
-            raise ValueError(f"{flag} {err['input']!r}: {err['msg'].removeprefix('Value error, ')}") from None
+            raise ValueError(
+                f"{flag} {err['input']!r}: {err['msg'].removeprefix('Value error, ')}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -110,8 +130,10 @@ def _file_prompts(path: str, n: int, output_len: int) -> list[BenchPrompt]:
                     raise ValueError("empty prompt")
                 rows.append(BenchPrompt(prompt, int(obj.get("output_len", output_len))))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise ValueError(f"{path}:{lineno}: expected an object with a non-empty \"prompt\" string or "
-                                 f"\"prompt_token_ids\" list ({type(exc).__name__}: {exc})") from None
+                raise ValueError(
+                    f'{path}:{lineno}: expected an object with a non-empty "prompt" string or '
+                    f'"prompt_token_ids" list ({type(exc).__name__}: {exc})'
+                ) from None
     if not rows:
         raise ValueError(f"{path}: no prompts in the file")
     return [rows[i % len(rows)] for i in range(n)]

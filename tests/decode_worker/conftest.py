@@ -24,8 +24,13 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="module")
 def oracle(tiny_llama):
     """prompt, params -> all generated tokens (first included) of isolated generation."""
-    runner = ModelRunner(EngineConfig(model_path=str(tiny_llama), cache={"num_blocks": 256, "block_size": 4},
-                                      scheduler={"max_model_len": MAX_MODEL_LEN}))
+    runner = ModelRunner(
+        EngineConfig(
+            model_path=str(tiny_llama),
+            cache={"num_blocks": 256, "block_size": 4},
+            scheduler={"max_model_len": MAX_MODEL_LEN},
+        )
+    )
     engine = OfflineEngine(runner, Tokenizer.from_dir(tiny_llama))
     cache: dict = {}
 
@@ -38,5 +43,3 @@ def oracle(tiny_llama):
         return cache[key]
 
     return generate
-
-

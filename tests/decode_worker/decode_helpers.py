@@ -9,19 +9,24 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from splitserve.config.engine_config import EngineConfig
 from splitserve.decode_worker.config import DecodeWorkerConfig
 from splitserve.decode_worker.engine import DecodeEngine
 from splitserve.decode_worker.sequence import DecodeInput, StepOutput
-from splitserve.config.engine_config import EngineConfig
 from splitserve.engine.model_runner import PrefillChunk
 from splitserve.request.tokenizer import Tokenizer
 
 MAX_MODEL_LEN = 256
 
 
-def engine_config(model, *, num_blocks=128, block_size=4, max_batch_size=8, **kw) -> DecodeWorkerConfig:
-    eng = EngineConfig(model_path=str(model), cache={"num_blocks": num_blocks, "block_size": block_size},
-                       scheduler={"max_batch_size": max_batch_size, "max_model_len": MAX_MODEL_LEN})
+def engine_config(
+    model, *, num_blocks=128, block_size=4, max_batch_size=8, **kw
+) -> DecodeWorkerConfig:
+    eng = EngineConfig(
+        model_path=str(model),
+        cache={"num_blocks": num_blocks, "block_size": block_size},
+        scheduler={"max_batch_size": max_batch_size, "max_model_len": MAX_MODEL_LEN},
+    )
     return DecodeWorkerConfig(engine=eng, **kw)
 
 
@@ -43,6 +48,7 @@ class Collected:
             self.logprobs[rid].extend(out.logprobs)
             if out.finished:
                 self.final[rid] = out
+
         return put
 
 
@@ -55,7 +61,9 @@ def prefill_into_engine(engine: DecodeEngine, prompt: list[int]) -> list[int]:
     return list(got.block_ids)
 
 
-def submit(engine: DecodeEngine, col: Collected, rid: str, prompt, first: int, params, with_kv: bool) -> None:
+def submit(
+    engine: DecodeEngine, col: Collected, rid: str, prompt, first: int, params, with_kv: bool
+) -> None:
     inp = DecodeInput(rid, list(prompt), first, params)
     if with_kv:
         engine.admit(inp, prefill_into_engine(engine, list(prompt)), col.sink(rid))
@@ -63,7 +71,9 @@ def submit(engine: DecodeEngine, col: Collected, rid: str, prompt, first: int, p
         engine.submit(inp, col.sink(rid))
 
 
-def drive(engine: DecodeEngine, arrivals: dict[int, list[Callable[[], None]]], max_steps: int = 2000) -> int:
+def drive(
+    engine: DecodeEngine, arrivals: dict[int, list[Callable[[], None]]], max_steps: int = 2000
+) -> int:
     """Runs steps, calling arrivals[step] before that step; returns the steps taken."""
     last = max(arrivals, default=0)
     for step in range(max_steps):
@@ -79,7 +89,9 @@ def drive(engine: DecodeEngine, arrivals: dict[int, list[Callable[[], None]]], m
 def assert_all_free(engine: DecodeEngine) -> None:
     engine.allocator.check_integrity()
     assert engine.allocator.num_free == engine.allocator.num_usable
-    assert not engine.scheduler.running and not engine.scheduler.waiting and not engine.scheduler.by_id
+    assert (
+        not engine.scheduler.running and not engine.scheduler.waiting and not engine.scheduler.by_id
+    )
 
 
 def worker_config(model, **kw) -> DecodeWorkerConfig:
@@ -90,8 +102,12 @@ def worker_config(model, **kw) -> DecodeWorkerConfig:
 def decode_request(rid: str, prompt, first: int, **sampling):
     from splitserve.protos import generate_pb2, worker_pb2
 
-    return worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=list(prompt), first_token_id=first,
-                                    sampling=generate_pb2.SamplingParams(**sampling))
+    return worker_pb2.DecodeRequest(
+        request_id=rid,
+        prompt_token_ids=list(prompt),
+        first_token_id=first,
+        sampling=generate_pb2.SamplingParams(**sampling),
+    )
 
 
 async def collect_stream(call) -> tuple[list[int], list]:
@@ -109,8 +125,8 @@ async def serving(model, **kw):
     import grpc
 
     from splitserve.decode_worker.worker import DecodeWorker
-    from splitserve.service.grpc_service import channel_options
     from splitserve.protos import worker_pb2_grpc
+    from splitserve.service.grpc_service import channel_options
 
     worker = DecodeWorker(worker_config(model, **kw))
     await worker.start()

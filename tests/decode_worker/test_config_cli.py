@@ -22,21 +22,43 @@ def _parse(argv):
 
 def test_yaml_then_flags(tmp_path):
     path = tmp_path / "decode.yaml"
-    path.write_text("engine:\n  model_path: /m\n  scheduler: {max_batch_size: 64}\n"
-                    "server: {port: 7000}\ncuda_graph_sizes: [1, 2, 4]\n")
-    args = _parse(["--config", str(path), "--port", "7001", "--no-cuda-graph", "--cuda-graph-sizes", "1,8,16",
-                   "--block-size", "8"])
+    path.write_text(
+        "engine:\n  model_path: /m\n  scheduler: {max_batch_size: 64}\n"
+        "server: {port: 7000}\ncuda_graph_sizes: [1, 2, 4]\n"
+    )
+    args = _parse(
+        [
+            "--config",
+            str(path),
+            "--port",
+            "7001",
+            "--no-cuda-graph",
+            "--cuda-graph-sizes",
+            "1,8,16",
+            "--block-size",
+            "8",
+        ]
+    )
     cfg = load(args.config, config_overrides(args, decode_worker_cmd._OVERRIDES))
     assert cfg.engine.scheduler.max_batch_size == 64 and cfg.server.port == 7001
-    assert cfg.cuda_graph is False and cfg.cuda_graph_sizes == (1, 8, 16) and cfg.engine.cache.block_size == 8
+    assert (
+        cfg.cuda_graph is False
+        and cfg.cuda_graph_sizes == (1, 8, 16)
+        and cfg.engine.cache.block_size == 8
+    )
     plain = _parse(["--model", "/m"])
     cfg = load(None, config_overrides(plain, decode_worker_cmd._OVERRIDES))
     assert cfg.cuda_graph is True and cfg.cuda_graph_sizes is None
 
 
-@pytest.mark.parametrize("override, field", [({"cuda_graph_sizes": [0, 4]}, "cuda_graph_sizes"),
-                                             ({"engine.cache.block_size": 12}, "block_size"),
-                                             ({"server.port": 70000}, "server.port")])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ({"cuda_graph_sizes": [0, 4]}, "cuda_graph_sizes"),
+        ({"engine.cache.block_size": 12}, "block_size"),
+        ({"server.port": 70000}, "server.port"),
+    ],
+)
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ValueError) as exc:
         load(None, {"engine.model_path": "/m", **override})
@@ -44,7 +66,19 @@ def test_bad_values_name_the_field(override, field):
 
 
 def test_cli_error_is_one_line(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "splitserve.cli.decode_worker_cmd", "--model", str(tmp_path),
-                          "--block-size", "12"], capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.cli.decode_worker_cmd",
+            "--model",
+            str(tmp_path),
+            "--block-size",
+            "12",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "block_size" in res.stderr

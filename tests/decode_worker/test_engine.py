@@ -7,10 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from decode_helpers import Collected, assert_all_free, drive, make_engine, submit
 
 from splitserve.request.sampling_params import SamplingParams
-
-from decode_helpers import Collected, assert_all_free, drive, make_engine, submit
 
 
 def _prompts(n: int, seed: int, lo: int = 3, hi: int = 30) -> list[list[int]]:
@@ -30,8 +29,10 @@ def test_join_and_leave_match_isolated_greedy(tiny_llama, oracle, overlap):
         ref = oracle(p, params)
         want[f"r{i}"] = ref
         arrivals.setdefault(at, []).append(
-            lambda i=i, p=p, ref=ref, params=params: submit(engine, col, f"r{i}", p, ref.token_ids[0], params,
-                                                             with_kv=i % 2 == 0))
+            lambda i=i, p=p, ref=ref, params=params: submit(
+                engine, col, f"r{i}", p, ref.token_ids[0], params, with_kv=i % 2 == 0
+            )
+        )
     drive(engine, arrivals)
     for rid, ref in want.items():
         assert col.tokens[rid] == ref.token_ids[1:], rid
@@ -84,10 +85,12 @@ def test_mixed_sampling_batch_matches_isolated(tiny_llama, oracle):
     plain greedy rows; each equals its isolated generation."""
     engine = make_engine(tiny_llama)
     prompts = _prompts(4, seed=11)
-    params = [SamplingParams(temperature=0, max_tokens=14),
-              SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=14),
-              SamplingParams(temperature=0, max_tokens=10, logprobs=2),
-              SamplingParams(temperature=1.0, top_k=20, seed=99, repetition_penalty=1.3, max_tokens=12)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=14),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=14),
+        SamplingParams(temperature=0, max_tokens=10, logprobs=2),
+        SamplingParams(temperature=1.0, top_k=20, seed=99, repetition_penalty=1.3, max_tokens=12),
+    ]
     col, want = Collected(), {}
     for i, (p, sp) in enumerate(zip(prompts, params)):
         want[f"m{i}"] = ref = oracle(p, sp)
@@ -109,12 +112,23 @@ def test_stop_token_string_and_first_token_finish(tiny_llama, oracle):
     base = oracle(p, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     stop_tok = base.token_ids[6]
     cases = {  # rid: (params, expected stop_reason)
-        "tok": (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_tok]), stop_tok),
-        "one": (SamplingParams(temperature=0, max_tokens=1), None),  # the first token already ends it
+        "tok": (
+            SamplingParams(
+                temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop_tok]
+            ),
+            stop_tok,
+        ),
+        "one": (
+            SamplingParams(temperature=0, max_tokens=1),
+            None,
+        ),  # the first token already ends it
     }
     if len(base.text) >= 6:
         stop_str = base.text[3:6]
-        cases["str"] = (SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop_str]), stop_str)
+        cases["str"] = (
+            SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop_str]),
+            stop_str,
+        )
     col = Collected()
     for rid, (sp, _) in cases.items():
         submit(engine, col, rid, p, base.token_ids[0], sp, with_kv=False)
@@ -150,8 +164,11 @@ def test_engine_loop_reserve_admit_and_release_blocks(tiny_llama, oracle):
         engine.runner.prefill([PrefillChunk(p, 0, blocks)])  # the pull's stand-in (before submit)
         col, done = Collected(), threading.Event()
         sink = col.sink("kv")
-        loop.submit(DecodeInput("kv", p, ref.token_ids[0], params), lambda out: (sink(out), out.finished and done.set()),
-                    blocks)
+        loop.submit(
+            DecodeInput("kv", p, ref.token_ids[0], params),
+            lambda out: (sink(out), out.finished and done.set()),
+            blocks,
+        )
         loop.release_blocks(spare)
         assert done.wait(10)
         assert col.tokens["kv"] == ref.token_ids[1:]
@@ -175,11 +192,16 @@ def test_waiting_kv_holders_cannot_starve_the_queue_head(tiny_llama, oracle):
     col = Collected()
     engine.submit(DecodeInput("head", prompts[0], refs[0].token_ids[0], params), col.sink("head"))
     for i in (1, 2):  # they hold 10 of the 12 blocks while waiting behind the head
-        engine.admit(DecodeInput(f"kv{i}", prompts[i], refs[i].token_ids[0], params),
-                     prefill_into_engine(engine, prompts[i]), col.sink(f"kv{i}"))
+        engine.admit(
+            DecodeInput(f"kv{i}", prompts[i], refs[i].token_ids[0], params),
+            prefill_into_engine(engine, prompts[i]),
+            col.sink(f"kv{i}"),
+        )
     drive(engine, {}, max_steps=200)
     for i, rid in enumerate(("head", "kv1", "kv2")):
         assert col.tokens[rid] == refs[i].token_ids[1:], rid
-    recomputed = engine.metrics.registry.get_sample_value("splitserve_decode_recomputed_tokens_total")
+    recomputed = engine.metrics.registry.get_sample_value(
+        "splitserve_decode_recomputed_tokens_total"
+    )
     assert recomputed >= 2 * 19  # the head, and kv2 whose KV was given back
     assert_all_free(engine)

@@ -21,8 +21,14 @@ SEEDED = SamplingParams(temperature=0.7, seed=7, max_tokens=24, ignore_eos=True)
 
 
 def _engine(model, graphs: bool, **kw) -> DecodeEngine:
-    cfg = engine_config(model, num_blocks=kw.pop("num_blocks", 1024), block_size=4,
-                        max_batch_size=kw.pop("max_batch_size", 64), cuda_graph=graphs, **kw)
+    cfg = engine_config(
+        model,
+        num_blocks=kw.pop("num_blocks", 1024),
+        block_size=4,
+        max_batch_size=kw.pop("max_batch_size", 64),
+        cuda_graph=graphs,
+        **kw,
+    )
     cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"device": "cuda"})})
     engine = DecodeEngine(cfg, tokenizer=Tokenizer.from_dir(model))
     engine.warm_up()

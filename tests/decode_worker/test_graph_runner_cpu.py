@@ -58,13 +58,18 @@ def test_padded_replays_give_the_tokens_of_the_unpadded_step(tiny_llama, oracle,
         params = SamplingParams(temperature=0, max_tokens=rng.randrange(4, 20))
         want[f"q{i}"] = ref = oracle(prompt, params)
         arrivals.setdefault(rng.randrange(0, 10), []).append(
-            lambda i=i, p=prompt, r=ref, sp=params: submit(engine, col, f"q{i}", p, r.token_ids[0], sp, i % 3 == 0))
+            lambda i=i, p=prompt, r=ref, sp=params: submit(
+                engine, col, f"q{i}", p, r.token_ids[0], sp, i % 3 == 0
+            )
+        )
     drive(engine, arrivals)
     for rid, ref in want.items():
         assert col.tokens[rid] == ref.token_ids[1:], rid
     assert engine.graphs.num_replays > 0
-    assert engine.metrics.registry.get_sample_value("splitserve_decode_graph_replays_total") == \
-        engine.graphs.num_replays
+    assert (
+        engine.metrics.registry.get_sample_value("splitserve_decode_graph_replays_total")
+        == engine.graphs.num_replays
+    )
     assert engine.runner.kv_cache[:, :, 1:].abs().sum() > 0  # sanity: real KV went to real blocks
     assert_all_free(engine)
     engine.graphs.release()
@@ -72,8 +77,10 @@ def test_padded_replays_give_the_tokens_of_the_unpadded_step(tiny_llama, oracle,
     assert engine.graphs.captured_sizes == [] and engine.graphs.dispatch[3] == 0
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
-                    reason="needs TRITON_INTERPRET=1 (set by conftest.py without CUDA)")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="needs TRITON_INTERPRET=1 (set by conftest.py without CUDA)",
+)
 def test_padded_step_over_the_triton_kernels(tiny_llama, oracle):
     """The kernels the GPU graphs capture, run (interpreted) on the static-buffer slices with
     padding lanes: the tokens of isolated generation over the torch reference."""

@@ -11,9 +11,9 @@ import pytest
 from decode_helpers import assert_all_free, collect_stream, decode_request, serving
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.request.sampling_params import SamplingParams
 from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
 from splitserve.protos import generate_pb2, kv_pb2, worker_pb2
+from splitserve.request.sampling_params import SamplingParams
 
 PROMPTS = [[1, 17, 99, 230, 41], [1, 300, 301, 7, 8, 9, 10, 11, 12], [1, 450]]
 
@@ -29,21 +29,49 @@ def test_streams_match_isolated_generation(tiny_llama, oracle):
     async def main():
         async with serving(tiny_llama) as (worker, stub, channel):
             health = health_pb2_grpc.HealthStub(channel)
-            got = await health.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.DecodeWorker"))
+            got = await health.Check(
+                health_pb2.HealthCheckRequest(service="splitserve.v1.DecodeWorker")
+            )
             assert got.status == health_pb2.HealthCheckResponse.SERVING
-            refs = [oracle(p, SamplingParams(temperature=0, max_tokens=10 + 3 * i)) for i, p in enumerate(PROMPTS)]
-            reqs = [decode_request(f"s{i}", p, r.token_ids[0], temperature=0, max_tokens=10 + 3 * i,
-                                   logprobs=1 if i == 1 else None) for i, (p, r) in enumerate(zip(PROMPTS, refs))]
-            runner = worker.engine.runner  # a compatible handle whose listener is gone: pull fails, recomputed
-            reqs[2].kv.CopyFrom(make_handle(PoolSpec.of(runner.kv_cache, runner.compat_hash), host="127.0.0.1",
-                                            port=1, lease_id="lease-2", request_id="s2", num_blocks=-(-len(PROMPTS[2]) // 4),
-                                            num_tokens=len(PROMPTS[2]), ttl_s=30))
+            refs = [
+                oracle(p, SamplingParams(temperature=0, max_tokens=10 + 3 * i))
+                for i, p in enumerate(PROMPTS)
+            ]
+            reqs = [
+                decode_request(
+                    f"s{i}",
+                    p,
+                    r.token_ids[0],
+                    temperature=0,
+                    max_tokens=10 + 3 * i,
+                    logprobs=1 if i == 1 else None,
+                )
+                for i, (p, r) in enumerate(zip(PROMPTS, refs))
+            ]
+            runner = (
+                worker.engine.runner
+            )  # a compatible handle whose listener is gone: pull fails, recomputed
+            reqs[2].kv.CopyFrom(
+                make_handle(
+                    PoolSpec.of(runner.kv_cache, runner.compat_hash),
+                    host="127.0.0.1",
+                    port=1,
+                    lease_id="lease-2",
+                    request_id="s2",
+                    num_blocks=-(-len(PROMPTS[2]) // 4),
+                    num_tokens=len(PROMPTS[2]),
+                    ttl_s=30,
+                )
+            )
             calls = [stub.Decode(r) for r in reqs]
             results = await asyncio.gather(*(collect_stream(c) for c in calls))
             for i, ((tokens, chunks), ref) in enumerate(zip(results, refs)):
                 assert tokens == ref.token_ids[1:]
-                assert chunks[-1].finish_reason == (generate_pb2.FINISH_REASON_LENGTH if ref.finish_reason == "length"
-                                                    else generate_pb2.FINISH_REASON_STOP)
+                assert chunks[-1].finish_reason == (
+                    generate_pb2.FINISH_REASON_LENGTH
+                    if ref.finish_reason == "length"
+                    else generate_pb2.FINISH_REASON_STOP
+                )
                 assert all(not c.finish_reason for c in chunks[:-1])
                 # the TTFT parts ride on the first chunk only; only s2 had a pull (failed, then recomputed)
                 assert chunks[0].queue_time_ms > 0 and (chunks[0].transfer_time_ms > 0) == (i == 2)
@@ -52,9 +80,16 @@ def test_streams_match_isolated_generation(tiny_llama, oracle):
                 assert n_lp == (len(tokens) if i == 1 else 0)
             load = await stub.GetLoad(worker_pb2.GetLoadRequest())
             assert load.role == generate_pb2.WORKER_ROLE_DECODE
-            assert (load.num_running, load.num_waiting, load.free_blocks) == (0, 0, load.total_blocks)
-            assert load.block_size == 4 and load.model_compat_hash == worker.engine.runner.compat_hash
+            assert (load.num_running, load.num_waiting, load.free_blocks) == (
+                0,
+                0,
+                load.total_blocks,
+            )
+            assert (
+                load.block_size == 4 and load.model_compat_hash == worker.engine.runner.compat_hash
+            )
             assert_all_free(worker.engine)
+
     asyncio.run(main())
 
 
@@ -75,7 +110,9 @@ def test_invalid_requests_are_refused_with_fix_hints(tiny_llama):
                 assert exc.value.details(), what
             mismatched = decode_request("x", [1, 2], 3, temperature=0)
             mismatched.kv.CopyFrom(kv_pb2.KvHandle(lease_id="l1", block_size=16, num_tokens=2))
-            with pytest.raises(grpc.aio.AioRpcError) as exc:  # a deployment error, before any allocation
+            with pytest.raises(
+                grpc.aio.AioRpcError
+            ) as exc:  # a deployment error, before any allocation
                 await collect_stream(stub.Decode(mismatched))
             assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "block_size" in exc.value.details()
@@ -85,6 +122,7 @@ def test_invalid_requests_are_refused_with_fix_hints(tiny_llama):
             assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "num_blocks" in exc.value.details()
             assert_all_free(worker.engine)
+
     asyncio.run(main())
 
 
@@ -108,17 +146,22 @@ def test_cancel_and_abort_free_blocks(tiny_llama):
             await _wait_until(lambda: not engine.scheduler.by_id)
             await _wait_until(lambda: engine.load.free_blocks == engine.load.total_blocks)
             assert_all_free(engine)
+
     asyncio.run(main())
 
 
 def test_duplicate_request_id_and_drain(tiny_llama):
     async def main():
         async with serving(tiny_llama) as (worker, stub, channel):
-            first = stub.Decode(decode_request("dup", PROMPTS[0], 5, temperature=0, max_tokens=50, ignore_eos=True))
+            first = stub.Decode(
+                decode_request("dup", PROMPTS[0], 5, temperature=0, max_tokens=50, ignore_eos=True)
+            )
             it = first.__aiter__()
             await it.__anext__()
             with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await collect_stream(stub.Decode(decode_request("dup", PROMPTS[1], 5, temperature=0)))
+                await collect_stream(
+                    stub.Decode(decode_request("dup", PROMPTS[1], 5, temperature=0))
+                )
             assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             health = health_pb2_grpc.HealthStub(channel)
             stopping = asyncio.ensure_future(worker.stop(grace_s=5.0))
@@ -128,32 +171,45 @@ def test_duplicate_request_id_and_drain(tiny_llama):
             assert_all_free(worker.engine)
             with pytest.raises(grpc.aio.AioRpcError):
                 await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+
     asyncio.run(main())
 
 
 def test_deadline_frees_blocks(tiny_llama):
     async def main():
         async with serving(tiny_llama) as (worker, stub, _):
-            call = stub.Decode(decode_request("d", PROMPTS[0], 5, temperature=0, max_tokens=240, ignore_eos=True),
-                               timeout=0.05)
+            call = stub.Decode(
+                decode_request("d", PROMPTS[0], 5, temperature=0, max_tokens=240, ignore_eos=True),
+                timeout=0.05,
+            )
             with pytest.raises(grpc.aio.AioRpcError) as exc:
                 await collect_stream(call)
             assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await _wait_until(lambda: not worker.engine.scheduler.by_id)
-            await _wait_until(lambda: worker.engine.load.free_blocks == worker.engine.load.total_blocks)
+            await _wait_until(
+                lambda: worker.engine.load.free_blocks == worker.engine.load.total_blocks
+            )
             assert_all_free(worker.engine)
+
     asyncio.run(main())
 
 
 def test_failing_step_is_fatal_unavailable_and_not_serving(tiny_llama):
     async def main():
         async with serving(tiny_llama) as (worker, stub, channel):
+
             def broken(n):
                 raise RuntimeError("injected device fault")
+
             worker.engine.graphs._body = broken
             with pytest.raises(grpc.aio.AioRpcError) as exc:
-                await collect_stream(stub.Decode(decode_request("f", PROMPTS[0], 5, temperature=0, max_tokens=20)))
-            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and "injected" in exc.value.details()
+                await collect_stream(
+                    stub.Decode(decode_request("f", PROMPTS[0], 5, temperature=0, max_tokens=20))
+                )
+            assert (
+                exc.value.code() == grpc.StatusCode.UNAVAILABLE
+                and "injected" in exc.value.details()
+            )
             health = health_pb2_grpc.HealthStub(channel)
             req = health_pb2.HealthCheckRequest(service="splitserve.v1.DecodeWorker")
             deadline = time.monotonic() + 5
@@ -164,4 +220,5 @@ def test_failing_step_is_fatal_unavailable_and_not_serving(tiny_llama):
                 await collect_stream(stub.Decode(decode_request("g", PROMPTS[1], 5, temperature=0)))
             assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
             assert_all_free(worker.engine)
+
     asyncio.run(main())

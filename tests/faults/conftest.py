@@ -13,7 +13,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "router"))  # router_helpers, reused
 
 from fault_helpers import (  # noqa: E402
-    CHUNK, LAST_CHUNK_S, PULL_DELAY_S, REPLY_DELAY_S, SLOW_PREFILL, SLOW_PULL, FaultCluster, start_worker)
+    CHUNK,
+    LAST_CHUNK_S,
+    PULL_DELAY_S,
+    REPLY_DELAY_S,
+    SLOW_PREFILL,
+    SLOW_PULL,
+    FaultCluster,
+    start_worker,
+)
 from helpers_procs import ProcessGroup  # noqa: E402
 from router_helpers import make_oracle  # noqa: E402
 
@@ -21,11 +29,26 @@ from router_helpers import make_oracle  # noqa: E402
 @pytest.fixture(scope="package")
 def cluster(tiny_llama, tmp_path_factory):
     with ProcessGroup(tmp_path_factory.mktemp("faults_cluster")) as procs:
-        prefill, pm = start_worker(procs, "prefill", tiny_llama, {
-            "last_chunk_delay_s": LAST_CHUNK_S, "reply_delay_s": REPLY_DELAY_S, "request_id_prefix": SLOW_PREFILL},
-            "--max-num-batched-tokens", str(CHUNK), wait=False)
-        decode, dm = start_worker(procs, "decode", tiny_llama, {
-            "delay_before_pull_s": PULL_DELAY_S, "request_id_prefix": SLOW_PULL}, wait=False)
+        prefill, pm = start_worker(
+            procs,
+            "prefill",
+            tiny_llama,
+            {
+                "last_chunk_delay_s": LAST_CHUNK_S,
+                "reply_delay_s": REPLY_DELAY_S,
+                "request_id_prefix": SLOW_PREFILL,
+            },
+            "--max-num-batched-tokens",
+            str(CHUNK),
+            wait=False,
+        )
+        decode, dm = start_worker(
+            procs,
+            "decode",
+            tiny_llama,
+            {"delay_before_pull_s": PULL_DELAY_S, "request_id_prefix": SLOW_PULL},
+            wait=False,
+        )
         prefill.wait_serving()
         decode.wait_serving()
         yield FaultCluster(tiny_llama, procs, prefill.address, decode.address, pm, dm)

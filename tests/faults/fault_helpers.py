@@ -22,10 +22,17 @@ import grpc
 import yaml
 from helpers_procs import ProcessGroup, ServiceProcess, free_port
 from prometheus_client.parser import text_string_to_metric_families
-from router_helpers import assert_workers_free, greedy, ids_request, wait_until, worker_flags, worker_load
+from router_helpers import (
+    assert_workers_free,
+    greedy,
+    ids_request,
+    wait_until,
+    worker_flags,
+    worker_load,
+)
 
-from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2
+from splitserve.request.sampling_params import SamplingParams
 
 CLEAN_PROMPT = [1, 44, 45, 46, 200, 201, 202]
 LONG = greedy(249, ignore_eos=True)  # up to max_model_len: long enough to act mid-stream
@@ -50,8 +57,15 @@ class FaultCluster:
     decode_metrics: int
 
 
-def start_worker(procs: ProcessGroup, role: str, model, faults: dict | None = None, *args: str,
-                 num_blocks: int = 128, wait: bool = True) -> tuple[ServiceProcess, int]:
+def start_worker(
+    procs: ProcessGroup,
+    role: str,
+    model,
+    faults: dict | None = None,
+    *args: str,
+    num_blocks: int = 128,
+    wait: bool = True,
+) -> tuple[ServiceProcess, int]:
     """A worker process (tiny model, block size 4) with the test-only `faults` config section
     and a metrics port; (process, metrics port)."""
     flags = [*worker_flags(num_blocks), *args, "--metrics-port", str(port := free_port())]
@@ -68,8 +82,12 @@ def start_worker(procs: ProcessGroup, role: str, model, faults: dict | None = No
 def metric(port: int, name: str, **labels: str) -> float:
     """The sum of the samples called `name` with these labels, from a service's /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 @dataclass
@@ -90,7 +108,9 @@ class Tracked:
     async def read(self, n: int = 1) -> None:
         for _ in range(n):
             msg = await self.call.read()
-            assert msg is not grpc.aio.EOF, f"{self.request_id} ended after {len(self.chunks)} chunks"
+            assert msg is not grpc.aio.EOF, (
+                f"{self.request_id} ended after {len(self.chunks)} chunks"
+            )
             self.chunks.append(msg)
 
     async def finish(self) -> grpc.StatusCode:
@@ -105,7 +125,7 @@ class Tracked:
 
     @property
     def status(self) -> str:
-        """"OK/<finish reason>" or the status code's name."""
+        """ "OK/<finish reason>" or the status code's name."""
         if self.code != grpc.StatusCode.OK:
             return self.code.name
         reason = self.chunks[-1].finish_reason if self.chunks else 0
@@ -129,8 +149,15 @@ class Ledger:
         self.sent.append(rid)
         return rid
 
-    def start(self, stub, prompt, sampling=LONG, timeout: float | None = 60, request_id: str | None = None,
-              **kw) -> Tracked:
+    def start(
+        self,
+        stub,
+        prompt,
+        sampling=LONG,
+        timeout: float | None = 60,
+        request_id: str | None = None,
+        **kw,
+    ) -> Tracked:
         rid = request_id or self.new_id()
         if request_id:
             self.sent.append(rid)
@@ -143,7 +170,9 @@ class Ledger:
         return tracked
 
     def record(self, request_id: str, status: str, counted: bool = True) -> None:
-        assert request_id not in self.final, f"{request_id} ended twice: {self.final[request_id]}, then {status}"
+        assert request_id not in self.final, (
+            f"{request_id} ended twice: {self.final[request_id]}, then {status}"
+        )
         self.final[request_id] = status
         if not counted:
             self.uncounted.add(request_id)
@@ -169,10 +198,14 @@ def router_outcomes(router) -> float:
     """Generate calls a router counted by outcome, in total (Router object or metrics port)."""
     if isinstance(router, int):
         return metric(router, "splitserve_router_requests_total")
-    return sum(s.value for s in router.metrics.requests.collect()[0].samples if s.name.endswith("_total"))
+    return sum(
+        s.value for s in router.metrics.requests.collect()[0].samples if s.name.endswith("_total")
+    )
 
 
-async def assert_clean(stub, oracle, prefill=(), decode=(), n: int = 1, timeout: float = 10.0) -> None:
+async def assert_clean(
+    stub, oracle, prefill=(), decode=(), n: int = 1, timeout: float = 10.0
+) -> None:
     """Every worker free, then `n` greedy requests give exactly the oracle's tokens."""
     await assert_workers_free(prefill, decode, timeout)
     want = oracle(CLEAN_PROMPT, SamplingParams(temperature=0, max_tokens=8)).token_ids
@@ -182,13 +215,17 @@ async def assert_clean(stub, oracle, prefill=(), decode=(), n: int = 1, timeout:
     await assert_workers_free(prefill, decode, timeout)
 
 
-async def finish_case(ledger: Ledger, stub, oracle, prefill=(), decode=(), router=None, n: int = 1) -> None:
+async def finish_case(
+    ledger: Ledger, stub, oracle, prefill=(), decode=(), router=None, n: int = 1
+) -> None:
     """The uniform end of every case (module docstring)."""
     await ledger.assert_exactly_once(router)
     await assert_clean(stub, oracle, prefill, decode, n)
 
 
-async def start_on(ledger: Ledger, stub, target: str, others, prompt, sampling=LONG, tries: int = 4) -> Tracked:
+async def start_on(
+    ledger: Ledger, stub, target: str, others, prompt, sampling=LONG, tries: int = 4
+) -> Tracked:
     """A long stream that runs on decode worker `target`: under round robin, a stream that lands
     on one of `others` is cancelled (recorded CANCELLED) and another one is started."""
     for _ in range(tries):
@@ -213,8 +250,11 @@ async def leases_held(prefill: str) -> int:
 async def wait_no_lease(prefill: str, timeout: float) -> None:
     async def none_held() -> bool:
         return await leases_held(prefill) == 0
+
     await wait_until(none_held, timeout, f"no lease held on {prefill}")
 
 
 async def wait_all_healthy(router) -> None:
-    await wait_until(lambda: all(w.healthy for w in router.registry.workers()), 10, "every worker healthy")
+    await wait_until(
+        lambda: all(w.healthy for w in router.registry.workers()), 10, "every worker healthy"
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+
 import grpc
 import pytest
 from fault_helpers import Ledger, finish_case, router_outcomes
@@ -21,8 +22,12 @@ from splitserve.protos import generate_pb2, generate_pb2_grpc
 
 GENERATE = "/splitserve.v1.GenerateService/Generate"
 VOCAB = 512  # the tiny model's
-SETTINGS = settings(max_examples=30, deadline=None, database=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=30,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 _ids = itertools.count()
 
 
@@ -33,8 +38,17 @@ def router(cluster, tmp_path_factory):
 
     metrics = free_port()
     with ProcessGroup(tmp_path_factory.mktemp("fuzz_router")) as procs:
-        proc = procs.router(cluster.model, "--prefill", cluster.prefill, "--decode", cluster.decode,
-                            "--max-model-len", str(MAX_MODEL_LEN), "--metrics-port", str(metrics))
+        proc = procs.router(
+            cluster.model,
+            "--prefill",
+            cluster.prefill,
+            "--decode",
+            cluster.decode,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--metrics-port",
+            str(metrics),
+        )
         yield proc.address, metrics
         assert proc.stop() == 0 and "Traceback" not in proc.log(), proc.log()
 
@@ -49,13 +63,19 @@ def _send(channel: grpc.Channel, ledger: Ledger, raw: bytes) -> tuple[grpc.Statu
     rid = f"{ledger.name}-{next(_ids)}"
     ledger.sent.append(rid)
     try:
-        chunks = [generate_pb2.GenerateResponse.FromString(c) for c in channel.unary_stream(GENERATE)(raw, timeout=60)]
+        chunks = [
+            generate_pb2.GenerateResponse.FromString(c)
+            for c in channel.unary_stream(GENERATE)(raw, timeout=60)
+        ]
         code, details = grpc.StatusCode.OK, ""
     except grpc.RpcError as err:
         chunks, code, details = [], err.code(), err.details() or ""
     ledger.record(rid, code.name, counted=decodable)
-    assert code in ({grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT} if decodable
-                    else {grpc.StatusCode.INVALID_ARGUMENT}), (raw[:80], code, details)
+    assert code in (
+        {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}
+        if decodable
+        else {grpc.StatusCode.INVALID_ARGUMENT}
+    ), (raw[:80], code, details)
     assert decodable or "not a valid splitserve.v1.GenerateRequest" in details, details
     assert code != grpc.StatusCode.INVALID_ARGUMENT or details, "a refusal says what to fix"
     return code, chunks, details
@@ -66,17 +86,30 @@ def _finish(router, ledger: Ledger, oracle, cluster) -> None:
 
     async def end():
         async with grpc.aio.insecure_channel(address) as ch:
-            await finish_case(ledger, generate_pb2_grpc.GenerateServiceStub(ch), oracle,
-                              [cluster.prefill], [cluster.decode], router=metrics)
+            await finish_case(
+                ledger,
+                generate_pb2_grpc.GenerateServiceStub(ch),
+                oracle,
+                [cluster.prefill],
+                [cluster.decode],
+                router=metrics,
+            )
+
     asyncio.run(end())
 
 
 def test_random_bytes_are_refused_and_the_router_keeps_serving(router, cluster, oracle):
     ledger = Ledger("raw", router_outcomes(router[1]))
-    valid = generate_pb2.GenerateRequest(text="Hello", sampling=generate_pb2.SamplingParams(max_tokens=2))
+    valid = generate_pb2.GenerateRequest(
+        text="Hello", sampling=generate_pb2.SamplingParams(max_tokens=2)
+    )
     with grpc.insecure_channel(router[0]) as channel:
+
         @SETTINGS
-        @given(st.binary(max_size=96) | st.builds(lambda cut: valid.SerializeToString()[:cut], st.integers(1, 12)))
+        @given(
+            st.binary(max_size=96)
+            | st.builds(lambda cut: valid.SerializeToString()[:cut], st.integers(1, 12))
+        )
         def check(raw: bytes) -> None:
             _send(channel, ledger, raw)
 
@@ -86,14 +119,19 @@ def test_random_bytes_are_refused_and_the_router_keeps_serving(router, cluster, 
             code, _, details = _send(channel, ledger, raw)
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "protobuf" in details
     # the workers' own services, unary and streamed, refuse such bytes the same way
-    for address, method, streamed in ((cluster.prefill, "/splitserve.v1.PrefillWorker/Prefill", False),
-                                      (cluster.decode, "/splitserve.v1.DecodeWorker/Decode", True)):
+    for address, method, streamed in (
+        (cluster.prefill, "/splitserve.v1.PrefillWorker/Prefill", False),
+        (cluster.decode, "/splitserve.v1.DecodeWorker/Decode", True),
+    ):
         with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as err:
             if streamed:
                 list(channel.unary_stream(method)(b"\x12\x40abc", timeout=10))
             else:
                 channel.unary_unary(method)(b"\x12\x40abc", timeout=10)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "protobuf" in err.value.details()
+        assert (
+            err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            and "protobuf" in err.value.details()
+        )
     _finish(router, ledger, oracle, cluster)
 
 
@@ -104,11 +142,18 @@ def f32(**kw):
 EPS = 2.0**-7  # bounds below are exact float32 values
 NAN_INF = st.sampled_from([float("nan"), float("inf"), float("-inf")])
 VALID = dict(  # sampling values the router accepts
-    max_tokens=st.integers(1, 4), temperature=f32(min_value=0, max_value=2), top_p=f32(min_value=EPS, max_value=1),
-    top_k=st.integers(0, 50), min_p=f32(min_value=0, max_value=1), seed=st.integers(0, 2**64 - 1),
-    repetition_penalty=f32(min_value=EPS, max_value=3), presence_penalty=f32(min_value=-2, max_value=2),
-    frequency_penalty=f32(min_value=-2, max_value=2), stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2),
-    logprobs=st.integers(0, 20))
+    max_tokens=st.integers(1, 4),
+    temperature=f32(min_value=0, max_value=2),
+    top_p=f32(min_value=EPS, max_value=1),
+    top_k=st.integers(0, 50),
+    min_p=f32(min_value=0, max_value=1),
+    seed=st.integers(0, 2**64 - 1),
+    repetition_penalty=f32(min_value=EPS, max_value=3),
+    presence_penalty=f32(min_value=-2, max_value=2),
+    frequency_penalty=f32(min_value=-2, max_value=2),
+    stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2),
+    logprobs=st.integers(0, 20),
+)
 BAD = dict(  # one out-of-range value per field
     max_tokens=st.just(0),
     temperature=f32(max_value=-EPS) | NAN_INF,
@@ -120,7 +165,8 @@ BAD = dict(  # one out-of-range value per field
     stop_token_ids=st.lists(st.integers(VOCAB, 2**32 - 1), min_size=1, max_size=2),
     logprobs=st.integers(21, 2**32 - 1),
     stop=st.just([""]),
-    min_tokens=st.integers(1, 5))
+    min_tokens=st.integers(1, 5),
+)
 
 
 @st.composite
@@ -136,14 +182,17 @@ def one_bad_field(draw) -> tuple[generate_pb2.GenerateRequest, str | None]:
     elif bad == "length":
         prompt = prompt * (MAX_MODEL_LEN // len(prompt) + 1)
     sampling.setdefault("max_tokens", 4)
-    req = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=prompt),
-                                       sampling=generate_pb2.SamplingParams(**sampling))
+    req = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt),
+        sampling=generate_pb2.SamplingParams(**sampling),
+    )
     return req, {"prompt": "vocab", "length": "max_model_len"}.get(bad, bad)
 
 
 def test_one_out_of_range_field_is_invalid_argument_naming_it(router, cluster, oracle):
     ledger = Ledger("fields", router_outcomes(router[1]))
     with grpc.insecure_channel(router[0]) as channel:
+
         @SETTINGS
         @given(one_bad_field())
         def check(case) -> None:
@@ -175,16 +224,32 @@ STATED = [  # (request, the status, a word its message must hold)
     (_req(prompt=False), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
     (_req(token_ids=generate_pb2.TokenIds()), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
     (_req(text=""), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
-    (_req(token_ids=generate_pb2.TokenIds(ids=[1] * MAX_MODEL_LEN)), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
+    (
+        _req(token_ids=generate_pb2.TokenIds(ids=[1] * MAX_MODEL_LEN)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_model_len",
+    ),
     (_req(text="x" * 100_000), grpc.StatusCode.INVALID_ARGUMENT, "max_model_len"),
     (_req(text="y" * (9 * 2**20)), grpc.StatusCode.INVALID_ARGUMENT, "bytes"),
-    (_req(token_ids=generate_pb2.TokenIds(ids=[1, VOCAB])), grpc.StatusCode.INVALID_ARGUMENT, "vocab"),
+    (
+        _req(token_ids=generate_pb2.TokenIds(ids=[1, VOCAB])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "vocab",
+    ),
     (_req(sampling=_sp(temperature=float("nan"))), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     (_req(sampling=_sp(temperature=-1.0)), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
     (_req(sampling=_sp(top_p=0.0)), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
     (_req(sampling=_sp(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    (_req(sampling=generate_pb2.SamplingParams(max_tokens=0)), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    (_req(sampling=_sp(stop_token_ids=[VOCAB + 7])), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
+    (
+        _req(sampling=generate_pb2.SamplingParams(max_tokens=0)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "max_tokens",
+    ),
+    (
+        _req(sampling=_sp(stop_token_ids=[VOCAB + 7])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "stop_token_ids",
+    ),
     (_req(request_id="r" * 300), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     (_req(request_id="bad\nid"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
 ]
@@ -192,7 +257,9 @@ STATED = [  # (request, the status, a word its message must hold)
 
 def test_stated_refusals_then_still_serving(router, cluster, oracle):
     ledger = Ledger("stated", router_outcomes(router[1]))
-    with grpc.insecure_channel(router[0], options=[("grpc.max_send_message_length", 64 * 2**20)]) as channel:
+    with grpc.insecure_channel(
+        router[0], options=[("grpc.max_send_message_length", 64 * 2**20)]
+    ) as channel:
         for req, code, word in STATED:
             got, _, details = _send(channel, ledger, req.SerializeToString())
             assert (got, word in details) == (code, True), (str(req)[:80], got, details)

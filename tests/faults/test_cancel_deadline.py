@@ -10,9 +10,24 @@ import time
 
 import grpc
 from fault_helpers import (
-    LAST_CHUNK_S, PULL_DELAY_S, REPLY_DELAY_S, SLOW_PREFILL, SLOW_PULL, Ledger, finish_case, leases_held, metric,
-    wait_no_lease)
-from router_helpers import assert_workers_free, router_config, running_router, wait_until, worker_load
+    LAST_CHUNK_S,
+    PULL_DELAY_S,
+    REPLY_DELAY_S,
+    SLOW_PREFILL,
+    SLOW_PULL,
+    Ledger,
+    finish_case,
+    leases_held,
+    metric,
+    wait_no_lease,
+)
+from router_helpers import (
+    assert_workers_free,
+    router_config,
+    running_router,
+    wait_until,
+    worker_load,
+)
 
 from splitserve.protos import generate_pb2
 
@@ -30,17 +45,27 @@ def test_client_cancel_mid_decode_stream(cluster, oracle):
     async def body():
         ledger = Ledger("cancel")
         async with _router(cluster) as (r, stub):
-            aborted = metric(cluster.decode_metrics, "splitserve_decode_requests_finished_total", reason="abort")
+            aborted = metric(
+                cluster.decode_metrics, "splitserve_decode_requests_finished_total", reason="abort"
+            )
             t = ledger.start(stub, PROMPT)
             await t.read(3)
-            assert await leases_held(cluster.prefill) == 0  # the pull already released the prefill lease
+            assert (
+                await leases_held(cluster.prefill) == 0
+            )  # the pull already released the prefill lease
             t.call.cancel()
             assert await t.finish() == grpc.StatusCode.CANCELLED
             start = time.monotonic()
             await assert_workers_free([], [cluster.decode], timeout=STEP_BOUND_S)
             freed_s = time.monotonic() - start
-            assert metric(cluster.decode_metrics, "splitserve_decode_requests_finished_total",
-                          reason="abort") == aborted + 1  # ended as cancelled, not by running to 249 tokens
+            assert (
+                metric(
+                    cluster.decode_metrics,
+                    "splitserve_decode_requests_finished_total",
+                    reason="abort",
+                )
+                == aborted + 1
+            )  # ended as cancelled, not by running to 249 tokens
             assert 3 <= len(t.tokens) < 249
             await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
             return freed_s
@@ -50,12 +75,16 @@ def test_client_cancel_mid_decode_stream(cluster, oracle):
 
 def test_client_cancel_before_decode_admission_releases_the_lease_at_once(cluster, oracle):
     async def body():
-        ledger = Ledger(f"{SLOW_PULL}-cancel")  # the decode worker holds it PULL_DELAY_S before pulling
+        ledger = Ledger(
+            f"{SLOW_PULL}-cancel"
+        )  # the decode worker holds it PULL_DELAY_S before pulling
         async with _router(cluster) as (r, stub):
             t = ledger.start(stub, PROMPT)
             await t.read(1)  # the first token: prefill done, its lease held for the pull
             assert await leases_held(cluster.prefill) == 1
-            await asyncio.sleep(0.2)  # Decode is open on the worker, blocks reserved, pull not started
+            await asyncio.sleep(
+                0.2
+            )  # Decode is open on the worker, blocks reserved, pull not started
             t.call.cancel()
             cancelled_at = time.monotonic()
             assert await t.finish() == grpc.StatusCode.CANCELLED
@@ -66,7 +95,9 @@ def test_client_cancel_before_decode_admission_releases_the_lease_at_once(cluste
             return released_s, ended
 
     released_s, ended = asyncio.run(body())
-    assert released_s < PULL_DELAY_S and ended == 1  # released by the router, long before any TTL (30 s)
+    assert (
+        released_s < PULL_DELAY_S and ended == 1
+    )  # released by the router, long before any TTL (30 s)
 
 
 def test_abort_during_the_last_prefill_chunk(cluster, oracle):
@@ -78,9 +109,13 @@ def test_abort_during_the_last_prefill_chunk(cluster, oracle):
             t = ledger.start(stub, PROMPT40)
             await wait_until(_running(cluster.prefill), 5, "prefill started")
             # chunks 1 and 2 done (their steps counted); the last one's step is sleeping now
-            await wait_until(lambda: _prefill_steps(cluster) >= steps + 2, 10, "two prefill chunks done")
+            await wait_until(
+                lambda: _prefill_steps(cluster) >= steps + 2, 10, "two prefill chunks done"
+            )
             assert _prefill_steps(cluster) == steps + 2
-            assert (await stub.Abort(generate_pb2.AbortRequest(request_id=t.request_id), timeout=5)).found
+            assert (
+                await stub.Abort(generate_pb2.AbortRequest(request_id=t.request_id), timeout=5)
+            ).found
             assert await t.finish() == grpc.StatusCode.OK
             assert t.status == "OK/ABORT" and t.tokens == []
             await assert_workers_free([cluster.prefill], [], timeout=LAST_CHUNK_S + 5)
@@ -89,7 +124,9 @@ def test_abort_during_the_last_prefill_chunk(cluster, oracle):
             return before, after
 
     (cancelled0, leased0), (cancelled1, leased1) = asyncio.run(body())
-    assert cancelled1 == cancelled0 + 1 and leased1 == leased0  # freed after its step; no lease was granted
+    assert (
+        cancelled1 == cancelled0 + 1 and leased1 == leased0
+    )  # freed after its step; no lease was granted
 
 
 def _prefill_steps(cluster) -> float:
@@ -103,14 +140,21 @@ def _prefill_outcomes(cluster, outcome: str) -> float:
 def test_deadline_while_the_prefill_reply_is_on_the_wire_drops_its_lease(cluster, oracle):
     """The prefill granted a lease but its reply is slow (test-only reply delay) and the deadline
     passes first: nobody can pull it; the router's Abort frees it at once, not at its TTL (30 s)."""
+
     async def body():
         ledger = Ledger("wire")
         async with _router(cluster) as (r, stub):
             leased = _prefill_outcomes(cluster, "leased")
-            t = ledger.start(stub, PROMPT, timeout=LAST_CHUNK_S + REPLY_DELAY_S / 2,
-                             request_id=f"{SLOW_PREFILL}-wire")
+            t = ledger.start(
+                stub,
+                PROMPT,
+                timeout=LAST_CHUNK_S + REPLY_DELAY_S / 2,
+                request_id=f"{SLOW_PREFILL}-wire",
+            )
             assert await t.finish() == grpc.StatusCode.DEADLINE_EXCEEDED and not t.tokens
-            assert _prefill_outcomes(cluster, "leased") == leased + 1  # granted, then lost on the wire
+            assert (
+                _prefill_outcomes(cluster, "leased") == leased + 1
+            )  # granted, then lost on the wire
             await assert_workers_free([cluster.prefill], [], timeout=3)
             await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
 
@@ -120,6 +164,7 @@ def test_deadline_while_the_prefill_reply_is_on_the_wire_drops_its_lease(cluster
 def _running(address: str):
     async def check() -> bool:
         return (await worker_load(address, "prefill")).num_running > 0
+
     return check
 
 
@@ -135,6 +180,7 @@ class TimeoutSpy:
         def call(request, timeout=None, **kw):
             self._seen.append((name, timeout))
             return method(request, timeout=timeout, **kw)
+
         return call
 
 
@@ -152,7 +198,9 @@ def test_deadline_shrinks_at_each_hop_and_stops_the_work(cluster, oracle):
             assert await t.finish() == grpc.StatusCode.DEADLINE_EXCEEDED and not t.tokens
             first = [s for s in seen if s[0] in ("Prefill", "Decode")]
             seen.clear()
-            await assert_workers_free([cluster.prefill], [], timeout=LAST_CHUNK_S + 5)  # stopped after its step
+            await assert_workers_free(
+                [cluster.prefill], [], timeout=LAST_CHUNK_S + 5
+            )  # stopped after its step
             assert _prefill_outcomes(cluster, "cancelled") == cancelled + 1
             # 1 s: prefill returns; expires while the decode worker holds the request before its pull
             t = ledger.start(stub, PROMPT, timeout=1.0, request_id=f"{SLOW_PULL}-deadline")
@@ -166,4 +214,6 @@ def test_deadline_shrinks_at_each_hop_and_stops_the_work(cluster, oracle):
     # the header up to a few significant digits); each later hop gets less than the one before
     assert [n for n, _ in first] == ["Prefill"] and 0 < first[0][1] < 0.05 + GRPC_ROUNDING_S, first
     (p, prefill_t), (d, decode_t) = second
-    assert (p, d) == ("Prefill", "Decode") and 0 < decode_t < prefill_t < 1.0 + GRPC_ROUNDING_S, second
+    assert (p, d) == ("Prefill", "Decode") and 0 < decode_t < prefill_t < 1.0 + GRPC_ROUNDING_S, (
+        second
+    )

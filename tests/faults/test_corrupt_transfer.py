@@ -17,30 +17,48 @@ from splitserve.request.sampling_params import SamplingParams
 PROMPT = [1] + list(range(120, 150))  # 30 tokens: 8 blocks
 
 
-@pytest.mark.parametrize(("fault", "reason"), [("corrupt_payload", "checksum"), ("truncate_payload", "checksum"),
-                                               ("misstate_payload_bytes", "invalid")])
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        ("corrupt_payload", "checksum"),
+        ("truncate_payload", "checksum"),
+        ("misstate_payload_bytes", "invalid"),
+    ],
+)
 def test_corrupted_transfer_is_detected_and_never_served(cluster, oracle, procs, fault, reason):
-    prefill, _ = start_worker(procs, "prefill", cluster.model, {"transfer": {fault: True, "request_id_prefix": "bad"}})
+    prefill, _ = start_worker(
+        procs, "prefill", cluster.model, {"transfer": {fault: True, "request_id_prefix": "bad"}}
+    )
     dm = cluster.decode_metrics
 
     def counts() -> tuple[float, float]:
-        return (metric(dm, "splitserve_kv_transfer_failures_total", reason=reason),
-                metric(dm, "splitserve_kv_transfer_bytes_total", direction="received"))
+        return (
+            metric(dm, "splitserve_kv_transfer_failures_total", reason=reason),
+            metric(dm, "splitserve_kv_transfer_bytes_total", direction="received"),
+        )
 
     async def body():
         ledger = Ledger(f"bad-{fault}")
-        async with running_router(router_config(cluster.model, [prefill.address], [cluster.decode])) as (r, stub):
+        async with running_router(
+            router_config(cluster.model, [prefill.address], [cluster.decode])
+        ) as (r, stub):
             before = counts()
             bad = await ledger.run(stub, PROMPT, greedy(10, ignore_eos=True))
             after_bad = counts()
-            good = await ledger.run(stub, PROMPT[:-1], greedy(10, ignore_eos=True), request_id="clean-pull")
+            good = await ledger.run(
+                stub, PROMPT[:-1], greedy(10, ignore_eos=True), request_id="clean-pull"
+            )
             after_good = counts()
             await finish_case(ledger, stub, oracle, [prefill.address], [cluster.decode], r)
             return bad, good, before, after_bad, after_good
 
     bad, good, before, after_bad, after_good = asyncio.run(body())
     for t, prompt in ((bad, PROMPT), (good, PROMPT[:-1])):
-        want = oracle(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)).token_ids
+        want = oracle(
+            prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        ).token_ids
         assert t.status == "OK/LENGTH" and t.tokens == want
     assert after_bad[0] == before[0] + 1  # detected by checksum or length: discarded
-    assert after_good[0] == after_bad[0] and after_good[1] > after_bad[1]  # the clean one was pulled
+    assert (
+        after_good[0] == after_bad[0] and after_good[1] > after_bad[1]
+    )  # the clean one was pulled

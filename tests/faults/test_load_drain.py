@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 from fault_helpers import Ledger, finish_case, metric, start_on, start_worker, wait_all_healthy
-from helpers_procs import health_status
 from grpc_health.v1.health_pb2 import HealthCheckResponse
+from helpers_procs import health_status
 from router_helpers import SERVING, greedy, router_config, running_router, wait_until
 
 from splitserve.request.sampling_params import SamplingParams
@@ -35,13 +35,17 @@ def test_kv_pool_exhaustion_burst_queues_without_crash_or_hang(cluster, oracle, 
 
     async def body():
         ledger = Ledger("burst")
-        async with running_router(router_config(cluster.model, [prefill.address], [decode.address])) as (r, stub):
+        async with running_router(
+            router_config(cluster.model, [prefill.address], [decode.address])
+        ) as (r, stub):
             start = time.monotonic()
             done = await asyncio.wait_for(
-                asyncio.gather(*(ledger.run(stub, p, sampling, timeout=120) for p in prompts)), 150)
+                asyncio.gather(*(ledger.run(stub, p, sampling, timeout=120) for p in prompts)), 150
+            )
             took = time.monotonic() - start
-            pressure = (metric(dm, "splitserve_kv_transfer_failures_total", reason="pool_full")
-                        + metric(dm, "splitserve_decode_preemptions_total"))
+            pressure = metric(
+                dm, "splitserve_kv_transfer_failures_total", reason="pool_full"
+            ) + metric(dm, "splitserve_decode_preemptions_total")
             alive = prefill.alive() and decode.alive()
             await finish_case(ledger, stub, oracle, [prefill.address], [decode.address], r)
             return done, took, pressure, alive
@@ -53,29 +57,52 @@ def test_kv_pool_exhaustion_burst_queues_without_crash_or_hang(cluster, oracle, 
     assert pressure > 0 or "RESOURCE_EXHAUSTED" in statuses  # the pools did run short
     for p, t in zip(prompts, done):
         if t.status == "OK/LENGTH":
-            assert t.tokens == oracle(p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)).token_ids
+            assert (
+                t.tokens
+                == oracle(
+                    p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+                ).token_ids
+            )
 
 
 def test_sigterm_drain_finishes_in_flight_streams(cluster, oracle, procs):
     grace_s = 30.0
-    draining, _ = start_worker(procs, "decode", cluster.model, None, "--drain-grace-s", str(grace_s),
-                               "--drain-announce-s", "3")
-    cfg = router_config(cluster.model, [cluster.prefill], [draining.address, cluster.decode],
-                        routing={"decode_policy": "round_robin"})
+    draining, _ = start_worker(
+        procs,
+        "decode",
+        cluster.model,
+        None,
+        "--drain-grace-s",
+        str(grace_s),
+        "--drain-announce-s",
+        "3",
+    )
+    cfg = router_config(
+        cluster.model,
+        [cluster.prefill],
+        [draining.address, cluster.decode],
+        routing={"decode_policy": "round_robin"},
+    )
 
     async def body():
         ledger = Ledger("drain")
         async with running_router(cfg) as (r, stub):
             await wait_all_healthy(r)
             streams = [await start_on(ledger, stub, draining.address, [cluster.decode], PROMPT)]
-            streams += [ledger.start(stub, PROMPT) for _ in range(2)]  # round robin: one more lands there
+            streams += [
+                ledger.start(stub, PROMPT) for _ in range(2)
+            ]  # round robin: one more lands there
             await streams[0].read(2)
             in_flight = len(streams[0].tokens)  # the drain must overlap a running stream
             draining.proc.send_signal(signal.SIGTERM)
             termed = time.monotonic()
-            await wait_until(lambda: _not_serving(draining.address), 5, "draining worker not SERVING")
+            await wait_until(
+                lambda: _not_serving(draining.address), 5, "draining worker not SERVING"
+            )
             w = r.registry.get(draining.address)
-            await wait_until(lambda: not w.healthy, 5, "router stopped routing to the draining worker")
+            await wait_until(
+                lambda: not w.healthy, 5, "router stopped routing to the draining worker"
+            )
             codes = await asyncio.gather(*(t.finish() for t in streams))
             code = await asyncio.to_thread(draining.proc.wait, grace_s)
             exited_s = time.monotonic() - termed
@@ -86,9 +113,14 @@ def test_sigterm_drain_finishes_in_flight_streams(cluster, oracle, procs):
     want = oracle(PROMPT, SamplingParams(temperature=0, max_tokens=249, ignore_eos=True)).token_ids
     assert codes == [grpc.StatusCode.OK] * 3 and all(t.tokens == want for t in streams)
     assert code == 0 and exited_s < grace_s
-    assert 2 <= in_flight < len(want)  # SIGTERM came mid-stream; that stream still ended OK, complete
+    assert (
+        2 <= in_flight < len(want)
+    )  # SIGTERM came mid-stream; that stream still ended OK, complete
 
 
 async def _not_serving(address: str) -> bool:
     # NOT_SERVING exactly: a worker that died or stopped answering would not count as draining
-    return await asyncio.to_thread(health_status, address, "splitserve.v1.DecodeWorker", 1.0) == NOT_SERVING
+    return (
+        await asyncio.to_thread(health_status, address, "splitserve.v1.DecodeWorker", 1.0)
+        == NOT_SERVING
+    )

@@ -27,14 +27,24 @@ async def _max_slow_probes(worker, until, timeout: float = 60.0) -> int:
     return max(most, worker.slow_probes)
 
 
-def test_slow_probes_do_not_evict_a_live_worker_but_a_wedged_or_dead_one_goes(tiny_llama, cluster, procs):
+def test_slow_probes_do_not_evict_a_live_worker_but_a_wedged_or_dead_one_goes(
+    tiny_llama, cluster, procs
+):
     decode, _ = start_worker(procs, "decode", tiny_llama)
-    registry = {"poll_interval_s": POLL_S, "probe_timeout_s": PROBE_TIMEOUT_S, "probe_failures_to_evict": 3}
+    registry = {
+        "poll_interval_s": POLL_S,
+        "probe_timeout_s": PROBE_TIMEOUT_S,
+        "probe_failures_to_evict": 3,
+    }
 
     async def body():
-        cfg = router_config(tiny_llama, [cluster.prefill], [decode.address, cluster.decode], registry=registry)
+        cfg = router_config(
+            tiny_llama, [cluster.prefill], [decode.address, cluster.decode], registry=registry
+        )
         async with running_router(cfg) as (r, _):
-            await wait_until(lambda: all(w.healthy for w in r.registry.workers()), 20, "every worker healthy")
+            await wait_until(
+                lambda: all(w.healthy for w in r.registry.workers()), 20, "every worker healthy"
+            )
             w = r.registry.get(decode.address)
             # 1. one slow probe, then the worker answers again: never evicted
             os.kill(decode.proc.pid, signal.SIGSTOP)

@@ -15,10 +15,13 @@ import helpers_procs
 from fault_helpers import start_worker
 from grpc_health.v1 import health_pb2
 
-from splitserve.worker.stall_watch import StallWatch
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.worker.stall_watch import StallWatch
 
-SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+SERVING, NOT_SERVING = (
+    health_pb2.HealthCheckResponse.SERVING,
+    health_pb2.HealthCheckResponse.NOT_SERVING,
+)
 BLOCKED_S = 8.0  # the stuck step; far longer than the stall timeout below
 STALL_S = 1.0
 PROMPT = [1, 44, 45, 46, 200, 201, 202]
@@ -42,7 +45,9 @@ class HealthLog:
         """Until the latest status seen is `status`."""
         deadline = time.monotonic() + timeout
         while not self.seen or self.seen[-1] != status:
-            assert time.monotonic() < deadline, f"{self.sp.name} never answered {status}: saw {self.seen}"
+            assert time.monotonic() < deadline, (
+                f"{self.sp.name} never answered {status}: saw {self.seen}"
+            )
             time.sleep(0.05)
 
     def close(self) -> None:
@@ -51,20 +56,31 @@ class HealthLog:
 
 
 def test_prefill_engine_blocked_goes_not_serving_and_back(tiny_llama, procs):
-    sp, _ = start_worker(procs, "prefill", tiny_llama, {"last_chunk_delay_s": BLOCKED_S, "request_id_prefix": "stuck"},
-                         "--stall-timeout-s", str(STALL_S))
+    sp, _ = start_worker(
+        procs,
+        "prefill",
+        tiny_llama,
+        {"last_chunk_delay_s": BLOCKED_S, "request_id_prefix": "stuck"},
+        "--stall-timeout-s",
+        str(STALL_S),
+    )
     stub = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(sp.address))
     health = HealthLog(sp)
     try:
         health.wait_for(SERVING)
-        call = stub.Prefill.future(worker_pb2.PrefillRequest(request_id="stuck-0", prompt_token_ids=PROMPT), timeout=90)
+        call = stub.Prefill.future(
+            worker_pb2.PrefillRequest(request_id="stuck-0", prompt_token_ids=PROMPT), timeout=90
+        )
         health.wait_for(NOT_SERVING)
         assert not call.done(), "NOT_SERVING must come while the step is still blocked"
         resp = call.result()
         health.wait_for(SERVING)
         health.close()
         assert health.seen[-2:] == [NOT_SERVING, SERVING], health.seen
-        stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id, request_id="stuck-0"), timeout=10)
+        stub.ReleaseLease(
+            worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id, request_id="stuck-0"),
+            timeout=10,
+        )
         helpers_procs.all_free(stub)
         assert "made no progress" in sp.log() and "making progress again" in sp.log()
     finally:
@@ -72,23 +88,36 @@ def test_prefill_engine_blocked_goes_not_serving_and_back(tiny_llama, procs):
 
 
 def test_decode_engine_blocked_goes_not_serving_and_back(tiny_llama, procs):
-    sp, _ = start_worker(procs, "decode", tiny_llama, {"step_delay_s": BLOCKED_S, "request_id_prefix": "stuck"},
-                         "--stall-timeout-s", str(STALL_S))
+    sp, _ = start_worker(
+        procs,
+        "decode",
+        tiny_llama,
+        {"step_delay_s": BLOCKED_S, "request_id_prefix": "stuck"},
+        "--stall-timeout-s",
+        str(STALL_S),
+    )
     stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(sp.address))
     health = HealthLog(sp)
     try:
         health.wait_for(SERVING)
-        time.sleep(3 * STALL_S)  # idle for longer than the stall timeout: no false stall at the next request
+        time.sleep(
+            3 * STALL_S
+        )  # idle for longer than the stall timeout: no false stall at the next request
         assert health.seen == [SERVING], health.seen
-        req = worker_pb2.DecodeRequest(request_id="stuck-0", prompt_token_ids=PROMPT,
-                                       sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=1,
-                                                                            ignore_eos=True))
+        req = worker_pb2.DecodeRequest(
+            request_id="stuck-0",
+            prompt_token_ids=PROMPT,
+            sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        )
         stream = stub.Decode(req, timeout=90)
         health.wait_for(NOT_SERVING)
         tokens = [t for chunk in stream for t in chunk.token_ids]
         health.wait_for(SERVING)
         health.close()
-        assert len(tokens) == 1 and health.seen[-2:] == [NOT_SERVING, SERVING], (tokens, health.seen)
+        assert len(tokens) == 1 and health.seen[-2:] == [NOT_SERVING, SERVING], (
+            tokens,
+            health.seen,
+        )
         helpers_procs.all_free(stub)
     finally:
         health.close()
@@ -109,8 +138,15 @@ def test_stall_watch_rules():
         async def set_serving(serving: bool) -> None:
             calls.append(serving)
 
-        watch = StallWatch("test", lambda: state["busy"], lambda: state["progress"], lambda: state["failed"],
-                           60.0, set_serving, clock=clock)
+        watch = StallWatch(
+            "test",
+            lambda: state["busy"],
+            lambda: state["progress"],
+            lambda: state["failed"],
+            60.0,
+            set_serving,
+            clock=clock,
+        )
         watch.tick_s = 0.01
 
         async def ticks(n: int = 5) -> None:

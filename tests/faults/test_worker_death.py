@@ -23,12 +23,14 @@ from fault_helpers import (
 )
 from router_helpers import greedy, router_config, running_router, wait_until
 
-from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2_grpc
+from splitserve.request.sampling_params import SamplingParams
 
 PROMPT = [1, 44, 45, 46, 200, 201, 202]
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
-pytestmark = pytest.mark.slow  # the suite's slowest file: processes killed, restarted and waited out
+pytestmark = (
+    pytest.mark.slow
+)  # the suite's slowest file: processes killed, restarted and waited out
 
 
 def _want(oracle, n: int, prompt=PROMPT) -> list[int]:
@@ -43,8 +45,17 @@ def test_lease_nobody_collects_expires_and_frees(cluster, oracle, procs):
     no one is left to release it.)"""
     ttl_s = 1.0
     prefill, pm = start_worker(procs, "prefill", cluster.model, None, "--lease-ttl-s", str(ttl_s))
-    router = procs.router(cluster.model, "--prefill", prefill.address, "--decode", cluster.decode,
-                          "--max-model-len", "256", "--poll-interval-s", "0.2")
+    router = procs.router(
+        cluster.model,
+        "--prefill",
+        prefill.address,
+        "--decode",
+        cluster.decode,
+        "--max-model-len",
+        "256",
+        "--poll-interval-s",
+        "0.2",
+    )
 
     async def body():
         ledger = Ledger(f"{SLOW_PULL}-orphan")  # the decode worker waits before pulling
@@ -56,20 +67,28 @@ def test_lease_nobody_collects_expires_and_frees(cluster, oracle, procs):
             assert await t.finish() == UNAVAILABLE
         await wait_no_lease(prefill.address, ttl_s + 5)  # expired
         expired = metric(pm, "splitserve_kv_lease_expired_total")
-        async with running_router(router_config(cluster.model, [prefill.address], [cluster.decode])) as (_, stub):
-            await finish_case(ledger, stub, oracle, [prefill.address], [cluster.decode])  # its router is gone
+        async with running_router(
+            router_config(cluster.model, [prefill.address], [cluster.decode])
+        ) as (_, stub):
+            await finish_case(
+                ledger, stub, oracle, [prefill.address], [cluster.decode]
+            )  # its router is gone
         return expired
 
     assert asyncio.run(body()) == 1
 
 
-STALLS = {"before_payload": {"stall_before_payload_s": 60},
-          # small messages; the first one lands in the decode side's staging buffer, then the stall
-          "mid_payload": {"message_bytes": 512, "stall_after_first_message_s": 60}}
+STALLS = {
+    "before_payload": {"stall_before_payload_s": 60},
+    # small messages; the first one lands in the decode side's staging buffer, then the stall
+    "mid_payload": {"message_bytes": 512, "stall_after_first_message_s": 60},
+}
 
 
-@pytest.mark.parametrize(("policy", "phase"), [("recompute", "before_payload"), ("fail", "before_payload"),
-                                               ("recompute", "mid_payload")])
+@pytest.mark.parametrize(
+    ("policy", "phase"),
+    [("recompute", "before_payload"), ("fail", "before_payload"), ("recompute", "mid_payload")],
+)
 def test_prefill_killed_mid_transfer(cluster, oracle, procs, policy, phase):
     """The prefill worker dies after its pull reply, before the payload or with part of it sent
     (a stall holds it there): the decode worker fails the pull within its data timeout, then
@@ -77,28 +96,48 @@ def test_prefill_killed_mid_transfer(cluster, oracle, procs, policy, phase):
     partial payload stays in the staging buffer, never unpacked into blocks), and the next
     requests on the same decode worker are the oracle's."""
     data_timeout_s = 5.0
-    doomed, doomed_metrics = start_worker(procs, "prefill", cluster.model, {"transfer": STALLS[phase]}, wait=False)
-    decode, dm = start_worker(procs, "decode", cluster.model, None, "--kv-failure-policy", policy,
-                              "--kv-data-timeout-s", str(data_timeout_s), wait=False)
+    doomed, doomed_metrics = start_worker(
+        procs, "prefill", cluster.model, {"transfer": STALLS[phase]}, wait=False
+    )
+    decode, dm = start_worker(
+        procs,
+        "decode",
+        cluster.model,
+        None,
+        "--kv-failure-policy",
+        policy,
+        "--kv-data-timeout-s",
+        str(data_timeout_s),
+        wait=False,
+    )
     doomed.wait_serving()
     decode.wait_serving()
 
     async def body():
         ledger = Ledger(f"midpull-{policy}-{phase}")
-        async with running_router(router_config(cluster.model, [doomed.address], [decode.address])) as (r, stub):
+        async with running_router(
+            router_config(cluster.model, [doomed.address], [decode.address])
+        ) as (r, stub):
             t = ledger.start(stub, PROMPT, greedy(12, ignore_eos=True))
             await t.read(1)
             # the pull is asked for and answered; the payload (or its rest) is stalled
-            await wait_until(lambda: metric(doomed_metrics, "splitserve_kv_transfer_sending") == 1, 20,
-                             "the pull answered, its payload stalled")
+            await wait_until(
+                lambda: metric(doomed_metrics, "splitserve_kv_transfer_sending") == 1,
+                20,
+                "the pull answered, its payload stalled",
+            )
             await asyncio.sleep(0.3)  # mid_payload: the first message reaches the decode side
             doomed.kill()
             killed_at = time.monotonic()
             await t.finish()
             failed_s = time.monotonic() - killed_at
-            failures = sum(metric(dm, "splitserve_kv_transfer_failures_total", reason=why)
-                           for why in ("peer_failed", "data_timeout"))
-            async with running_router(router_config(cluster.model, [cluster.prefill], [decode.address])) as (_, s2):
+            failures = sum(
+                metric(dm, "splitserve_kv_transfer_failures_total", reason=why)
+                for why in ("peer_failed", "data_timeout")
+            )
+            async with running_router(
+                router_config(cluster.model, [cluster.prefill], [decode.address])
+            ) as (_, s2):
                 await finish_case(ledger, s2, oracle, [cluster.prefill], [decode.address], r)
         return t, failed_s, failures
 
@@ -107,12 +146,23 @@ def test_prefill_killed_mid_transfer(cluster, oracle, procs, policy, phase):
     if policy == "recompute":
         assert t.status == "OK/LENGTH" and t.tokens == _want(oracle, 12)
     else:
-        assert t.code == UNAVAILABLE and "KV transfer failed" in t.details and t.tokens == _want(oracle, 1)
+        assert (
+            t.code == UNAVAILABLE
+            and "KV transfer failed" in t.details
+            and t.tokens == _want(oracle, 1)
+        )
 
 
 def _two_decode_router(cluster, extra: str, **registry):
-    return running_router(router_config(cluster.model, [cluster.prefill], [extra, cluster.decode],
-                                        routing={"decode_policy": "round_robin"}, registry=registry))
+    return running_router(
+        router_config(
+            cluster.model,
+            [cluster.prefill],
+            [extra, cluster.decode],
+            routing={"decode_policy": "round_robin"},
+            registry=registry,
+        )
+    )
 
 
 def test_decode_killed_mid_stream_is_unavailable_and_evicted(cluster, oracle, procs):
@@ -133,9 +183,15 @@ def test_decode_killed_mid_stream_is_unavailable_and_evicted(cluster, oracle, pr
 
     t, evicted, after, evictions = asyncio.run(body())
     assert f"failed after {len(t.tokens)} tokens were streamed" in t.details
-    assert 2 <= len(t.tokens) < 249 and t.tokens == _want(oracle, 249)[:len(t.tokens)]  # never a replay
+    assert (
+        2 <= len(t.tokens) < 249 and t.tokens == _want(oracle, 249)[: len(t.tokens)]
+    )  # never a replay
     # at once, not after several probes: the stream's UNAVAILABLE or the refused probe
-    assert evicted and sum(evictions.values()) == 1 and set(evictions) <= {"request_unavailable", "refused"}
+    assert (
+        evicted
+        and sum(evictions.values()) == 1
+        and set(evictions) <= {"request_unavailable", "refused"}
+    )
     assert all(a.status == "OK/LENGTH" and a.tokens == _want(oracle, 8) for a in after)
 
 
@@ -149,7 +205,9 @@ def test_decode_refused_before_its_first_chunk_is_retried_elsewhere(cluster, ora
         async with _two_decode_router(cluster, gone.address, poll_interval_s=60) as (r, stub):
             await wait_all_healthy(r)
             gone.kill()
-            done = [await ledger.run(stub, PROMPT, greedy(8, ignore_eos=True)) for _ in range(2)]  # round robin
+            done = [
+                await ledger.run(stub, PROMPT, greedy(8, ignore_eos=True)) for _ in range(2)
+            ]  # round robin
             evictions = r.metrics.evictions_of("decode", gone.address)
             await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
             return done, evictions
@@ -170,8 +228,9 @@ def test_wedged_decode_worker_is_evicted_in_bounded_time_and_recovers(cluster, o
 
     async def body():
         ledger = Ledger("wedged")
-        async with _two_decode_router(cluster, wedged.address, probe_timeout_s=PROBE_TIMEOUT_S,
-                                      poll_interval_s=POLL_S) as (r, stub):
+        async with _two_decode_router(
+            cluster, wedged.address, probe_timeout_s=PROBE_TIMEOUT_S, poll_interval_s=POLL_S
+        ) as (r, stub):
             await wait_all_healthy(r)
             t = await start_on(ledger, stub, wedged.address, [cluster.decode], PROMPT)
             await t.read(2)
@@ -181,16 +240,24 @@ def test_wedged_decode_worker_is_evicted_in_bounded_time_and_recovers(cluster, o
                 w = r.registry.get(wedged.address)
                 await wait_until(lambda: not w.healthy, EVICT_BOUND_S + 5, "wedged worker evicted")
                 evicted_s, why = time.monotonic() - stopped_at, w.why
-                during = [await ledger.run(stub, PROMPT, greedy(8, ignore_eos=True)) for _ in range(2)]
+                during = [
+                    await ledger.run(stub, PROMPT, greedy(8, ignore_eos=True)) for _ in range(2)
+                ]
                 t.call.cancel()  # its client gives up on the wedged stream
                 assert await t.finish() == grpc.StatusCode.CANCELLED
             finally:
                 os.kill(wedged.proc.pid, signal.SIGCONT)
-            await wait_until(lambda: w.healthy, EVICT_BOUND_S + 5, "recovered worker back in rotation")
-            await finish_case(ledger, stub, oracle, [cluster.prefill], [wedged.address, cluster.decode], r, n=2)
+            await wait_until(
+                lambda: w.healthy, EVICT_BOUND_S + 5, "recovered worker back in rotation"
+            )
+            await finish_case(
+                ledger, stub, oracle, [cluster.prefill], [wedged.address, cluster.decode], r, n=2
+            )
             return evicted_s, why, during
 
     evicted_s, why, during = asyncio.run(body())
     assert evicted_s <= EVICT_BOUND_S and "DEADLINE_EXCEEDED" in why, (evicted_s, why)
-    assert evicted_s >= (SLOW_PROBES - 1) * PROBE_TIMEOUT_S, evicted_s  # not at the first slow probe
+    assert evicted_s >= (SLOW_PROBES - 1) * PROBE_TIMEOUT_S, (
+        evicted_s
+    )  # not at the first slow probe
     assert all(a.status == "OK/LENGTH" and a.tokens == _want(oracle, 8) for a in during)

@@ -15,8 +15,11 @@ from splitserve.kernels.dispatch import force_triton
 DTYPES = [torch.float32, torch.bfloat16]
 # The kernels round every intermediate exactly like the reference (round to nearest even, also
 # under the interpreter), so only the fp32 summation order differs: bf16 outputs agree to one ulp.
-LIN_TOL = {torch.float32: TOL[torch.float32], torch.bfloat16: dict(atol=8e-3, rtol=8e-3),
-           torch.float16: TOL[torch.float16]}
+LIN_TOL = {
+    torch.float32: TOL[torch.float32],
+    torch.bfloat16: dict(atol=8e-3, rtol=8e-3),
+    torch.float16: TOL[torch.float16],
+}
 
 
 def close(actual, expected, tol=None):
@@ -28,7 +31,9 @@ def close(actual, expected, tol=None):
 def _linear_inputs(m, k, n, dtype, bias, device="cpu", seed=0):
     g = gen(seed)
     x = randn(m, k, dtype=dtype, device=device, g=g)
-    wg = torch.Generator(device).manual_seed(seed)  # on the device: the lm_head weight is 262M values
+    wg = torch.Generator(device).manual_seed(
+        seed
+    )  # on the device: the lm_head weight is 262M values
     w = (torch.randn(n, k, generator=wg, device=device) / k**0.5).to(dtype)  # outputs O(1)
     b = randn(n, dtype=dtype, device=device, g=g) if bias else None
     return x, w, b
@@ -55,7 +60,9 @@ def _check_norm_linear(m, k, n, dtype, with_residual, bias, device="cpu", config
 @cpu_interpreter
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("with_residual,bias", [(True, True), (True, False), (False, True), (False, False)])
+@pytest.mark.parametrize(
+    "with_residual,bias", [(True, True), (True, False), (False, True), (False, False)]
+)
 def test_fused_add_rms_norm_linear(dtype, m, with_residual, bias):
     _check_norm_linear(m, 200, 37, dtype, with_residual, bias, seed=m)
 
@@ -120,8 +127,10 @@ def test_strided_input_rows():
     x = randn(3, 300, g=g)[:, :120]
     res = randn(3, 200, g=g)[:, 50:170]
     nw, w = randn(120, g=g), randn(40, 120, g=g) / 11
-    for a, b in zip(tfl.fused_add_rms_norm_linear(x, res, nw, 1e-6, w), reference.fused_add_rms_norm_linear(
-            x, res, nw, 1e-6, w)):
+    for a, b in zip(
+        tfl.fused_add_rms_norm_linear(x, res, nw, 1e-6, w),
+        reference.fused_add_rms_norm_linear(x, res, nw, 1e-6, w),
+    ):
         close(a, b)
 
 
@@ -158,10 +167,14 @@ def test_ops_dispatch_by_token_count():
         assert torch.equal(out, exp_out) and torch.equal(summed, exp_sum)
         out, summed = ops.fused_add_rms_norm_linear(big, res_big, nw, 1e-5, w)
         normed, exp_sum = triton_norm.fused_add_rms_norm(big, res_big, nw, 1e-5)
-        assert torch.equal(out, torch.nn.functional.linear(normed, w)) and torch.equal(summed, exp_sum)
+        assert torch.equal(out, torch.nn.functional.linear(normed, w)) and torch.equal(
+            summed, exp_sum
+        )
         gate_up = randn(ops.SMALL_M_MAX + 1, 2 * k, g=g)
         close(ops.silu_mul_linear(gate_up, w), reference.silu_mul_linear(gate_up, w))
-        assert torch.equal(ops.linear_small_m(small, w, gemv=False), torch.nn.functional.linear(small, w))
+        assert torch.equal(
+            ops.linear_small_m(small, w, gemv=False), torch.nn.functional.linear(small, w)
+        )
     out, summed = ops.fused_add_rms_norm_linear(small, res_small, nw, 1e-5, w)
     exp_out, exp_sum = reference.fused_add_rms_norm_linear(small, res_small, nw, 1e-5, w)
     assert torch.equal(out, exp_out) and torch.equal(summed, exp_sum)
@@ -174,7 +187,9 @@ def test_model_decode_with_triton_kernels_matches_reference(tiny_qwen2):
     from splitserve.config.engine_config import EngineConfig
     from splitserve.engine.model_runner import DecodeLane, ModelRunner, PrefillChunk
 
-    runner = ModelRunner(EngineConfig(model_path=str(tiny_qwen2), cache={"num_blocks": 32, "block_size": 4}))
+    runner = ModelRunner(
+        EngineConfig(model_path=str(tiny_qwen2), cache={"num_blocks": 32, "block_size": 4})
+    )
     prompts, tables = [[1, 5, 9, 200, 7, 3], [1, 42]], [[3, 4, 5, 6], [9, 10, 11, 12]]
 
     def run(triton: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -186,7 +201,9 @@ def test_model_decode_with_triton_kernels_matches_reference(tiny_qwen2):
             for _ in range(2):
                 for s, tok in zip(seqs, logits.argmax(-1).tolist()):
                     s.append(tok)
-                logits = runner.decode([DecodeLane(s[-1], len(s) - 1, t) for s, t in zip(seqs, tables)])
+                logits = runner.decode(
+                    [DecodeLane(s[-1], len(s) - 1, t) for s, t in zip(seqs, tables)]
+                )
                 out.append(logits)
         return out, seqs
 
@@ -207,7 +224,10 @@ def exact_cublas(monkeypatch):
 
 
 GPU_SHAPES = {  # name: (K, N)
-    "qkv": (2048, 3072), "gate_up": (2048, 16384), "o_proj": (2048, 2048), "lm_head": (2048, 128256),
+    "qkv": (2048, 3072),
+    "gate_up": (2048, 16384),
+    "o_proj": (2048, 2048),
+    "lm_head": (2048, 128256),
     "qwen_qkv": (896, 1152),  # K not a multiple of BLOCK_K
 }
 
@@ -218,7 +238,9 @@ GPU_SHAPES = {  # name: (K, N)
 @pytest.mark.parametrize("name", ["qkv", "gate_up", "lm_head", "qwen_qkv"])
 def test_gpu_norm_linear(name, m):
     k, n = GPU_SHAPES[name]
-    _check_norm_linear(m, k, n, torch.bfloat16, True, name.startswith("qwen"), device="cuda", seed=m)
+    _check_norm_linear(
+        m, k, n, torch.bfloat16, True, name.startswith("qwen"), device="cuda", seed=m
+    )
     if name == "qkv":
         _check_norm_linear(m, k, n, torch.bfloat16, False, False, device="cuda", seed=m)
         _check_norm_linear(m, k, n, torch.float32, True, True, device="cuda", seed=m)

@@ -41,7 +41,9 @@ def _decode_check(case, dtype, num_splits=None, block_n=None, seed=0):
         if num_splits is None and block_n is None:
             out = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
         else:
-            out = paged_decode_attention_impl(q, k_cache, v_cache, tables, ctx, scale, num_splits, block_n)
+            out = paged_decode_attention_impl(
+                q, k_cache, v_cache, tables, ctx, scale, num_splits, block_n
+            )
     expected = reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale)
     _close(out, expected)
     for b, n in enumerate(lens):
@@ -88,8 +90,12 @@ def test_decode_plan_depends_only_on_shapes():
 
     cpu = torch.device("cpu")
     assert plan_splits(batch=1, hkv=2, max_ctx=4096, block_n=16, device=cpu) > 1
-    assert plan_splits(batch=1, hkv=2, max_ctx=16, block_n=16, device=cpu) == 1  # one tile: no split
-    assert plan_splits(batch=64, hkv=8, max_ctx=4096, block_n=16, device=cpu) == 1  # lanes fill the machine
+    assert (
+        plan_splits(batch=1, hkv=2, max_ctx=16, block_n=16, device=cpu) == 1
+    )  # one tile: no split
+    assert (
+        plan_splits(batch=64, hkv=8, max_ctx=4096, block_n=16, device=cpu) == 1
+    )  # lanes fill the machine
 
 
 def test_decode_more_splits_than_tiles():
@@ -142,7 +148,9 @@ def test_decode_no_host_sync(monkeypatch):
     guard(True)
     try:
         with force_triton():
-            out = mod.paged_decode_attention_impl(q, k_cache, v_cache, tables, ctx, 0.25, num_splits=2)
+            out = mod.paged_decode_attention_impl(
+                q, k_cache, v_cache, tables, ctx, 0.25, num_splits=2
+            )
     finally:
         guard(False)
     # (batch, kv heads, splits) and (batch, q heads): from shapes only
@@ -163,14 +171,18 @@ def _prefill_check(case, dtype, block_m=None, block_n=None, seed=0):
     from splitserve.kernels.triton_prefill_attention import prefill_attention_impl
 
     hq, hkv, d, bs, q_lens, lens = case
-    q, k_cache, v_cache, tables, cu, ctx = prefill_inputs(q_lens, lens, hq, hkv, d, bs, dtype, seed=seed)
+    q, k_cache, v_cache, tables, cu, ctx = prefill_inputs(
+        q_lens, lens, hq, hkv, d, bs, dtype, seed=seed
+    )
     scale = d**-0.5
     max_q = max(q_lens)
     with force_triton():
         if block_m is None:
             out = ops.prefill_attention(q, k_cache, v_cache, tables, cu, ctx, max_q, scale)
         else:
-            out = prefill_attention_impl(q, k_cache, v_cache, tables, cu, ctx, max_q, scale, block_m, block_n)
+            out = prefill_attention_impl(
+                q, k_cache, v_cache, tables, cu, ctx, max_q, scale, block_m, block_n
+            )
     expected = reference.prefill_attention(q, k_cache, v_cache, tables, cu, ctx, max_q, scale)
     _close(out, expected)
 

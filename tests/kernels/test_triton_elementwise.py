@@ -133,8 +133,14 @@ def _caches(nb, bs, hkv, d, dtype):
     return k_cache, v_cache
 
 
-@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("t,hkv,d,bs", [(1, 1, 16, 4), (7, 3, 32, 4), (20, 2, 64, 16)])
 def test_write_kv_cache(dtype, cache_dtype, t, hkv, d, bs):
     g = gen(9)

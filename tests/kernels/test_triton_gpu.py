@@ -26,10 +26,15 @@ def close(actual, expected, tol=None):
 @pytest.mark.parametrize("shape", [(1, 2048), (257, 2048), (33, 3000)])
 def test_norms(dtype, shape):
     g = gen(1)
-    x, res = randn(*shape, dtype=dtype, device=DEV, g=g), randn(*shape, dtype=dtype, device=DEV, g=g)
+    x, res = (
+        randn(*shape, dtype=dtype, device=DEV, g=g),
+        randn(*shape, dtype=dtype, device=DEV, g=g),
+    )
     w = randn(shape[-1], dtype=dtype, device=DEV, g=g)
     close(ops.rms_norm(x, w, 1e-5), reference.rms_norm(x, w, 1e-5), ELEMENTWISE_TOL[dtype])
-    for a, b in zip(ops.fused_add_rms_norm(x, res, w, 1e-5), reference.fused_add_rms_norm(x, res, w, 1e-5)):
+    for a, b in zip(
+        ops.fused_add_rms_norm(x, res, w, 1e-5), reference.fused_add_rms_norm(x, res, w, 1e-5)
+    ):
         close(a, b, ELEMENTWISE_TOL[dtype])
 
 
@@ -39,7 +44,9 @@ def test_silu_and_mul(shape):
     close(ops.silu_and_mul(x), reference.silu_and_mul(x), ELEMENTWISE_TOL[BF16])
 
 
-@pytest.mark.parametrize("hq,hkv,d,rot", [(32, 8, 64, 64), (32, 8, 128, 128), (16, 2, 128, 64), (8, 1, 256, 256)])
+@pytest.mark.parametrize(
+    "hq,hkv,d,rot", [(32, 8, 64, 64), (32, 8, 128, 128), (16, 2, 128, 64), (8, 1, 256, 256)]
+)
 def test_rope_and_kv_writes(hq, hkv, d, rot):
     t, bs, layers = 300, 16, 2
     g = gen(3)
@@ -75,14 +82,18 @@ def test_pack_unpack_llama_1b():
 
 
 def _decode(hq, hkv, d, bs, lens, dtype, seed=0, extra_cols=8):
-    k_cache, v_cache, tables, ctx = paged_kv(lens, hkv, d, bs, dtype, device=DEV, seed=seed, extra_cols=extra_cols)
+    k_cache, v_cache, tables, ctx = paged_kv(
+        lens, hkv, d, bs, dtype, device=DEV, seed=seed, extra_cols=extra_cols
+    )
     q = randn(len(lens), hq, d, dtype=dtype, device=DEV, g=gen(seed + 1))
     out = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, d**-0.5)
     close(out, reference.paged_decode_attention(q, k_cache, v_cache, tables, ctx, d**-0.5))
     assert not out[torch.tensor(lens, device=DEV) == 0].any()
 
 
-@pytest.mark.parametrize("lens", [[4096], [1, 17, 0, 3000, 2048, 999, 0, 64, 4095, 5, 2500, 16, 1200], [1024] * 64])
+@pytest.mark.parametrize(
+    "lens", [[4096], [1, 17, 0, 3000, 2048, 999, 0, 64, 4095, 5, 2500, 16, 1200], [1024] * 64]
+)
 def test_decode_llama_1b(lens):
     _decode(32, 8, 64, 16, lens, BF16)
 
@@ -119,7 +130,9 @@ def test_decode_cuda_graph():
     for trial in range(4):
         new_lens = torch.randint(0, max_blocks * bs + 1, (batch,), generator=g, dtype=torch.int32)
         new_lens[trial % batch] = 0
-        new_tables = (torch.randperm(nb - 1, generator=g)[: batch * max_blocks] + 1).view(batch, max_blocks)
+        new_tables = (torch.randperm(nb - 1, generator=g)[: batch * max_blocks] + 1).view(
+            batch, max_blocks
+        )
         lens.copy_(new_lens)
         tables.copy_(new_tables.to(torch.int32))
         q.copy_(randn(batch, hq, d, dtype=BF16, g=g))
@@ -139,13 +152,16 @@ def test_decode_cuda_graph():
     ],
 )
 def test_prefill(hq, hkv, d, q_lens, lens):
-    q, k_cache, v_cache, tables, cu, ctx = prefill_inputs(q_lens, lens, hq, hkv, d, 16, BF16, device=DEV)
+    q, k_cache, v_cache, tables, cu, ctx = prefill_inputs(
+        q_lens, lens, hq, hkv, d, 16, BF16, device=DEV
+    )
     args = (q, k_cache, v_cache, tables, cu, ctx, max(q_lens), d**-0.5)
     close(ops.prefill_attention(*args), reference.prefill_attention(*args))
 
 
 def test_prefill_fp32():
-    q, k_cache, v_cache, tables, cu, ctx = prefill_inputs([77, 1, 200], [77, 50, 333], 8, 2, 64, 16,
-                                                          torch.float32, device=DEV)
+    q, k_cache, v_cache, tables, cu, ctx = prefill_inputs(
+        [77, 1, 200], [77, 50, 333], 8, 2, 64, 16, torch.float32, device=DEV
+    )
     args = (q, k_cache, v_cache, tables, cu, ctx, 200, 0.125)
     close(ops.prefill_attention(*args), reference.prefill_attention(*args))

@@ -14,7 +14,11 @@ import pytest
 
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 
-PROMPTS = [[1] + list(range(40, 77)), [1, 300, 301, 302, 303, 304, 305], [1] + list(range(100, 160))]
+PROMPTS = [
+    [1] + list(range(40, 77)),
+    [1, 300, 301, 302, 303, 304, 305],
+    [1] + list(range(100, 160)),
+]
 MAX_TOKENS = 12
 
 
@@ -27,22 +31,37 @@ def _sampling():
     return generate_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
-def _handover(prefill: worker_pb2_grpc.PrefillWorkerStub, decode: worker_pb2_grpc.DecodeWorkerStub, i: int):
-    resp = prefill.Prefill(worker_pb2.PrefillRequest(request_id=f"r{i}", prompt_token_ids=PROMPTS[i],
-                                                     sampling=_sampling()), timeout=60)
+def _handover(
+    prefill: worker_pb2_grpc.PrefillWorkerStub, decode: worker_pb2_grpc.DecodeWorkerStub, i: int
+):
+    resp = prefill.Prefill(
+        worker_pb2.PrefillRequest(
+            request_id=f"r{i}", prompt_token_ids=PROMPTS[i], sampling=_sampling()
+        ),
+        timeout=60,
+    )
     assert resp.kv.lease_id and resp.kv.address.port > 0
     assert resp.kv.num_blocks == -(-len(PROMPTS[i]) // 4)  # spans many 4-token blocks
     tokens = [resp.first_token_id]
-    for chunk in decode.Decode(worker_pb2.DecodeRequest(request_id=f"r{i}", prompt_token_ids=PROMPTS[i],
-                                                        first_token_id=resp.first_token_id, sampling=_sampling(),
-                                                        kv=resp.kv), timeout=60):
+    for chunk in decode.Decode(
+        worker_pb2.DecodeRequest(
+            request_id=f"r{i}",
+            prompt_token_ids=PROMPTS[i],
+            first_token_id=resp.first_token_id,
+            sampling=_sampling(),
+            kv=resp.kv,
+        ),
+        timeout=60,
+    ):
         tokens.extend(chunk.token_ids)
     return tokens
 
 
 def _stubs(p, d):
-    return (worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(p.address)),
-            worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(d.address)))
+    return (
+        worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(p.address)),
+        worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(d.address)),
+    )
 
 
 def _all_free(stub) -> worker_pb2.WorkerLoad:
@@ -52,7 +71,11 @@ def _all_free(stub) -> worker_pb2.WorkerLoad:
 
 
 def _received_bytes(metrics_port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
     m = re.search(r'splitserve_kv_transfer_bytes_total\{direction="received"\} ([0-9.e+]+)', text)
     return float(m.group(1)) if m else 0.0
 
@@ -61,12 +84,23 @@ def test_handover_over_ucx_equals_single_process(tiny_llama, expected, tmp_path)
     metrics = helpers_procs.free_port()
     with helpers_procs.ProcessGroup(tmp_path) as procs:
         p = procs.prefill_worker(tiny_llama, "--block-size", "4", "--num-blocks", "96")
-        d = procs.decode_worker(tiny_llama, "--block-size", "4", "--num-blocks", "96", "--metrics-port", str(metrics),
-                                "--kv-failure-policy", "fail")
+        d = procs.decode_worker(
+            tiny_llama,
+            "--block-size",
+            "4",
+            "--num-blocks",
+            "96",
+            "--metrics-port",
+            str(metrics),
+            "--kv-failure-policy",
+            "fail",
+        )
         prefill, decode = _stubs(p, d)
         for i in range(len(PROMPTS)):
             assert _handover(prefill, decode, i) == expected[i]
-        payload = sum(-(-len(x) // 4) for x in PROMPTS) * 2 * 3 * 4 * 2 * 16 * 4  # blocks*K,V*layers*bs*heads*dim*fp32
+        payload = (
+            sum(-(-len(x) // 4) for x in PROMPTS) * 2 * 3 * 4 * 2 * 16 * 4
+        )  # blocks*K,V*layers*bs*heads*dim*fp32
         assert _received_bytes(metrics) == payload  # pulled, not recomputed
         _all_free(prefill)
         _all_free(decode)
@@ -75,25 +109,48 @@ def test_handover_over_ucx_equals_single_process(tiny_llama, expected, tmp_path)
 
 def test_expired_lease_and_dead_prefill_follow_the_policy(tiny_llama, expected, tmp_path):
     with helpers_procs.ProcessGroup(tmp_path) as procs:
-        p = procs.prefill_worker(tiny_llama, "--block-size", "4", "--num-blocks", "96", "--lease-ttl-s", "0.3")
-        recompute = procs.decode_worker(tiny_llama, "--block-size", "4", "--num-blocks", "96",
-                                        "--kv-connect-timeout-s", "2")
-        fail = procs.decode_worker(tiny_llama, "--block-size", "4", "--num-blocks", "96",
-                                   "--kv-failure-policy", "fail", "--kv-connect-timeout-s", "2")
+        p = procs.prefill_worker(
+            tiny_llama, "--block-size", "4", "--num-blocks", "96", "--lease-ttl-s", "0.3"
+        )
+        recompute = procs.decode_worker(
+            tiny_llama, "--block-size", "4", "--num-blocks", "96", "--kv-connect-timeout-s", "2"
+        )
+        fail = procs.decode_worker(
+            tiny_llama,
+            "--block-size",
+            "4",
+            "--num-blocks",
+            "96",
+            "--kv-failure-policy",
+            "fail",
+            "--kv-connect-timeout-s",
+            "2",
+        )
         prefill, dec_recompute = _stubs(p, recompute)
         dec_fail = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(fail.address))
 
         def decode(stub, i, resp):
             tokens = [resp.first_token_id]
-            for chunk in stub.Decode(worker_pb2.DecodeRequest(request_id=f"x{i}-{id(stub)}", prompt_token_ids=PROMPTS[i],
-                                                              first_token_id=resp.first_token_id,
-                                                              sampling=_sampling(), kv=resp.kv), timeout=30):
+            for chunk in stub.Decode(
+                worker_pb2.DecodeRequest(
+                    request_id=f"x{i}-{id(stub)}",
+                    prompt_token_ids=PROMPTS[i],
+                    first_token_id=resp.first_token_id,
+                    sampling=_sampling(),
+                    kv=resp.kv,
+                ),
+                timeout=30,
+            ):
                 tokens.extend(chunk.token_ids)
             return tokens
 
         def prefill_one(i):
-            return prefill.Prefill(worker_pb2.PrefillRequest(request_id=f"e{i}", prompt_token_ids=PROMPTS[i],
-                                                             sampling=_sampling()), timeout=60)
+            return prefill.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id=f"e{i}", prompt_token_ids=PROMPTS[i], sampling=_sampling()
+                ),
+                timeout=60,
+            )
 
         import time
 
@@ -102,7 +159,10 @@ def test_expired_lease_and_dead_prefill_follow_the_policy(tiny_llama, expected, 
         assert decode(dec_recompute, 0, stale) == expected[0]  # recomputed: same tokens
         with pytest.raises(grpc.RpcError) as info:
             decode(dec_fail, 0, stale)
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "lease_expired" in info.value.details()
+        assert (
+            info.value.code() == grpc.StatusCode.UNAVAILABLE
+            and "lease_expired" in info.value.details()
+        )
         _all_free(prefill)
         orphan = prefill_one(1)
         p.kill()  # the prefill worker dies before anyone pulls
@@ -119,13 +179,31 @@ def test_layout_mismatch_is_failed_precondition(tiny_llama, tmp_path):
         p = procs.prefill_worker(tiny_llama, "--block-size", "4", "--num-blocks", "64")
         d = procs.decode_worker(tiny_llama, "--block-size", "8", "--num-blocks", "64")
         prefill, decode = _stubs(p, d)
-        resp = prefill.Prefill(worker_pb2.PrefillRequest(request_id="m", prompt_token_ids=PROMPTS[1],
-                                                         sampling=_sampling()), timeout=60)
+        resp = prefill.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="m", prompt_token_ids=PROMPTS[1], sampling=_sampling()
+            ),
+            timeout=60,
+        )
         with pytest.raises(grpc.RpcError) as info:
-            list(decode.Decode(worker_pb2.DecodeRequest(request_id="m", prompt_token_ids=PROMPTS[1],
-                                                        first_token_id=resp.first_token_id, sampling=_sampling(),
-                                                        kv=resp.kv), timeout=30))
-        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "block_size" in info.value.details()
-        prefill.ReleaseLease(worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id, request_id="m"), timeout=10)
+            list(
+                decode.Decode(
+                    worker_pb2.DecodeRequest(
+                        request_id="m",
+                        prompt_token_ids=PROMPTS[1],
+                        first_token_id=resp.first_token_id,
+                        sampling=_sampling(),
+                        kv=resp.kv,
+                    ),
+                    timeout=30,
+                )
+            )
+        assert (
+            info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and "block_size" in info.value.details()
+        )
+        prefill.ReleaseLease(
+            worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id, request_id="m"), timeout=10
+        )
         _all_free(prefill)
         _all_free(decode)

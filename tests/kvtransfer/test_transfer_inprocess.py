@@ -45,9 +45,18 @@ def _pools(dst_block_size=16, dst_hash="h"):
     return src, PoolSpec.of(src, "h"), dst, PoolSpec.of(dst, dst_hash)
 
 
-async def _run(faults=None, dst_block_size=16, dst_hash="h", blocks=(5, 9, 3, 70, 11, 40, 41, 42), cfg=None,
-               lease="L1", register=True):
-    cfg = cfg or KvTransferConfig(max_message_bytes=2**20, data_timeout_s=3, lease_request_timeout_s=3)
+async def _run(
+    faults=None,
+    dst_block_size=16,
+    dst_hash="h",
+    blocks=(5, 9, 3, 70, 11, 40, 41, 42),
+    cfg=None,
+    lease="L1",
+    register=True,
+):
+    cfg = cfg or KvTransferConfig(
+        max_message_bytes=2**20, data_timeout_s=3, lease_request_timeout_s=3
+    )
     src, src_spec, dst, dst_spec = _pools(dst_block_size, dst_hash)
     leases = Leases()
     if register:
@@ -55,8 +64,16 @@ async def _run(faults=None, dst_block_size=16, dst_hash="h", blocks=(5, 9, 3, 70
     server = KvTransferServer(src, src_spec, leases, cfg, faults)
     port = await server.start()
     client = KvTransferClient(dst, dst_spec, cfg)
-    handle = make_handle(src_spec, host="127.0.0.1", port=port, lease_id=lease, request_id="r1",
-                         num_blocks=len(blocks), num_tokens=len(blocks) * 16 - 3, ttl_s=30)
+    handle = make_handle(
+        src_spec,
+        host="127.0.0.1",
+        port=port,
+        lease_id=lease,
+        request_id="r1",
+        num_blocks=len(blocks),
+        num_tokens=len(blocks) * 16 - 3,
+        ttl_s=30,
+    )
     dest = [1 + i for i in range(len(blocks))]
     try:
         stats = await client.pull(handle, dest)
@@ -100,11 +117,24 @@ def test_cached_endpoint_is_reused_and_recreated_after_the_peer_drops_it():
                 for i in range(2):
                     lease = f"L{round_}-{i}"
                     leases.table[lease] = [3, 4]
-                    await client.pull(make_handle(spec, host="127.0.0.1", port=port, lease_id=lease,
-                                                  request_id="r1", num_blocks=2, num_tokens=20, ttl_s=30), [5, 6])
+                    await client.pull(
+                        make_handle(
+                            spec,
+                            host="127.0.0.1",
+                            port=port,
+                            lease_id=lease,
+                            request_id="r1",
+                            num_blocks=2,
+                            num_tokens=20,
+                            ttl_s=30,
+                        ),
+                        [5, 6],
+                    )
                     assert torch.equal(dst[:, :, [5, 6]], src[:, :, [3, 4]])
                     dst.zero_()
-                assert len(client.pool.idle[("127.0.0.1", port)]) == 1  # one endpoint served both pulls
+                assert (
+                    len(client.pool.idle[("127.0.0.1", port)]) == 1
+                )  # one endpoint served both pulls
                 seen.append(client.pool.idle[("127.0.0.1", port)][0])
                 # the peer drops the connection (a restart, as the client sees it): the cached
                 # endpoint is stale, and the next round's first pull must retry on a fresh one
@@ -132,8 +162,19 @@ def test_unknown_and_expired_leases_fail_cleanly():
         port = await server.start()
         client = KvTransferClient(dst, dspec, cfg)
         try:
-            await client.pull(make_handle(spec, host="127.0.0.1", port=port, lease_id="old", request_id="r",
-                                          num_blocks=1, num_tokens=4, ttl_s=1), [1])
+            await client.pull(
+                make_handle(
+                    spec,
+                    host="127.0.0.1",
+                    port=port,
+                    lease_id="old",
+                    request_id="r",
+                    num_blocks=1,
+                    num_tokens=4,
+                    ttl_s=1,
+                ),
+                [1],
+            )
         finally:
             client.close()
             await server.close()
@@ -170,8 +211,19 @@ def test_dead_peer_and_stalled_peer_time_out():
         src, spec, dst, dspec = _pools()
         client = KvTransferClient(dst, dspec, cfg)
         try:
-            await client.pull(make_handle(spec, host="127.0.0.1", port=free_port, lease_id="x", request_id="r",
-                                          num_blocks=1, num_tokens=1, ttl_s=1), [1])
+            await client.pull(
+                make_handle(
+                    spec,
+                    host="127.0.0.1",
+                    port=free_port,
+                    lease_id="x",
+                    request_id="r",
+                    num_blocks=1,
+                    num_tokens=1,
+                    ttl_s=1,
+                ),
+                [1],
+            )
         finally:
             client.close()
 

@@ -47,7 +47,10 @@ def unavailable() -> str | None:
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip()}"
     try:
-        for args in (("link", "add", "br0", "type", "bridge"), ("link", "add", "va", "type", "veth", "peer", "vb")):
+        for args in (
+            ("link", "add", "br0", "type", "bridge"),
+            ("link", "add", "va", "type", "veth", "peer", "vb"),
+        ):
             done = _ip("-n", probe, *args, check=False)
             if done.returncode != 0:
                 return f"cannot create a {args[-1] if args[-1] == 'bridge' else 'veth'} link: {done.stderr.strip()}"
@@ -74,7 +77,9 @@ class Topology:
             _ip("netns", "add", ns)
             self._made.append(ns)
             # created in the bridge namespace, the host end moved (and renamed) into the host's
-            _ip(*br, "link", "add", f"p-{host}", "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip(
+                *br, "link", "add", f"p-{host}", "type", "veth", "peer", "name", "eth0", "netns", ns
+            )
             _ip(*br, "link", "set", f"p-{host}", "master", "br0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             _ip("-n", ns, "addr", "add", f"{self.ip[host]}/{PREFIX_LEN}", "dev", "eth0")
@@ -100,8 +105,15 @@ class Driver:
 
     def __init__(self, argv: list[str], log_path) -> None:
         self._log = open(log_path, "w")  # noqa: SIM115 - closed by close()
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, bufsize=1, process_group=0)
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            bufsize=1,
+            process_group=0,
+        )
         self._queues: dict[int | None, queue.Queue] = {}
         self._lock = threading.Lock()
         self._next = 0

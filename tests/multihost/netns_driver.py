@@ -35,11 +35,17 @@ def say(tag, **msg) -> None:
 async def generate(cmd: dict) -> None:
     tag = cmd["tag"]
     req = generate_pb2.GenerateRequest(
-        request_id=cmd.get("request_id", ""), token_ids=generate_pb2.TokenIds(ids=cmd["ids"]),
-        sampling=generate_pb2.SamplingParams(temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True))
+        request_id=cmd.get("request_id", ""),
+        token_ids=generate_pb2.TokenIds(ids=cmd["ids"]),
+        sampling=generate_pb2.SamplingParams(
+            temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True
+        ),
+    )
     async with grpc.aio.insecure_channel(cmd["router"]) as ch:
         try:
-            async for chunk in generate_pb2_grpc.GenerateServiceStub(ch).Generate(req, timeout=cmd.get("timeout", 60)):
+            async for chunk in generate_pb2_grpc.GenerateServiceStub(ch).Generate(
+                req, timeout=cmd.get("timeout", 60)
+            ):
                 say(tag, event="tokens", ids=list(chunk.token_ids))
             say(tag, event="end", code="OK", details="")
         except grpc.aio.AioRpcError as err:
@@ -48,26 +54,37 @@ async def generate(cmd: dict) -> None:
 
 async def info(cmd: dict) -> None:
     async with grpc.aio.insecure_channel(cmd["router"]) as ch:
-        got = await generate_pb2_grpc.GenerateServiceStub(ch).GetServerInfo(generate_pb2.GetServerInfoRequest(),
-                                                                             timeout=5)
+        got = await generate_pb2_grpc.GenerateServiceStub(ch).GetServerInfo(
+            generate_pb2.GetServerInfoRequest(), timeout=5
+        )
     say(cmd["tag"], workers=[[w.role, w.address, w.healthy] for w in got.workers])
 
 
 async def load(cmd: dict) -> None:
-    stub = worker_pb2_grpc.PrefillWorkerStub if cmd["role"] == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+    stub = (
+        worker_pb2_grpc.PrefillWorkerStub
+        if cmd["role"] == "prefill"
+        else worker_pb2_grpc.DecodeWorkerStub
+    )
     async with grpc.aio.insecure_channel(cmd["address"]) as ch:
         try:
             got = await stub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=3)
         except grpc.aio.AioRpcError as err:
             return say(cmd["tag"], error=err.code().name)
-    say(cmd["tag"], load=MessageToDict(got, preserving_proto_field_name=True,
-                                       always_print_fields_with_no_presence=True))
+    say(
+        cmd["tag"],
+        load=MessageToDict(
+            got, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        ),
+    )
 
 
 async def health(cmd: dict) -> None:
     async with grpc.aio.insecure_channel(cmd["address"]) as ch:
         try:
-            got = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            got = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(), timeout=2
+            )
             status = health_pb2.HealthCheckResponse.ServingStatus.Name(got.status)
         except grpc.aio.AioRpcError:
             status = None
@@ -75,7 +92,9 @@ async def health(cmd: dict) -> None:
 
 
 async def metrics(cmd: dict) -> None:
-    text = await asyncio.to_thread(lambda: urllib.request.urlopen(cmd["url"], timeout=5).read().decode())
+    text = await asyncio.to_thread(
+        lambda: urllib.request.urlopen(cmd["url"], timeout=5).read().decode()
+    )
     say(cmd["tag"], text=text)
 
 
@@ -102,6 +121,7 @@ async def main() -> None:
                 await OPS[cmd["op"]](cmd)
             except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
                 say(cmd["tag"], error=f"{type(exc).__name__}: {exc}")
+
         task = asyncio.create_task(run())
         tasks.add(task)
         task.add_done_callback(tasks.discard)

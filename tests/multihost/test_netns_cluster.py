@@ -37,33 +37,71 @@ pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespa
 PORTS = {"router": 50051, "prefill": 50061, "decode": 50071}  # every host has its own port space
 KV_PORT, PREFILL_METRICS, DECODE_METRICS = 50062, 9461, 9471
 BLOCK, MAX_LEN = 16, 1024
-KEEPALIVE = {"keepalive_time_s": 1.0, "keepalive_timeout_s": 1.0, "drain_grace_s": 1.0}  # a dead peer in ~2 s
+KEEPALIVE = {
+    "keepalive_time_s": 1.0,
+    "keepalive_timeout_s": 1.0,
+    "drain_grace_s": 1.0,
+}  # a dead peer in ~2 s
 PROMPT = [1, 44, 45, 46, 200, 201, 202]
 
 
 def _configs(model: str, ip: dict[str, str]) -> dict[str, dict]:
-    engine = {"model_path": model, "device": "cpu", "cache": {"block_size": BLOCK, "num_blocks": 160},
-              "scheduler": {"max_model_len": MAX_LEN}}
+    engine = {
+        "model_path": model,
+        "device": "cpu",
+        "cache": {"block_size": BLOCK, "num_blocks": 160},
+        "scheduler": {"max_model_len": MAX_LEN},
+    }
     return {
         # bound to every interface, advertised explicitly
-        "router": {"model_path": model, "max_model_len": MAX_LEN, "worker_call_timeout_s": 2.0,
-                   "server": {"host": "0.0.0.0", "port": PORTS["router"], "advertise_host": ip["router"], **KEEPALIVE},
-                   "registry": {"poll_interval_s": 0.2, "probe_timeout_s": 1.0, "heartbeat_interval_s": 0.3,
-                                "heartbeat_timeout_s": 2.0}},
+        "router": {
+            "model_path": model,
+            "max_model_len": MAX_LEN,
+            "worker_call_timeout_s": 2.0,
+            "server": {
+                "host": "0.0.0.0",
+                "port": PORTS["router"],
+                "advertise_host": ip["router"],
+                **KEEPALIVE,
+            },
+            "registry": {
+                "poll_interval_s": 0.2,
+                "probe_timeout_s": 1.0,
+                "heartbeat_interval_s": 0.3,
+                "heartbeat_timeout_s": 2.0,
+            },
+        },
         # bound to every interface, nothing advertised: the host's routable IP (no default route here)
-        "prefill": {"engine": engine, "lease_ttl_s": 4.0,
-                    "server": {"host": "0.0.0.0", "port": PORTS["prefill"], "metrics_port": PREFILL_METRICS,
-                               **KEEPALIVE},
-                    "kv_transfer": {"listen_port": KV_PORT, "data_timeout_s": 1.5},
-                    # the cable is pulled while "cut-" pulls stall between the lease reply and the payload;
-                    # the stall alone stays inside decode's data timeout: only the cut link fails the pull
-                    "faults": {"transfer": {"stall_before_payload_s": 2.0, "request_id_prefix": "cut-"}}},
+        "prefill": {
+            "engine": engine,
+            "lease_ttl_s": 4.0,
+            "server": {
+                "host": "0.0.0.0",
+                "port": PORTS["prefill"],
+                "metrics_port": PREFILL_METRICS,
+                **KEEPALIVE,
+            },
+            "kv_transfer": {"listen_port": KV_PORT, "data_timeout_s": 1.5},
+            # the cable is pulled while "cut-" pulls stall between the lease reply and the payload;
+            # the stall alone stays inside decode's data timeout: only the cut link fails the pull
+            "faults": {"transfer": {"stall_before_payload_s": 2.0, "request_id_prefix": "cut-"}},
+        },
         # bound to its own IP, which it then advertises
-        "decode": {"engine": engine,
-                   "server": {"host": ip["decode"], "port": PORTS["decode"], "metrics_port": DECODE_METRICS,
-                              **KEEPALIVE},
-                   "kv_transfer": {"connect_timeout_s": 1.0, "lease_request_timeout_s": 1.0, "data_timeout_s": 3.5,
-                                   "failure_policy": "recompute"}},
+        "decode": {
+            "engine": engine,
+            "server": {
+                "host": ip["decode"],
+                "port": PORTS["decode"],
+                "metrics_port": DECODE_METRICS,
+                **KEEPALIVE,
+            },
+            "kv_transfer": {
+                "connect_timeout_s": 1.0,
+                "lease_request_timeout_s": 1.0,
+                "data_timeout_s": 3.5,
+                "failure_policy": "recompute",
+            },
+        },
     }
 
 
@@ -77,15 +115,28 @@ class Cluster:
     def start(self, name: str, host: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - the child holds it
         # UCX_PROTO_INFO: UCX logs the transport/device of each protocol it selects (asserted below)
-        env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "PYTHONUNBUFFERED": "1", "UCX_PROTO_INFO": "y"}
-        proc = subprocess.Popen(self.topo.command(host, argv), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                stdin=subprocess.DEVNULL, process_group=0)
+        env = {
+            **os.environ,
+            "UCX_WARN_UNUSED_ENV_VARS": "n",
+            "PYTHONUNBUFFERED": "1",
+            "UCX_PROTO_INFO": "y",
+        }
+        proc = subprocess.Popen(
+            self.topo.command(host, argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            process_group=0,
+        )
         self.procs[name] = proc
         return proc
 
     def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
-                         for p in sorted(self.log_dir.glob("*.log")))
+        return "\n".join(
+            f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+            for p in sorted(self.log_dir.glob("*.log"))
+        )
 
     def stop(self) -> dict[str, int]:
         """SIGTERM every process, SIGKILL (its group) after 5 s; name -> exit code."""
@@ -113,39 +164,62 @@ class Cluster:
         """Seconds until the router's registry shows `host`'s worker healthy (or not)."""
         t0 = time.monotonic()
         while self.health().get(self.addr[host]) is not healthy:
-            assert time.monotonic() - t0 < timeout, f"{host} not healthy={healthy} within {timeout}s\n{self.logs()}"
+            assert time.monotonic() - t0 < timeout, (
+                f"{host} not healthy={healthy} within {timeout}s\n{self.logs()}"
+            )
             time.sleep(0.05)
         return time.monotonic() - t0
 
     def stream(self, request_id: str, max_tokens: int, ids=PROMPT):
-        return self.driver.send("generate", router=self.addr["router"], ids=ids, max_tokens=max_tokens,
-                                request_id=request_id)
+        return self.driver.send(
+            "generate",
+            router=self.addr["router"],
+            ids=ids,
+            max_tokens=max_tokens,
+            request_id=request_id,
+        )
 
     def generate(self, request_id: str, max_tokens: int, ids=PROMPT, timeout: float = 30.0):
         return finish(self.stream(request_id, max_tokens, ids), [], timeout)[:3]
 
     def sending(self) -> float:
         """Prefill side: pulls answered and not yet done (the stall before the payload included)."""
-        text = self.driver.call("metrics", url=f"http://{self.topo.ip['prefill']}:{PREFILL_METRICS}/metrics")["text"]
-        got = re.search(r'^splitserve_kv_transfer_sending (\S+)$', text, re.M)
+        text = self.driver.call(
+            "metrics", url=f"http://{self.topo.ip['prefill']}:{PREFILL_METRICS}/metrics"
+        )["text"]
+        got = re.search(r"^splitserve_kv_transfer_sending (\S+)$", text, re.M)
         return float(got.group(1)) if got else 0.0
 
     def pulls(self) -> tuple[dict[str, float], float]:
         """Decode side: failed pulls by reason, KV bytes received."""
-        text = self.driver.call("metrics", url=f"http://{self.topo.ip['decode']}:{DECODE_METRICS}/metrics")["text"]
-        failed = {m[0]: float(m[1]) for m in re.findall(
-            r'^splitserve_kv_transfer_failures_total\{reason="(\w+)"\} (\S+)$', text, re.M)}
-        got = re.search(r'^splitserve_kv_transfer_bytes_total\{direction="received"\} (\S+)$', text, re.M)
+        text = self.driver.call(
+            "metrics", url=f"http://{self.topo.ip['decode']}:{DECODE_METRICS}/metrics"
+        )["text"]
+        failed = {
+            m[0]: float(m[1])
+            for m in re.findall(
+                r'^splitserve_kv_transfer_failures_total\{reason="(\w+)"\} (\S+)$', text, re.M
+            )
+        }
+        got = re.search(
+            r'^splitserve_kv_transfer_bytes_total\{direction="received"\} (\S+)$', text, re.M
+        )
         return failed, float(got.group(1)) if got else 0.0
 
     def assert_free(self, timeout: float = 15.0) -> None:
         """No request, no lease, every KV block free on both workers."""
         t0, loads = time.monotonic(), {}
         while time.monotonic() - t0 < timeout:
-            loads = {h: self.driver.call("load", address=self.addr[h], role=h).get("load")
-                     for h in ("prefill", "decode")}
-            if all(ld and ld["free_blocks"] == ld["total_blocks"] > 0 and not (
-                    ld["num_running"] or ld["num_waiting"] or ld["leases_held"]) for ld in loads.values()):
+            loads = {
+                h: self.driver.call("load", address=self.addr[h], role=h).get("load")
+                for h in ("prefill", "decode")
+            }
+            if all(
+                ld
+                and ld["free_blocks"] == ld["total_blocks"] > 0
+                and not (ld["num_running"] or ld["num_waiting"] or ld["leases_held"])
+                for ld in loads.values()
+            ):
                 return
             time.sleep(0.2)
         raise AssertionError(f"KV still held after {timeout}s: {loads}")
@@ -159,7 +233,12 @@ def finish(replies, tokens: list[int], timeout: float) -> tuple[list[int], str, 
         if msg.get("event") == "tokens":
             tokens.extend(msg["ids"])
         else:
-            return tokens, msg.get("code", "ERROR"), msg.get("details", msg.get("error", "")), msg["at"]
+            return (
+                tokens,
+                msg.get("code", "ERROR"),
+                msg.get("details", msg.get("error", "")),
+                msg["at"],
+            )
 
 
 @pytest.fixture(scope="module")
@@ -171,13 +250,35 @@ def cluster(tiny_llama, tmp_path_factory):
         topo.create()
         for name, cfg in _configs(str(tiny_llama), topo.ip).items():
             (log_dir / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-            c.start(name, name, [*cli_command(f"{name}-worker" if name != "router" else "router"),
-                                 "--config", str(log_dir / f"{name}.yaml")])
+            c.start(
+                name,
+                name,
+                [
+                    *cli_command(f"{name}-worker" if name != "router" else "router"),
+                    "--config",
+                    str(log_dir / f"{name}.yaml"),
+                ],
+            )
         for role in ("prefill", "decode"):  # each worker's sidecar registers its advertised address
-            c.start(f"{role}-sidecar", role, [sys.executable, "-m", "splitserve.router.registration", "--router",
-                                               c.addr["router"], "--role", role, "--worker", c.addr[role]])
+            c.start(
+                f"{role}-sidecar",
+                role,
+                [
+                    sys.executable,
+                    "-m",
+                    "splitserve.router.registration",
+                    "--router",
+                    c.addr["router"],
+                    "--role",
+                    role,
+                    "--worker",
+                    c.addr[role],
+                ],
+            )
         driver = Path(netns.__file__).with_name("netns_driver.py")
-        c.driver = netns.Driver(topo.command("router", [sys.executable, str(driver)]), log_dir / "driver.log")
+        c.driver = netns.Driver(
+            topo.command("router", [sys.executable, str(driver)]), log_dir / "driver.log"
+        )
         c.wait_health("prefill", True, 120)
         c.wait_health("decode", True, 30)
         yield c
@@ -190,11 +291,21 @@ def cluster(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def oracle(tiny_llama):
-    engine = OfflineEngine(ModelRunner(EngineConfig(model_path=str(tiny_llama), device="cpu",
-                                                    cache={"num_blocks": 80, "block_size": BLOCK},
-                                                    scheduler={"max_model_len": MAX_LEN})))
-    return lambda n, ids=PROMPT: engine.generate([ids], [SamplingParams(temperature=0, max_tokens=n,
-                                                                        ignore_eos=True)])[0].token_ids
+    engine = OfflineEngine(
+        ModelRunner(
+            EngineConfig(
+                model_path=str(tiny_llama),
+                device="cpu",
+                cache={"num_blocks": 80, "block_size": BLOCK},
+                scheduler={"max_model_len": MAX_LEN},
+            )
+        )
+    )
+    return lambda n, ids=PROMPT: (
+        engine.generate([ids], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)])[
+            0
+        ].token_ids
+    )
 
 
 def test_services_bind_advertise_and_serve_across_hosts(cluster, oracle):
@@ -205,19 +316,42 @@ def test_services_bind_advertise_and_serve_across_hosts(cluster, oracle):
     load = cluster.driver.call("load", address=cluster.addr["prefill"], role="prefill")["load"]
     assert load["kv_address"] == {"host": ip["prefill"], "port": KV_PORT, "worker_address": ""}
     failed, received = cluster.pulls()
-    results = [cluster.generate(f"ok-{i}", 12, ids) for i, ids in enumerate((PROMPT, [1, 7, 8, 9, 10]))]
+    results = [
+        cluster.generate(f"ok-{i}", 12, ids) for i, ids in enumerate((PROMPT, [1, 7, 8, 9, 10]))
+    ]
     for ids, (tokens, code, details) in zip((PROMPT, [1, 7, 8, 9, 10]), results):
         assert code == "OK", details
         assert tokens == oracle(12, ids)
     after_failed, after_received = cluster.pulls()
-    assert after_failed == failed and after_received > received  # the KV crossed hosts over UCX, no recompute
-    for worker in ("prefill", "decode"):  # ... over TCP on the host's link (never shared memory or loopback)
-        lanes = set(re.findall(r"\|\s+(\w+/[\w.]+)\s+\|\s*$", (cluster.log_dir / f"{worker}.log").read_text(), re.M))
+    assert (
+        after_failed == failed and after_received > received
+    )  # the KV crossed hosts over UCX, no recompute
+    for worker in (
+        "prefill",
+        "decode",
+    ):  # ... over TCP on the host's link (never shared memory or loopback)
+        lanes = set(
+            re.findall(
+                r"\|\s+(\w+/[\w.]+)\s+\|\s*$", (cluster.log_dir / f"{worker}.log").read_text(), re.M
+            )
+        )
         assert lanes == {"tcp/eth0"}, (worker, lanes)
     # the classic mistake: a worker registering an address only its own host can dial
-    wrong = cluster.start("misadvertised-sidecar", "prefill", [
-        sys.executable, "-m", "splitserve.router.registration", "--router", cluster.addr["router"],
-        "--role", "prefill", "--worker", f"127.0.0.1:{PORTS['prefill']}"])
+    wrong = cluster.start(
+        "misadvertised-sidecar",
+        "prefill",
+        [
+            sys.executable,
+            "-m",
+            "splitserve.router.registration",
+            "--router",
+            cluster.addr["router"],
+            "--role",
+            "prefill",
+            "--worker",
+            f"127.0.0.1:{PORTS['prefill']}",
+        ],
+    )
     assert wrong.wait(30) == 2
     said = (cluster.log_dir / "misadvertised-sidecar.log").read_text()
     assert "cannot reach prefill worker 127.0.0.1:" in said and "--advertise-host" in said
@@ -245,13 +379,19 @@ def test_decode_link_down_mid_stream(cluster, oracle, record_property):
 
     recovered_s, served_s = _link_back_up(cluster, oracle, "decode")
     cluster.assert_free()
-    times = {"decode_evicted_s": evicted_s, "client_unavailable_s": unavailable_s,
-             "decode_recovered_s": recovered_s, "decode_first_success_s": served_s}
+    times = {
+        "decode_evicted_s": evicted_s,
+        "client_unavailable_s": unavailable_s,
+        "decode_recovered_s": recovered_s,
+        "decode_first_success_s": served_s,
+    }
     _report(record_property, f"decode link down mid-stream ({len(tokens)} tokens streamed)", times)
     # stated bound: poll_interval_s 0.2 + probe_timeout_s 1.0, plus slack for a busy 2-core machine
     assert evicted_s < 3.0
     assert unavailable_s < 5.0  # the stream's keepalive (1 s + 1 s) and the router's answer
-    assert recovered_s < 10.0 and served_s < 12.0  # reconnect backoff (5 s) + probe, then one request
+    assert (
+        recovered_s < 10.0 and served_s < 12.0
+    )  # reconnect backoff (5 s) + probe, then one request
 
 
 def test_prefill_link_down_during_transfer(cluster, oracle, record_property):
@@ -268,21 +408,33 @@ def test_prefill_link_down_during_transfer(cluster, oracle, record_property):
     evicted_s = cluster.wait_health("prefill", False, 15)
     tokens, code, details, ended = finish(replies, list(msg["ids"]), 30)
     done_s = ended - t_down
-    assert code == "OK", details  # failure_policy recompute: the decode worker recomputed the prompt
+    assert code == "OK", (
+        details
+    )  # failure_policy recompute: the decode worker recomputed the prompt
     assert tokens == oracle(12)
     now_failed, _ = cluster.pulls()
     new = {k: v - failed.get(k, 0) for k, v in now_failed.items() if v != failed.get(k, 0)}
-    assert sum(new.values()) == 1, new  # one pull timed out (data_timeout, or an earlier phase's timeout)
+    assert sum(new.values()) == 1, (
+        new
+    )  # one pull timed out (data_timeout, or an earlier phase's timeout)
     assert set(new) <= {"data_timeout", "lease_timeout", "peer_failed"}, new
 
     recovered_s, served_s = _link_back_up(cluster, oracle, "prefill")
     assert cluster.pulls()[0] == now_failed  # the KV moved again: no further failed pull
-    cluster.assert_free(timeout=20)  # the stalled lease went back (released or expired) on the prefill host
-    times = {"prefill_evicted_s": evicted_s, "recomputed_request_done_s": done_s,
-             "prefill_recovered_s": recovered_s, "prefill_first_success_s": served_s}
+    cluster.assert_free(
+        timeout=20
+    )  # the stalled lease went back (released or expired) on the prefill host
+    times = {
+        "prefill_evicted_s": evicted_s,
+        "recomputed_request_done_s": done_s,
+        "prefill_recovered_s": recovered_s,
+        "prefill_first_success_s": served_s,
+    }
     _report(record_property, f"prefill link down during transfer (failed pull: {new})", times)
     assert evicted_s < 3.0 and done_s < 8.0  # transfer timeouts of 1-3.5 s, then the recompute
-    assert recovered_s < 10.0 and served_s < 12.0  # reconnect backoff (5 s) + probe, then one request
+    assert (
+        recovered_s < 10.0 and served_s < 12.0
+    )  # reconnect backoff (5 s) + probe, then one request
 
 
 def _link_back_up(cluster, oracle, host: str) -> tuple[float, float]:

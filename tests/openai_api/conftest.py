@@ -14,16 +14,42 @@ def stack(tiny_llama, tmp_path_factory):
     with ProcessGroup(tmp_path_factory.mktemp("openai_stack")) as procs:
         prefill = procs.prefill_worker(tiny_llama, *worker_flags(), wait=False)
         decode_metrics = free_port()
-        decode = procs.decode_worker(tiny_llama, *worker_flags(), "--max-batch-size", "8",
-                                     "--metrics-port", str(decode_metrics), wait=False)
+        decode = procs.decode_worker(
+            tiny_llama,
+            *worker_flags(),
+            "--max-batch-size",
+            "8",
+            "--metrics-port",
+            str(decode_metrics),
+            wait=False,
+        )
         prefill.wait_serving()
         decode.wait_serving()
         http_port = free_port()
-        router = procs.router(tiny_llama, "--prefill", prefill.address, "--decode", decode.address,
-                              "--http-port", str(http_port), "--model-name", "tiny",
-                              "--max-model-len", str(MAX_MODEL_LEN), "--poll-interval-s", "0.2")
-        st = Stack(tiny_llama, prefill.address, decode.address, router.address, f"http://127.0.0.1:{http_port}",
-                   procs, decode_metrics)
+        router = procs.router(
+            tiny_llama,
+            "--prefill",
+            prefill.address,
+            "--decode",
+            decode.address,
+            "--http-port",
+            str(http_port),
+            "--model-name",
+            "tiny",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--poll-interval-s",
+            "0.2",
+        )
+        st = Stack(
+            tiny_llama,
+            prefill.address,
+            decode.address,
+            router.address,
+            f"http://127.0.0.1:{http_port}",
+            procs,
+            decode_metrics,
+        )
         st.wait_http_healthy()
         yield st
         assert router.stop() == 0, router.log()
@@ -36,7 +62,9 @@ def stack(tiny_llama, tmp_path_factory):
 def client(stack):
     import openai
 
-    with openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+    with openai.OpenAI(
+        base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=60
+    ) as c:
         yield c
 
 

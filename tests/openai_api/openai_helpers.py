@@ -22,13 +22,26 @@ MODEL = "tiny"  # the router's --model-name
 
 
 def worker_flags(num_blocks: int = 128) -> list[str]:
-    return ["--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN)]
+    return [
+        "--num-blocks",
+        str(num_blocks),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    ]
 
 
-def http(method: str, url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any, dict[str, str]]:
+def http(
+    method: str, url: str, body: Any = None, timeout: float = 30.0
+) -> tuple[int, Any, dict[str, str]]:
     """(status, parsed JSON or text, headers) of one plain HTTP call."""
-    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    data = (
+        None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    )
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             status, raw, headers = resp.status, resp.read(), dict(resp.headers)
@@ -42,14 +55,20 @@ def http(method: str, url: str, body: Any = None, timeout: float = 30.0) -> tupl
 
 
 def worker_load(address: str, role: str) -> worker_pb2.WorkerLoad:
-    stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+    stub_cls = (
+        worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+    )
     with grpc.insecure_channel(address) as ch:
         return stub_cls(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
 
 
 def _free(load: worker_pb2.WorkerLoad) -> bool:
-    return (load.free_blocks == load.total_blocks > 0 and load.leases_held == 0
-            and load.num_running == 0 and load.num_waiting == 0)
+    return (
+        load.free_blocks == load.total_blocks > 0
+        and load.leases_held == 0
+        and load.num_running == 0
+        and load.num_waiting == 0
+    )
 
 
 @dataclass
@@ -92,7 +111,10 @@ class Stack:
         """Every worker: no request, no lease, every KV block free (releases arrive asynchronously)."""
         deadline = time.monotonic() + timeout
         while True:
-            loads = [(a, worker_load(a, role)) for a, role in ((self.prefill, "prefill"), (self.decode, "decode"))]
+            loads = [
+                (a, worker_load(a, role))
+                for a, role in ((self.prefill, "prefill"), (self.decode, "decode"))
+            ]
             if all(_free(ld) for _, ld in loads):
                 return
             if time.monotonic() > deadline:
@@ -126,9 +148,14 @@ def make_oracle(model):
     from splitserve.engine.offline import OfflineEngine
     from splitserve.request.tokenizer import Tokenizer
 
-    runner = ModelRunner(EngineConfig(model_path=str(model), device="cpu",
-                                      cache={"num_blocks": 512, "block_size": BLOCK_SIZE},
-                                      scheduler={"max_model_len": MAX_MODEL_LEN}))
+    runner = ModelRunner(
+        EngineConfig(
+            model_path=str(model),
+            device="cpu",
+            cache={"num_blocks": 512, "block_size": BLOCK_SIZE},
+            scheduler={"max_model_len": MAX_MODEL_LEN},
+        )
+    )
     engine = OfflineEngine(runner, Tokenizer.from_dir(model))
 
     def generate_offline(prompt: list[int], params):

@@ -62,8 +62,14 @@ CHAT = [
     (dict(response_format={"type": "json_object"}), "response_format"),
     (dict(messages=[]), "messages"),
     (dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), "messages[0].role"),
-    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     "messages[0].content"),
+    (
+        dict(
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+            ]
+        ),
+        "messages[0].content",
+    ),
     (dict(messages=[{"role": "user", "content": "Hi" * 300}]), "messages"),
     (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
 ]
@@ -74,7 +80,9 @@ def _call(client, endpoint: str, kw: dict, **more):
     if endpoint == "chat":
         args = {"model": MODEL, "messages": MSGS, "max_completion_tokens": 2, **kw, **more}
         return client.chat.completions.create(**args)
-    return client.completions.create(**{"model": MODEL, "prompt": "Hello", "max_tokens": 2, **kw, **more})
+    return client.completions.create(
+        **{"model": MODEL, "prompt": "Hello", "max_tokens": 2, **kw, **more}
+    )
 
 
 def _still_serving(client) -> None:
@@ -82,8 +90,11 @@ def _still_serving(client) -> None:
     assert out.usage.completion_tokens == 2
 
 
-@pytest.mark.parametrize(("endpoint", "kw", "param"), CASES,
-                         ids=[f"{e}-{p}-{'-'.join(map(str, kw))}" for e, kw, p in CASES])
+@pytest.mark.parametrize(
+    ("endpoint", "kw", "param"),
+    CASES,
+    ids=[f"{e}-{p}-{'-'.join(map(str, kw))}" for e, kw, p in CASES],
+)
 def test_refused_parameter_is_a_400_naming_it(stack, client, endpoint, kw, param):
     with pytest.raises(openai.BadRequestError) as info:
         _call(client, endpoint, kw)
@@ -95,15 +106,21 @@ def test_refused_parameter_is_a_400_naming_it(stack, client, endpoint, kw, param
 
 
 def test_unknown_model_is_a_404_and_bad_bodies_are_400s(stack, client):
-    for call in (lambda: client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=2),
-                 lambda: client.chat.completions.create(model="gpt-4o", messages=MSGS, stream=True),
-                 lambda: client.models.retrieve("gpt-4o")):
+    for call in (
+        lambda: client.completions.create(model="gpt-4o", prompt="Hi", max_tokens=2),
+        lambda: client.chat.completions.create(model="gpt-4o", messages=MSGS, stream=True),
+        lambda: client.models.retrieve("gpt-4o"),
+    ):
         with pytest.raises(openai.NotFoundError) as info:
             call()
-        assert info.value.body["code"] == "model_not_found" and "gpt-4o" in info.value.body["message"]
+        assert (
+            info.value.body["code"] == "model_not_found" and "gpt-4o" in info.value.body["message"]
+        )
         _still_serving(client)
     # the model may be left out (the served one), and raw bodies that are not JSON objects are 400s
-    status, body, _ = stack.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    status, body, _ = stack.post(
+        "/v1/completions", {"prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    )
     assert status == 200 and body["model"] == MODEL
     for raw in (b"{not json", b"[1, 2]"):
         status, body, _ = http("POST", stack.base_url + "/v1/completions", raw)
@@ -121,12 +138,20 @@ def _outcome(stack, name: str) -> float:
 def test_disconnect_mid_stream_frees_every_block_on_every_worker(stack, client, oracle):
     cancelled = _outcome(stack, "cancelled")
     aborted = stack.decode_aborted()
-    gone = stack.metric('splitserve_router_http_requests_total{route="/v1/completions",status="499"}')
+    gone = stack.metric(
+        'splitserve_router_http_requests_total{route="/v1/completions",status="499"}'
+    )
     tokens_before = stack.metric("splitserve_router_completion_tokens_total")
     prompt = [1, 44, 45, 46, 200, 201, 202]
     n = MAX_MODEL_LEN - len(prompt)  # up to max_model_len: seconds of decoding on this machine
-    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=n,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     got = [next(stream) for _ in range(3)]
     stream.close()  # the connection goes away mid-stream
     deadline = time.monotonic() + 10
@@ -134,21 +159,40 @@ def test_disconnect_mid_stream_frees_every_block_on_every_worker(stack, client, 
         assert time.monotonic() < deadline, "the router did not see the disconnect"
         time.sleep(0.05)
     stack.assert_free()
-    assert stack.decode_aborted() == aborted + 1  # the disconnect reached the decode worker as a cancel
+    assert (
+        stack.decode_aborted() == aborted + 1
+    )  # the disconnect reached the decode worker as a cancel
     assert all(c.choices[0].finish_reason is None for c in got)
     assert stack.metric("splitserve_router_completion_tokens_total") - tokens_before < n
-    assert stack.metric('splitserve_router_http_requests_total{route="/v1/completions",status="499"}') == gone + 1
+    assert (
+        stack.metric('splitserve_router_http_requests_total{route="/v1/completions",status="499"}')
+        == gone + 1
+    )
 
     # a chat stream, and a non-streamed request whose client gives up before the answer
-    chat = client.chat.completions.create(model=MODEL, messages=MSGS, max_completion_tokens=200, temperature=0,
-                                          stream=True, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=MSGS,
+        max_completion_tokens=200,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     next(chat), next(chat)
     chat.close()
     timed_out = 0
-    for timeout in (0.3, 0.15):  # seconds of decoding left either way, unless the machine is very fast
+    for timeout in (
+        0.3,
+        0.15,
+    ):  # seconds of decoding left either way, unless the machine is very fast
         try:
-            client.with_options(timeout=timeout).completions.create(model=MODEL, prompt=prompt, max_tokens=n,
-                                                                    temperature=0, extra_body={"ignore_eos": True})
+            client.with_options(timeout=timeout).completions.create(
+                model=MODEL,
+                prompt=prompt,
+                max_tokens=n,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
         except openai.APITimeoutError:
             timed_out = 1
             break
@@ -173,15 +217,23 @@ def test_model_without_chat_template_is_a_400_and_health_503_without_workers(tin
     config = json.loads((tiny_llama / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    cfg = RouterConfig.model_validate({"model_path": str(folder), "server": {"host": "127.0.0.1", "port": 0},
-                                       "http": {"port": 0}, "registry": {"poll_interval_s": 0.2}})
+    cfg = RouterConfig.model_validate(
+        {
+            "model_path": str(folder),
+            "server": {"host": "127.0.0.1", "port": 0},
+            "http": {"port": 0},
+            "registry": {"poll_interval_s": 0.2},
+        }
+    )
 
     async def body():
         router = Router(cfg)
         await router.start()
         try:
             base = f"http://{router.http.address}"
-            async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="unused", max_retries=0) as c:
+            async with openai.AsyncOpenAI(
+                base_url=base + "/v1", api_key="unused", max_retries=0
+            ) as c:
                 with pytest.raises(openai.BadRequestError) as no_template:
                     await c.chat.completions.create(model="no-template", messages=MSGS)
                 with pytest.raises(openai.InternalServerError) as no_workers:
@@ -192,7 +244,10 @@ def test_model_without_chat_template_is_a_400_and_health_503_without_workers(tin
             await router.stop(1.0)
 
     no_template, no_workers, (status, health, _), described = asyncio.run(body())
-    assert no_template.body["param"] == "messages" and "no chat_template" in no_template.body["message"]
+    assert (
+        no_template.body["param"] == "messages"
+        and "no chat_template" in no_template.body["message"]
+    )
     assert "/v1/completions" in no_template.body["message"]
     assert no_workers.status_code == 503 and no_workers.body["code"] == "unavailable"
     assert status == 503 and health["status"] == "unavailable" and health["healthy_decode"] == 0
@@ -201,14 +256,34 @@ def test_model_without_chat_template_is_a_400_and_health_503_without_workers(tin
 
 def test_sigterm_lets_http_streams_finish_then_exits(stack):
     port = free_port()
-    router = stack.procs.router(stack.model, "--prefill", stack.prefill, "--decode", stack.decode,
-                                "--http-port", str(port), "--model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
-                                "--drain-grace-s", "30", name="draining-router")
+    router = stack.procs.router(
+        stack.model,
+        "--prefill",
+        stack.prefill,
+        "--decode",
+        stack.decode,
+        "--http-port",
+        str(port),
+        "--model-name",
+        MODEL,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--drain-grace-s",
+        "30",
+        name="draining-router",
+    )
     base = f"http://127.0.0.1:{port}"
     assert http("GET", base + "/health")[0] == 200
     with openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        stream = c.completions.create(model=MODEL, prompt=[1, 60, 61, 62], max_tokens=80, temperature=0, stream=True,
-                                      stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        stream = c.completions.create(
+            model=MODEL,
+            prompt=[1, 60, 61, 62],
+            max_tokens=80,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         first = next(stream)
         router.proc.send_signal(signal.SIGTERM)
         rest = list(stream)
@@ -224,11 +299,30 @@ def test_sigterm_lets_http_streams_finish_then_exits(stack):
 def test_worker_failure_mid_stream_is_an_error_event_then_503s(stack):
     decode = stack.procs.decode_worker(stack.model, *worker_flags(), name="doomed-decode")
     port = free_port()
-    stack.procs.router(stack.model, "--prefill", stack.prefill, "--decode", decode.address, "--http-port", str(port),
-                       "--model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN), name="doomed-router")
-    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        stream = c.chat.completions.create(model=MODEL, messages=MSGS, max_completion_tokens=200, stream=True,
-                                           extra_body={"ignore_eos": True})
+    stack.procs.router(
+        stack.model,
+        "--prefill",
+        stack.prefill,
+        "--decode",
+        decode.address,
+        "--http-port",
+        str(port),
+        "--model-name",
+        MODEL,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        name="doomed-router",
+    )
+    with openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+    ) as c:
+        stream = c.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            max_completion_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         first = next(stream)
         decode.kill()
         with pytest.raises(openai.APIError) as info:
@@ -236,6 +330,11 @@ def test_worker_failure_mid_stream_is_an_error_event_then_503s(stack):
         with pytest.raises(openai.InternalServerError) as after:
             c.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert first.choices[0].delta.role == "assistant"
-    assert info.value.body["code"] == "unavailable" and "cannot be resumed" in info.value.body["message"]
-    assert after.value.status_code == 503 and "no healthy decode worker" in after.value.body["message"]
+    assert (
+        info.value.body["code"] == "unavailable"
+        and "cannot be resumed" in info.value.body["message"]
+    )
+    assert (
+        after.value.status_code == 503 and "no healthy decode worker" in after.value.body["message"]
+    )
     stack.assert_free()  # the prefill worker's lease went with the pull or the router's release

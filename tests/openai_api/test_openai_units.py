@@ -31,8 +31,12 @@ STRICT_TEMPLATE = (
 )
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
-    [{"role": "system", "content": "  Be brief. "}, {"role": "user", "content": "Café, naïve?"},
-     {"role": "assistant", "content": "Oui."}, {"role": "user", "content": "你好"}],
+    [
+        {"role": "system", "content": "  Be brief. "},
+        {"role": "user", "content": "Café, naïve?"},
+        {"role": "assistant", "content": "Oui."},
+        {"role": "user", "content": "你好"},
+    ],
 ]
 
 
@@ -65,7 +69,10 @@ def test_template_refusals_are_400s(strict_model):
     tok = Tokenizer.from_dir(strict_model)
     with pytest.raises(RequestError) as info:
         render_chat(tok, [{"role": "assistant", "content": "first"}], "m")
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "roles must alternate" in info.value.message
+    assert (
+        info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        and "roles must alternate" in info.value.message
+    )
     # the sandbox refuses attribute tricks
     tok.chat_template = "{{ messages.__class__.__mro__ }}"
     with pytest.raises(RequestError) as info:
@@ -82,16 +89,33 @@ def test_template_refusals_are_400s(strict_model):
 
 
 def test_text_parts_are_joined_for_the_template(tiny_llama):
-    req = parse(ChatCompletionRequest, {"messages": [
-        {"role": "user", "name": "ann", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    req = parse(
+        ChatCompletionRequest,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "name": "ann",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                }
+            ]
+        },
+    )
     assert req.messages[0].as_template_input() == {"role": "user", "content": "a\nb", "name": "ann"}
 
 
-@pytest.mark.parametrize(("code", "status"), [
-    (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.ALREADY_EXISTS, 409),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.FAILED_PRECONDITION, 500),
-    (grpc.StatusCode.INTERNAL, 500)])
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        (grpc.StatusCode.ALREADY_EXISTS, 409),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.UNAVAILABLE, 503),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+        (grpc.StatusCode.FAILED_PRECONDITION, 500),
+        (grpc.StatusCode.INTERNAL, 500),
+    ],
+)
 def test_grpc_statuses_map_to_http(code, status):
     err = error_from_request_error(RequestError(code, "something"), {}, "prompt")
     assert err.status == status and err.code == code.name.lower()
@@ -100,11 +124,20 @@ def test_grpc_statuses_map_to_http(code, status):
 
 def test_shared_validation_messages_get_the_clients_parameter_names():
     names = {"max_tokens": "max_completion_tokens", "logprobs": "top_logprobs"}
-    err = error_from_request_error(RequestError.invalid("sampling.max_tokens = 0: too small"), names, "messages")
-    assert (err.param, err.message) == ("max_completion_tokens", "max_completion_tokens = 0: too small")
-    err = error_from_request_error(RequestError.invalid("sampling.logprobs = 30: no"), names, "messages")
+    err = error_from_request_error(
+        RequestError.invalid("sampling.max_tokens = 0: too small"), names, "messages"
+    )
+    assert (err.param, err.message) == (
+        "max_completion_tokens",
+        "max_completion_tokens = 0: too small",
+    )
+    err = error_from_request_error(
+        RequestError.invalid("sampling.logprobs = 30: no"), names, "messages"
+    )
     assert err.param == "top_logprobs" and err.message.startswith("top_logprobs = 30")
-    err = error_from_request_error(RequestError.invalid("token_ids.ids[2] = 9 is outside"), {}, "prompt")
+    err = error_from_request_error(
+        RequestError.invalid("token_ids.ids[2] = 9 is outside"), {}, "prompt"
+    )
     assert (err.param, err.message) == ("prompt", "prompt[2] = 9 is outside")
     err = error_from_request_error(RequestError.invalid("text is empty; send text"), {}, "prompt")
     assert (err.param, err.message) == ("prompt", "prompt is empty; send text")

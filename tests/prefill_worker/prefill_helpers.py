@@ -10,26 +10,42 @@ from typing import Any
 
 import grpc
 
-from splitserve.service.grpc_service import channel_options
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.engine import PrefillEngine
 from splitserve.prefill_worker.worker import PrefillWorker
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.service.grpc_service import channel_options
 
 GREEDY = generate_pb2.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)
 
 
-def worker_config(model, *, num_blocks: int = 64, block_size: int = 4, budget: int = 8192,
-                  max_queue_len: int = 16, max_model_len: int | None = None, **extra: Any) -> PrefillWorkerConfig:
-    return PrefillWorkerConfig.model_validate({
-        "engine": {"model_path": str(model), "device": "cpu",
-                   "cache": {"num_blocks": num_blocks, "block_size": block_size},
-                   "scheduler": {"max_num_batched_tokens": budget, "max_queue_len": max_queue_len,
-                                 "max_model_len": max_model_len}},
-        "server": {"host": "127.0.0.1", "port": 0, "drain_grace_s": 2.0},
-        "warmup": False,
-        **extra,
-    })
+def worker_config(
+    model,
+    *,
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 8192,
+    max_queue_len: int = 16,
+    max_model_len: int | None = None,
+    **extra: Any,
+) -> PrefillWorkerConfig:
+    return PrefillWorkerConfig.model_validate(
+        {
+            "engine": {
+                "model_path": str(model),
+                "device": "cpu",
+                "cache": {"num_blocks": num_blocks, "block_size": block_size},
+                "scheduler": {
+                    "max_num_batched_tokens": budget,
+                    "max_queue_len": max_queue_len,
+                    "max_model_len": max_model_len,
+                },
+            },
+            "server": {"host": "127.0.0.1", "port": 0, "drain_grace_s": 2.0},
+            "warmup": False,
+            **extra,
+        }
+    )
 
 
 def assert_all_free(engine: PrefillEngine) -> None:
@@ -65,10 +81,13 @@ async def serving(cfg: PrefillWorkerConfig, check_free: bool = True):
 
 
 def prefill_request(request_id: str, prompt, sampling=GREEDY, **kw) -> worker_pb2.PrefillRequest:
-    return worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, **kw)
+    return worker_pb2.PrefillRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling, **kw
+    )
 
 
 async def release(stub, resp: worker_pb2.PrefillResponse) -> None:
-    got = await stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id,
-                                                                 request_id=resp.request_id))
+    got = await stub.ReleaseLease(
+        worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id, request_id=resp.request_id)
+    )
     assert got.released

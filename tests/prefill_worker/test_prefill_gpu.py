@@ -31,13 +31,16 @@ def test_cuda_first_token_equals_cpu_reference(tiny_llama, budget):
     async def body():
         async with serving(cfg) as (worker, stub):
             for tag in ("cold", "warm"):
-                resps = await asyncio.gather(*(stub.Prefill(prefill_request(f"{tag}{i}", p))
-                                               for i, p in enumerate(prompts)))
+                resps = await asyncio.gather(
+                    *(stub.Prefill(prefill_request(f"{tag}{i}", p)) for i, p in enumerate(prompts))
+                )
                 for prompt, resp in zip(prompts, resps):
                     token, kv = _cpu_reference(str(tiny_llama), prompt)
                     assert resp.first_token_id == token
                     lease = worker.engine.leases.get(resp.kv.lease_id)
-                    got = worker.engine.runner.kv_cache[:, :, list(lease.block_ids)].flatten(2, 3)[:, :, : len(prompt)]
+                    got = worker.engine.runner.kv_cache[:, :, list(lease.block_ids)].flatten(2, 3)[
+                        :, :, : len(prompt)
+                    ]
                     torch.testing.assert_close(got.cpu(), kv, atol=1e-4, rtol=1e-4)
                     await release(stub, resp)
             assert resps[-1].cached_prompt_tokens > 0

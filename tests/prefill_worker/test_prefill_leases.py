@@ -8,7 +8,14 @@ import time
 
 import grpc
 import pytest
-from prefill_helpers import assert_all_free, prefill_request, release, serving, wait_until, worker_config
+from prefill_helpers import (
+    assert_all_free,
+    prefill_request,
+    release,
+    serving,
+    wait_until,
+    worker_config,
+)
 
 from splitserve.protos import generate_pb2, worker_pb2
 
@@ -39,7 +46,9 @@ def test_uncollected_lease_expires_and_frees(tiny_llama):
             assert worker.engine.allocator.num_free == worker.engine.allocator.num_usable - 2
             await wait_until(lambda: len(worker.engine.leases) == 0, timeout=3)
             assert _metric(worker, "splitserve_kv_lease_expired_total") == 1
-            late = await stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id))
+            late = await stub.ReleaseLease(
+                worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id)
+            )
             assert not late.released  # expired: not an error
 
     asyncio.run(body())
@@ -50,10 +59,14 @@ def test_release_is_idempotent_and_checks_the_request(tiny_llama):
         async with serving(worker_config(tiny_llama)) as (worker, stub):
             resp = await stub.Prefill(prefill_request("r", [1, 9, 8, 7, 6]))
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id, request_id="x"))
+                await stub.ReleaseLease(
+                    worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id, request_id="x")
+                )
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             await release(stub, resp)
-            again = await stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id))
+            again = await stub.ReleaseLease(
+                worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id)
+            )
             unknown = await stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(lease_id="nope"))
             assert not again.released and not unknown.released
             # Abort of a request whose prefill finished drops its lease
@@ -69,11 +82,19 @@ def test_first_token_that_finishes_keeps_no_lease(tiny_llama):
     async def body():
         async with serving(worker_config(tiny_llama)) as (worker, stub):
             prompt = [1, 5, 6, 7, 8, 9]
-            one = await stub.Prefill(prefill_request("m", prompt, generate_pb2.SamplingParams(
-                temperature=0, max_tokens=1)))
+            one = await stub.Prefill(
+                prefill_request(
+                    "m", prompt, generate_pb2.SamplingParams(temperature=0, max_tokens=1)
+                )
+            )
             assert one.finish_reason == generate_pb2.FINISH_REASON_LENGTH and not one.HasField("kv")
-            stop = await stub.Prefill(prefill_request("s", prompt, generate_pb2.SamplingParams(
-                temperature=0, stop_token_ids=[one.first_token_id])))
+            stop = await stub.Prefill(
+                prefill_request(
+                    "s",
+                    prompt,
+                    generate_pb2.SamplingParams(temperature=0, stop_token_ids=[one.first_token_id]),
+                )
+            )
             assert stop.finish_reason == generate_pb2.FINISH_REASON_STOP and not stop.HasField("kv")
             assert stop.stop_reason.stop_token_id == one.first_token_id
             assert len(worker.engine.leases) == 0
@@ -87,7 +108,9 @@ def test_abort_mid_chunks_and_cancel_free_blocks(tiny_llama):
             engine = worker.engine
             _slow_steps(worker)
             call = asyncio.ensure_future(stub.Prefill(prefill_request("long", LONG)))
-            await wait_until(lambda: (s := engine.scheduler.find("long")) is not None and s.num_computed >= 8)
+            await wait_until(
+                lambda: (s := engine.scheduler.find("long")) is not None and s.num_computed >= 8
+            )
             assert (await stub.Abort(generate_pb2.AbortRequest(request_id="long"))).found
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call
@@ -95,7 +118,9 @@ def test_abort_mid_chunks_and_cancel_free_blocks(tiny_llama):
             await wait_until(lambda: engine.allocator.num_free == engine.allocator.num_usable)
             # a client that goes away (cancel, deadline) frees its blocks too
             call = stub.Prefill(prefill_request("gone", LONG))
-            await wait_until(lambda: (s := engine.scheduler.find("gone")) is not None and s.num_computed >= 8)
+            await wait_until(
+                lambda: (s := engine.scheduler.find("gone")) is not None and s.num_computed >= 8
+            )
             call.cancel()
             await wait_until(lambda: engine.scheduler.find("gone") is None)
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -103,7 +128,9 @@ def test_abort_mid_chunks_and_cancel_free_blocks(tiny_llama):
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             await wait_until(lambda: engine.scheduler.find("late") is None)
             await wait_until(lambda: engine.allocator.num_free == engine.allocator.num_usable)
-            await release(stub, await stub.Prefill(prefill_request("ok", [1, 2, 3])))  # still serving
+            await release(
+                stub, await stub.Prefill(prefill_request("ok", [1, 2, 3]))
+            )  # still serving
 
     asyncio.run(body())
 
@@ -111,7 +138,10 @@ def test_abort_mid_chunks_and_cancel_free_blocks(tiny_llama):
 def test_full_pool_queues_then_bounds_the_queue(tiny_llama):
     # 15 usable blocks of 4 tokens: one 60-token prompt fills the pool under its lease
     async def body():
-        async with serving(worker_config(tiny_llama, num_blocks=16, max_queue_len=1)) as (worker, stub):
+        async with serving(worker_config(tiny_llama, num_blocks=16, max_queue_len=1)) as (
+            worker,
+            stub,
+        ):
             engine = worker.engine
             hog = await stub.Prefill(prefill_request("hog", [1] + list(range(100, 159))))
             assert engine.allocator.num_free == 0
@@ -119,13 +149,29 @@ def test_full_pool_queues_then_bounds_the_queue(tiny_llama):
             await wait_until(lambda: len(engine.scheduler.waiting) == 1)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Prefill(prefill_request("over", [1, 2]))
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queue_len" in err.value.details()
-            with pytest.raises(grpc.aio.AioRpcError) as err:  # could never fit, even in an empty pool
+            assert (
+                err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                and "max_queue_len" in err.value.details()
+            )
+            with pytest.raises(
+                grpc.aio.AioRpcError
+            ) as err:  # could never fit, even in an empty pool
                 await stub.Prefill(prefill_request("huge", list(range(1, 80))))
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--num-blocks" in err.value.details()
+            assert (
+                err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                and "--num-blocks" in err.value.details()
+            )
             load = await stub.GetLoad(worker_pb2.GetLoadRequest(max_prefix_hashes=100))
-            assert (load.num_waiting, load.free_blocks, load.total_blocks, load.leases_held) == (1, 0, 15, 1)
-            assert load.prefix_cache.num_cached_blocks == 15 and len(load.prefix_cache.block_hashes) == 15
+            assert (load.num_waiting, load.free_blocks, load.total_blocks, load.leases_held) == (
+                1,
+                0,
+                15,
+                1,
+            )
+            assert (
+                load.prefix_cache.num_cached_blocks == 15
+                and len(load.prefix_cache.block_hashes) == 15
+            )
             await release(stub, hog)  # frees the pool: the queued request runs
             await release(stub, await queued)
             # a queued request can be aborted before it gets any block
@@ -164,13 +210,17 @@ def test_failing_forward_is_fatal_unavailable_and_not_serving(tiny_llama):
 
     async def body():
         async with serving(worker_config(tiny_llama), check_free=False) as (worker, stub):
+
             def broken(chunks):
                 raise RuntimeError("injected device fault")
 
             worker.engine.runner.prefill = broken
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Prefill(prefill_request("f", [1, 2, 3, 4, 5]))
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "injected" in err.value.details()
+            assert (
+                err.value.code() == grpc.StatusCode.UNAVAILABLE
+                and "injected" in err.value.details()
+            )
             async with grpc.aio.insecure_channel(worker.address) as channel:
                 health = health_pb2_grpc.HealthStub(channel)
                 for service in ("", "splitserve.v1.PrefillWorker"):
@@ -192,8 +242,10 @@ def test_duplicate_in_flight_request_id_is_rejected(tiny_llama):
             await wait_until(lambda: worker.engine.scheduler.find("dup") is not None)
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Prefill(prefill_request("dup", [1, 2, 3]))
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in flight" in err.value.details()
+            assert (
+                err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                and "already in flight" in err.value.details()
+            )
             await release(stub, await first)
 
     asyncio.run(body())
-

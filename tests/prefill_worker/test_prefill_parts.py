@@ -6,17 +6,17 @@ import asyncio
 
 import pytest
 
-from splitserve.request.block_allocator import BlockAllocator
-from splitserve.request.block_hash import ROOT_HASH, block_hashes, chain_hash
 from splitserve.config.engine_config import SchedulerConfig
 from splitserve.config.files import ConfigError
-from splitserve.request.errors import RequestError
-from splitserve.request.sampling_params import SamplingParams
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.leases import LeaseTable
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillSeq
 from splitserve.prefill_worker.scheduler import PrefillScheduler
+from splitserve.request.block_allocator import BlockAllocator
+from splitserve.request.block_hash import ROOT_HASH, block_hashes, chain_hash
+from splitserve.request.errors import RequestError
+from splitserve.request.sampling_params import SamplingParams
 
 GOLDEN = 0x52263D4E44FF75FF  # chain_hash(ROOT_HASH, [0, 1, 2, 3])
 
@@ -25,7 +25,9 @@ def _publish(cache: PrefixCache, table, tokens) -> None:
     hashes = block_hashes(tokens, cache.block_size)
     bs = cache.block_size
     for i, h in enumerate(hashes):
-        cache.register(table[i], h, hashes[i - 1] if i else ROOT_HASH, tokens[i * bs:(i + 1) * bs])
+        cache.register(
+            table[i], h, hashes[i - 1] if i else ROOT_HASH, tokens[i * bs : (i + 1) * bs]
+        )
 
 
 def test_block_hashes_chain_and_are_stable():
@@ -106,19 +108,25 @@ def loop():
 
 def _seq(loop, rid, n):
     prompt = list(range(1, n + 1))
-    return PrefillSeq(rid, prompt, SamplingParams(), 30.0, block_hashes(prompt, 4), loop.create_future())
+    return PrefillSeq(
+        rid, prompt, SamplingParams(), 30.0, block_hashes(prompt, 4), loop.create_future()
+    )
 
 
 def test_scheduler_chunks_under_budget_fifo_and_blocks_when_full(loop):
     alloc = BlockAllocator(9)  # 8 usable blocks of 4 tokens
-    sched = PrefillScheduler(PrefixCache(alloc, 4), SchedulerConfig(max_num_batched_tokens=10, max_queue_len=3))
+    sched = PrefillScheduler(
+        PrefixCache(alloc, 4), SchedulerConfig(max_num_batched_tokens=10, max_queue_len=3)
+    )
     a, b, c = _seq(loop, "a", 13), _seq(loop, "b", 6), _seq(loop, "c", 4)
     for s in (a, b, c):
         sched.add(s)
     with pytest.raises(RequestError, match="queue is full"):
         sched.add(_seq(loop, "d", 1))
     with pytest.raises(RequestError, match="needs 9 KV blocks"):
-        PrefillScheduler(PrefixCache(BlockAllocator(9), 4), SchedulerConfig()).add(_seq(loop, "big", 33))
+        PrefillScheduler(PrefixCache(BlockAllocator(9), 4), SchedulerConfig()).add(
+            _seq(loop, "big", 33)
+        )
     step = [(x.seq.request_id, x.start, x.end) for x in sched.schedule()]
     assert step == [("a", 0, 10)]  # a takes the whole budget; all its 4 blocks are already held
     a.num_computed = 10
@@ -147,10 +155,18 @@ def test_scheduler_chunks_under_budget_fifo_and_blocks_when_full(loop):
 
 def test_config_from_yaml_and_flags(tmp_path):
     path = tmp_path / "prefill.yaml"
-    path.write_text("engine:\n  model_path: /m\n  cache: {block_size: 8}\nserver: {port: 5000}\nlease_ttl_s: 5\n")
-    cfg = PrefillWorkerConfig.load(path, {"server.port": 6000, "engine.cache.num_blocks": 100, "server.host": None})
-    assert (cfg.server.port, cfg.engine.cache.block_size, cfg.engine.cache.num_blocks, cfg.lease_ttl_s) == (
-        6000, 8, 100, 5.0)
+    path.write_text(
+        "engine:\n  model_path: /m\n  cache: {block_size: 8}\nserver: {port: 5000}\nlease_ttl_s: 5\n"
+    )
+    cfg = PrefillWorkerConfig.load(
+        path, {"server.port": 6000, "engine.cache.num_blocks": 100, "server.host": None}
+    )
+    assert (
+        cfg.server.port,
+        cfg.engine.cache.block_size,
+        cfg.engine.cache.num_blocks,
+        cfg.lease_ttl_s,
+    ) == (6000, 8, 100, 5.0)
     with pytest.raises(ConfigError) as err:
         PrefillWorkerConfig.load(path, {"engine.cache.block_size": 3})
     assert "\n" not in str(err.value)

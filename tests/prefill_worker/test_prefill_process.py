@@ -17,7 +17,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 
-SERVING_LINE = re.compile(r"serving splitserve\.v1\.PrefillWorker on ([\w.]+):(\d+).*metrics on :(\d+)")
+SERVING_LINE = re.compile(
+    r"serving splitserve\.v1\.PrefillWorker on ([\w.]+):(\d+).*metrics on :(\d+)"
+)
 
 
 def _lines(stream, out: queue.Queue) -> None:
@@ -38,10 +40,32 @@ def _wait_for_serving(lines: queue.Queue, seen: list[str], timeout: float = 60.0
 def test_worker_process_serves_grpc_and_drains_on_sigterm(tiny_llama, tmp_path):
     config = tmp_path / "prefill.yaml"
     config.write_text("engine:\n  scheduler: {max_queue_len: 8}\nmax_prefix_hashes: 2\n")
-    cmd = [sys.executable, "-m", "splitserve.cli.main", "prefill-worker", "--model", str(tiny_llama),
-           "--config", str(config), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-           "--num-blocks", "64", "--block-size", "4", "--max-num-batched-tokens", "16",
-           "--lease-ttl-s", "20", "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "splitserve.cli.main",
+        "prefill-worker",
+        "--model",
+        str(tiny_llama),
+        "--config",
+        str(config),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+        "--num-blocks",
+        "64",
+        "--block-size",
+        "4",
+        "--max-num-batched-tokens",
+        "16",
+        "--lease-ttl-s",
+        "20",
+        "--device",
+        "cpu",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
@@ -55,29 +79,59 @@ def test_worker_process_serves_grpc_and_drains_on_sigterm(tiny_llama, tmp_path):
                 got = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
                 assert got.status == health_pb2.HealthCheckResponse.SERVING
             refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-            [answer] = refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
-            assert "splitserve.v1.PrefillWorker" in {s.name for s in answer.list_services_response.service}
+            [answer] = refl.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+            )
+            assert "splitserve.v1.PrefillWorker" in {
+                s.name for s in answer.list_services_response.service
+            }
 
             stub = worker_pb2_grpc.PrefillWorkerStub(channel)
             prompt = [1] + list(range(20, 60))  # 41 tokens: 3 chunks of 16, 10 full blocks
-            resp = stub.Prefill(worker_pb2.PrefillRequest(
-                request_id="p1", prompt_token_ids=prompt,
-                sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=4)), timeout=30)
+            resp = stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="p1",
+                    prompt_token_ids=prompt,
+                    sampling=generate_pb2.SamplingParams(temperature=0, max_tokens=4),
+                ),
+                timeout=30,
+            )
             kv = resp.kv
             assert (kv.num_tokens, kv.num_blocks, kv.block_size, kv.num_layers) == (41, 11, 4, 3)
-            assert kv.address.host == "127.0.0.1" and kv.dtype and kv.layout and kv.model_compat_hash
+            assert (
+                kv.address.host == "127.0.0.1" and kv.dtype and kv.layout and kv.model_compat_hash
+            )
             assert 19_000 <= kv.ttl_ms <= 20_000 and kv.expires_at_unix_ms > 0
             load = stub.GetLoad(worker_pb2.GetLoadRequest(max_prefix_hashes=100), timeout=10)
-            assert (load.role, load.leases_held, load.total_blocks) == (generate_pb2.WORKER_ROLE_PREFILL, 1, 63)
+            assert (load.role, load.leases_held, load.total_blocks) == (
+                generate_pb2.WORKER_ROLE_PREFILL,
+                1,
+                63,
+            )
             assert load.free_blocks == 63 - 11 and load.model_compat_hash == kv.model_compat_hash
-            assert load.prefix_cache.num_cached_blocks == 10 and len(load.prefix_cache.block_hashes) == 2
-            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
+            assert (
+                load.prefix_cache.num_cached_blocks == 10
+                and len(load.prefix_cache.block_hashes) == 2
+            )
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{metrics_port}/metrics", timeout=10
+            ) as page:
                 text = page.read().decode()
-            assert "splitserve_kv_leases_held 1.0" in text and "splitserve_prefill_ttft_seconds_count 1.0" in text
-            released = stub.ReleaseLease(worker_pb2.ReleaseLeaseRequest(lease_id=kv.lease_id, request_id="p1"))
+            assert (
+                "splitserve_kv_leases_held 1.0" in text
+                and "splitserve_prefill_ttft_seconds_count 1.0" in text
+            )
+            released = stub.ReleaseLease(
+                worker_pb2.ReleaseLeaseRequest(lease_id=kv.lease_id, request_id="p1")
+            )
             assert released.released
             load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
-            assert (load.leases_held, load.free_blocks, load.num_running, load.num_waiting) == (0, 63, 0, 0)
+            assert (load.leases_held, load.free_blocks, load.num_running, load.num_waiting) == (
+                0,
+                63,
+                0,
+                0,
+            )
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:

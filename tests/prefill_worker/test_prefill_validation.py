@@ -10,6 +10,7 @@ import grpc
 import pytest
 from prefill_helpers import prefill_request, release, serving, worker_config
 
+from splitserve.protos import generate_pb2, worker_pb2
 from splitserve.request.errors import RequestError
 from splitserve.service.proto_convert import (
     finish_reason_to_proto,
@@ -17,14 +18,18 @@ from splitserve.service.proto_convert import (
     stop_reason_to_proto,
     validate_prompt,
 )
-from splitserve.protos import generate_pb2, worker_pb2
 
 SP = generate_pb2.SamplingParams
 MAX_LEN = 64  # the worker below runs with max_model_len 64; the tiny vocab is 512
 
 BAD = [
     ("empty prompt", [], SP(), "prompt_token_ids is empty"),
-    ("id past vocab", [1, 2, 512], SP(), "prompt_token_ids[2] = 512 is outside the model's vocabulary (size 512)"),
+    (
+        "id past vocab",
+        [1, 2, 512],
+        SP(),
+        "prompt_token_ids[2] = 512 is outside the model's vocabulary (size 512)",
+    ),
     ("prompt too long", list(range(1, 65)), SP(), "shorten the prompt to at most 63 tokens"),
     ("max_tokens 0", [1, 2], SP(max_tokens=0), "sampling.max_tokens"),
     ("nan temperature", [1, 2], SP(temperature=math.nan), "sampling.temperature is nan"),
@@ -47,19 +52,30 @@ def test_bad_requests_are_invalid_argument_and_worker_keeps_serving(tiny_llama):
                     await stub.Prefill(prefill_request(f"bad-{name}", prompt, sampling))
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
                 assert needle in err.value.details(), (name, err.value.details())
-            for req in (worker_pb2.PrefillRequest(prompt_token_ids=[1, 2]),  # no request_id
-                        prefill_request("ttl", [1, 2], lease_ttl_ms=10**9)):
+            for req in (
+                worker_pb2.PrefillRequest(prompt_token_ids=[1, 2]),  # no request_id
+                prefill_request("ttl", [1, 2], lease_ttl_ms=10**9),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await stub.Prefill(req)
                 assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert worker.engine.allocator.num_free == worker.engine.allocator.num_usable
-            assert worker.metrics.registry.get_sample_value(
-                "splitserve_prefill_requests_total", {"outcome": "invalid_argument"}) == len(BAD) + 2
+            assert (
+                worker.metrics.registry.get_sample_value(
+                    "splitserve_prefill_requests_total", {"outcome": "invalid_argument"}
+                )
+                == len(BAD) + 2
+            )
             # the longest allowed prompt still works, without sampling params at all
-            good = await stub.Prefill(worker_pb2.PrefillRequest(request_id="good",
-                                                                prompt_token_ids=list(range(1, MAX_LEN))))
+            good = await stub.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id="good", prompt_token_ids=list(range(1, MAX_LEN))
+                )
+            )
             # max_model_len reached by the first token: finishes with "length", no lease
-            assert good.finish_reason == generate_pb2.FINISH_REASON_LENGTH and not good.HasField("kv")
+            assert good.finish_reason == generate_pb2.FINISH_REASON_LENGTH and not good.HasField(
+                "kv"
+            )
             await release(stub, await stub.Prefill(prefill_request("good2", [1, 2, 3])))
 
     asyncio.run(body())
@@ -68,17 +84,42 @@ def test_bad_requests_are_invalid_argument_and_worker_keeps_serving(tiny_llama):
 def test_sampling_conversion_defaults_and_messages():
     p = sampling_params_from_proto(None, prompt_len=10, max_model_len=100, vocab_size=512)
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.logprobs) == (90, 1.0, 1.0, None, None)
-    p = sampling_params_from_proto(SP(max_tokens=5, temperature=0, seed=0, logprobs=0, stop=["x"],
-                                      stop_token_ids=[3], ignore_eos=True),
-                                   prompt_len=10, max_model_len=100, vocab_size=512)
-    assert (p.max_tokens, p.temperature, p.seed, p.logprobs, p.stop, p.stop_token_ids, p.ignore_eos) == (
-        5, 0.0, 0, 0, ("x",), (3,), True)
+    p = sampling_params_from_proto(
+        SP(
+            max_tokens=5,
+            temperature=0,
+            seed=0,
+            logprobs=0,
+            stop=["x"],
+            stop_token_ids=[3],
+            ignore_eos=True,
+        ),
+        prompt_len=10,
+        max_model_len=100,
+        vocab_size=512,
+    )
+    assert (
+        p.max_tokens,
+        p.temperature,
+        p.seed,
+        p.logprobs,
+        p.stop,
+        p.stop_token_ids,
+        p.ignore_eos,
+    ) == (5, 0.0, 0, 0, ("x",), (3,), True)
     with pytest.raises(RequestError) as err:
-        sampling_params_from_proto(SP(stop=["ok", ""]), prompt_len=1, max_model_len=10, vocab_size=10)
-    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sampling.stop.1" in err.value.message
+        sampling_params_from_proto(
+            SP(stop=["ok", ""]), prompt_len=1, max_model_len=10, vocab_size=10
+        )
+    assert (
+        err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        and "sampling.stop.1" in err.value.message
+    )
     with pytest.raises(RequestError, match="outside the model's vocabulary"):
         validate_prompt([1, -1], 10, 10)
     assert finish_reason_to_proto("length") == generate_pb2.FINISH_REASON_LENGTH
     assert finish_reason_to_proto(None) == generate_pb2.FINISH_REASON_UNSPECIFIED
-    assert stop_reason_to_proto("###").stop_str == "###" and stop_reason_to_proto(7).stop_token_id == 7
+    assert (
+        stop_reason_to_proto("###").stop_str == "###" and stop_reason_to_proto(7).stop_token_id == 7
+    )
     assert stop_reason_to_proto(None) is None

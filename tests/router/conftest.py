@@ -14,8 +14,15 @@ def cluster(tiny_llama, tmp_path_factory):
     with ProcessGroup(tmp_path_factory.mktemp("router_cluster")) as procs:
         prefill = procs.prefill_worker(tiny_llama, *worker_flags(), wait=False)
         metrics = free_port()
-        decode = procs.decode_worker(tiny_llama, *worker_flags(), "--max-batch-size", "8",
-                                     "--metrics-port", str(metrics), wait=False)
+        decode = procs.decode_worker(
+            tiny_llama,
+            *worker_flags(),
+            "--max-batch-size",
+            "8",
+            "--metrics-port",
+            str(metrics),
+            wait=False,
+        )
         prefill.wait_serving()
         decode.wait_serving()
         yield Cluster(tiny_llama, prefill.address, decode.address, procs, metrics)
@@ -27,4 +34,3 @@ def cluster(tiny_llama, tmp_path_factory):
 def oracle(tiny_llama):
     """(prompt ids, SamplingParams) -> the OfflineEngine Completion (tokens, text, finish reason)."""
     return make_oracle(tiny_llama)
-

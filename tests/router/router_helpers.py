@@ -15,14 +15,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers_procs import ProcessGroup
 
 from splitserve.config.engine_config import EngineConfig
-from splitserve.service.grpc_service import channel_options
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.offline import OfflineEngine
+from splitserve.protos import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.request.sampling_params import SamplingParams
 from splitserve.request.tokenizer import Tokenizer
-from splitserve.protos import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from splitserve.router.config import RouterConfig
 from splitserve.router.server import Router
+from splitserve.service.grpc_service import channel_options
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 256
@@ -30,7 +30,14 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def worker_flags(num_blocks: int = 128) -> list[str]:
-    return ["--num-blocks", str(num_blocks), "--block-size", str(BLOCK_SIZE), "--max-model-len", str(MAX_MODEL_LEN)]
+    return [
+        "--num-blocks",
+        str(num_blocks),
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    ]
 
 
 @dataclass
@@ -51,17 +58,29 @@ class Cluster:
 
         url = f"http://127.0.0.1:{self.decode_metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=5).read().decode()
-        m = re.search(rf'splitserve_decode_requests_finished_total{{reason="{reason}"}} ([0-9.e+]+)', text)
+        m = re.search(
+            rf'splitserve_decode_requests_finished_total{{reason="{reason}"}} ([0-9.e+]+)', text
+        )
         return float(m.group(1)) if m else 0.0
 
 
 def router_config(model, prefill=(), decode=(), **kw: Any) -> RouterConfig:
     registry = {"poll_interval_s": 0.2, "probe_timeout_s": 2.0, **kw.pop("registry", {})}
-    return RouterConfig.model_validate({
-        "model_path": str(model), "max_model_len": MAX_MODEL_LEN,
-        "server": {"host": "127.0.0.1", "port": 0, "drain_grace_s": 1.0, **kw.pop("server", {})},
-        "workers": {"prefill": list(prefill), "decode": list(decode)},
-        "registry": registry, **kw})
+    return RouterConfig.model_validate(
+        {
+            "model_path": str(model),
+            "max_model_len": MAX_MODEL_LEN,
+            "server": {
+                "host": "127.0.0.1",
+                "port": 0,
+                "drain_grace_s": 1.0,
+                **kw.pop("server", {}),
+            },
+            "workers": {"prefill": list(prefill), "decode": list(decode)},
+            "registry": registry,
+            **kw,
+        }
+    )
 
 
 async def wait_until(predicate, timeout: float = 10.0, what: str = "condition") -> None:
@@ -89,10 +108,14 @@ async def running_router(cfg: RouterConfig, ready: bool = True):
 
             async def serving() -> bool:
                 return (await health.Check(health_pb2.HealthCheckRequest())).status == SERVING
+
             await wait_until(serving, what="router health SERVING")
         yield router, generate_pb2_grpc.GenerateServiceStub(channel)
-        await wait_until(lambda: not router.generate.live and not len(router.ctx.background), 5.0,
-                         "router idle (no live request, no pending release)")
+        await wait_until(
+            lambda: not router.generate.live and not len(router.ctx.background),
+            5.0,
+            "router idle (no live request, no pending release)",
+        )
     finally:
         await channel.close()
         await router.stop(grace_s=1.0)
@@ -107,8 +130,12 @@ def text_request(text: str, sampling: generate_pb2.SamplingParams, request_id: s
 
 
 def ids_request(ids, sampling: generate_pb2.SamplingParams, request_id: str = "", **kw: Any):
-    return generate_pb2.GenerateRequest(request_id=request_id, token_ids=generate_pb2.TokenIds(ids=list(ids)),
-                                        sampling=sampling, **kw)
+    return generate_pb2.GenerateRequest(
+        request_id=request_id,
+        token_ids=generate_pb2.TokenIds(ids=list(ids)),
+        sampling=sampling,
+        **kw,
+    )
 
 
 @dataclass
@@ -149,14 +176,20 @@ async def rpc_error(coro) -> grpc.aio.AioRpcError:
 
 
 async def worker_load(address: str, role: str) -> worker_pb2.WorkerLoad:
-    stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+    stub_cls = (
+        worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+    )
     async with grpc.aio.insecure_channel(address) as ch:
         return await stub_cls(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
 
 
 def _free(load: worker_pb2.WorkerLoad) -> bool:
-    return (load.free_blocks == load.total_blocks > 0 and load.leases_held == 0
-            and load.num_running == 0 and load.num_waiting == 0)
+    return (
+        load.free_blocks == load.total_blocks > 0
+        and load.leases_held == 0
+        and load.num_running == 0
+        and load.num_waiting == 0
+    )
 
 
 async def assert_workers_free(prefill=(), decode=(), timeout: float = 10.0) -> None:
@@ -168,17 +201,25 @@ async def assert_workers_free(prefill=(), decode=(), timeout: float = 10.0) -> N
     async def all_free() -> bool:
         last[:] = [await worker_load(a, role) for a, role in workers]
         return all(_free(ld) for ld in last)
+
     try:
         await wait_until(all_free, timeout, "all KV blocks free")
     except AssertionError:
-        held = [(a, str(ld).replace(chr(10), " ")) for (a, _), ld in zip(workers, last) if not _free(ld)]
+        held = [
+            (a, str(ld).replace(chr(10), " ")) for (a, _), ld in zip(workers, last) if not _free(ld)
+        ]
         raise AssertionError(f"KV still held: {held}") from None
 
 
 def make_oracle(model):
-    runner = ModelRunner(EngineConfig(model_path=str(model), device="cpu",
-                                      cache={"num_blocks": 512, "block_size": BLOCK_SIZE},
-                                      scheduler={"max_model_len": MAX_MODEL_LEN}))
+    runner = ModelRunner(
+        EngineConfig(
+            model_path=str(model),
+            device="cpu",
+            cache={"num_blocks": 512, "block_size": BLOCK_SIZE},
+            scheduler={"max_model_len": MAX_MODEL_LEN},
+        )
+    )
     engine = OfflineEngine(runner, Tokenizer.from_dir(model))
     cache: dict = {}
 

@@ -16,9 +16,16 @@ def _stream(model_dir, **sampling) -> tuple[OutputStream, int]:
     model = ModelInfo.load(cfg)
     til = model.tokenizer.encode("til", add_special_tokens=False)
     assert len(til) == 1 and model.tokenizer.decode(til) == "til"
-    req = asyncio.run(prepare(generate_pb2.GenerateRequest(
-        token_ids=generate_pb2.TokenIds(ids=[1, 50, 60, 70]),
-        sampling=generate_pb2.SamplingParams(temperature=0, **sampling)), model, cfg))
+    req = asyncio.run(
+        prepare(
+            generate_pb2.GenerateRequest(
+                token_ids=generate_pb2.TokenIds(ids=[1, 50, 60, 70]),
+                sampling=generate_pb2.SamplingParams(temperature=0, **sampling),
+            ),
+            model,
+            cfg,
+        )
+    )
     return OutputStream(model, req), til[0]
 
 
@@ -37,5 +44,8 @@ def test_stop_string_inside_a_chunk_drops_the_tokens_after_it(tiny_llama):
     out, til = _stream(tiny_llama, max_tokens=10, stop=["ilt"])
     chunk = out.add([til, til, til])  # "tilt" matches at the second token; the third is dropped
     assert list(chunk.token_ids) == [til, til] and chunk.text == "t"
-    assert chunk.finish_reason == generate_pb2.FINISH_REASON_STOP and chunk.stop_reason.stop_str == "ilt"
+    assert (
+        chunk.finish_reason == generate_pb2.FINISH_REASON_STOP
+        and chunk.stop_reason.stop_str == "ilt"
+    )
     assert chunk.usage.completion_tokens == 2

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.request.block_hash import block_hashes
 from splitserve.config.files import ConfigError
+from splitserve.request.block_hash import block_hashes
 from splitserve.router.config import PrefixPolicyConfig, RouterConfig
 from splitserve.router.policies import (
     LeastLoaded,
@@ -19,11 +19,22 @@ from splitserve.router.policies import (
 PROMPT = list(range(1, 42))  # 41 tokens: 10 full blocks of 4
 
 
-def view(address: str, running=0, waiting=0, free=100, total=100, in_flight=0, cached_blocks=0, block_size=4,
-         hashes=None) -> WorkerView:
+def view(
+    address: str,
+    running=0,
+    waiting=0,
+    free=100,
+    total=100,
+    in_flight=0,
+    cached_blocks=0,
+    block_size=4,
+    hashes=None,
+) -> WorkerView:
     if hashes is None:
         hashes = block_hashes(PROMPT, block_size)[:cached_blocks]
-    return WorkerView(address, running, waiting, free, total, block_size, frozenset(hashes), in_flight)
+    return WorkerView(
+        address, running, waiting, free, total, block_size, frozenset(hashes), in_flight
+    )
 
 
 def test_round_robin_cycles_in_address_order_whatever_the_input_order():
@@ -39,7 +50,10 @@ def test_least_loaded_prefers_short_queues_then_free_kv():
     ll = LeastLoaded()
     assert ll.choose([view("a:1", running=3), view("b:1", running=1, waiting=1)]).address == "b:1"
     # equal queues: the larger free fraction wins, whatever the pool sizes
-    assert ll.choose([view("a:1", free=50, total=100), view("b:1", free=30, total=40)]).address == "b:1"
+    assert (
+        ll.choose([view("a:1", free=50, total=100), view("b:1", free=30, total=40)]).address
+        == "b:1"
+    )
     # the router's own in-flight count beats a stale poll that still says idle
     assert ll.choose([view("a:1", in_flight=4), view("b:1", running=2)]).address == "b:1"
     # a full tie goes to the first address (stable)
@@ -79,22 +93,35 @@ def test_prefix_match_uses_each_workers_block_size_and_a_capped_summary():
     assert cached_prefix_blocks(big_blocks, PROMPT) == 5
     busy_big = view("b:1", block_size=8, hashes=block_hashes(PROMPT, 8)[:5], running=1)
     assert PrefixAware().choose([view("c:1"), busy_big], PROMPT).address == "b:1"
-    assert PrefixAware(PrefixPolicyConfig(min_match_blocks=6)).choose(
-        [view("c:1"), busy_big], PROMPT).address == "c:1"  # 5 blocks are not worth it here
+    assert (
+        PrefixAware(PrefixPolicyConfig(min_match_blocks=6))
+        .choose([view("c:1"), busy_big], PROMPT)
+        .address
+        == "c:1"
+    )  # 5 blocks are not worth it here
     assert cached_prefix_blocks(view("d:1", block_size=0, hashes=[1]), PROMPT) == 0
 
 
 def test_make_policy_and_config_refusals(tmp_path):
     assert {make_policy(n).name for n in ("round_robin", "least_loaded", "prefix_aware")} == {
-        "round_robin", "least_loaded", "prefix_aware"}
+        "round_robin",
+        "least_loaded",
+        "prefix_aware",
+    }
     base = {"model_path": str(tmp_path)}
     cases = [
         ({"routing": {"decode_policy": "prefix_aware"}}, "decode workers report no prefix cache"),
         ({"routing": {"prefill_policy": "fastest"}}, "routing.prefill_policy"),
         ({"workers": {"prefill": ["nohost"]}}, "not host:port"),
-        ({"workers": {"prefill": ["h:1"], "decode": ["h:1"]}}, "both a prefill and a decode worker"),
+        (
+            {"workers": {"prefill": ["h:1"], "decode": ["h:1"]}},
+            "both a prefill and a decode worker",
+        ),
         ({"workers": {"decode": ["h:1", "h:1"]}}, "lists an address twice"),
-        ({"registry": {"heartbeat_interval_s": 2, "heartbeat_timeout_s": 1}}, "must exceed heartbeat_interval_s"),
+        (
+            {"registry": {"heartbeat_interval_s": 2, "heartbeat_timeout_s": 1}},
+            "must exceed heartbeat_interval_s",
+        ),
         ({"max_request_bytes": 2**30}, "exceeds server.max_message_mb"),
         ({"bogus": 1}, "bogus: Extra inputs are not permitted"),
     ]
@@ -105,8 +132,11 @@ def test_make_policy_and_config_refusals(tmp_path):
     yaml = tmp_path / "router.yaml"
     yaml.write_text("workers: {prefill: ['p:1']}\nrouting: {decode_policy: round_robin}\n")
     cfg = RouterConfig.load(yaml, {"model_path": str(tmp_path), "workers.decode": ["d:1"]})
-    assert (cfg.workers.prefill, cfg.workers.decode, cfg.routing.decode_policy) == (("p:1",), ("d:1",),
-                                                                                     "round_robin")
+    assert (cfg.workers.prefill, cfg.workers.decode, cfg.routing.decode_policy) == (
+        ("p:1",),
+        ("d:1",),
+        "round_robin",
+    )
 
 
 def _dotted(values: dict, prefix: str = "") -> dict:

@@ -6,7 +6,15 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from router_helpers import greedy, ids_request, read_rest, router_config, rpc_error, running_router, wait_until
+from router_helpers import (
+    greedy,
+    ids_request,
+    read_rest,
+    router_config,
+    rpc_error,
+    running_router,
+    wait_until,
+)
 
 from splitserve.protos import generate_pb2
 
@@ -20,7 +28,9 @@ def _outcome(router, name: str) -> float:
 
 def test_client_cancel_mid_stream_frees_every_worker(cluster):
     async def body():
-        async with running_router(router_config(cluster.model, [cluster.prefill], [cluster.decode])) as (r, stub):
+        async with running_router(
+            router_config(cluster.model, [cluster.prefill], [cluster.decode])
+        ) as (r, stub):
             aborted_before = cluster.decode_finished("abort")
             call = stub.Generate(ids_request(PROMPT, LONG, request_id="cancel-me"), timeout=60)
             got = [await call.read() for _ in range(3)]
@@ -51,18 +61,24 @@ async def _stream_until_done(call) -> tuple[int, grpc.StatusCode]:
 
 def test_deadline_ends_the_request_with_deadline_exceeded_and_no_leak(cluster):
     async def body():
-        async with running_router(router_config(cluster.model, [cluster.prefill], [cluster.decode])) as (r, stub):
+        async with running_router(
+            router_config(cluster.model, [cluster.prefill], [cluster.decode])
+        ) as (r, stub):
             # expires mid-decode (the first chunk came, the rest did not); the machine's speed
             # varies, so the timeout adapts until it lands there
             timeout, tries = 0.5, []
             for _ in range(8):
-                tokens, code = await _stream_until_done(stub.Generate(ids_request(PROMPT, LONG), timeout=timeout))
+                tokens, code = await _stream_until_done(
+                    stub.Generate(ids_request(PROMPT, LONG), timeout=timeout)
+                )
                 tries.append((timeout, tokens, code))
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and tokens:
                     break
                 timeout = timeout / 2 if code == grpc.StatusCode.OK else timeout * 1.5
             # expires before or during prefill
-            early = await rpc_error(read_rest(stub.Generate(ids_request(PROMPT, LONG), timeout=0.005)))
+            early = await rpc_error(
+                read_rest(stub.Generate(ids_request(PROMPT, LONG), timeout=0.005))
+            )
             await wait_until(lambda: not r.generate.live, 5, "router dropped the requests")
             await cluster.assert_free()
             return tries, early.code(), _outcome(r, "deadline_exceeded"), _outcome(r, "cancelled")
@@ -79,7 +95,9 @@ def test_deadline_ends_the_request_with_deadline_exceeded_and_no_leak(cluster):
 
 def test_abort_ends_the_stream_with_finish_reason_abort(cluster):
     async def body():
-        async with running_router(router_config(cluster.model, [cluster.prefill], [cluster.decode])) as (r, stub):
+        async with running_router(
+            router_config(cluster.model, [cluster.prefill], [cluster.decode])
+        ) as (r, stub):
             call = stub.Generate(ids_request(PROMPT, LONG, request_id="abort-me"), timeout=60)
             first = await call.read()
             found = await stub.Abort(generate_pb2.AbortRequest(request_id="abort-me"), timeout=5)
@@ -87,7 +105,15 @@ def test_abort_ends_the_stream_with_finish_reason_abort(cluster):
             again = await stub.Abort(generate_pb2.AbortRequest(request_id="abort-me"), timeout=5)
             unknown = await stub.Abort(generate_pb2.AbortRequest(request_id="nobody"), timeout=5)
             await cluster.assert_free()
-            return first, found.found, rest, again.found, unknown.found, await call.code(), _outcome(r, "abort")
+            return (
+                first,
+                found.found,
+                rest,
+                again.found,
+                unknown.found,
+                await call.code(),
+                _outcome(r, "abort"),
+            )
 
     first, found, rest, again, unknown, code, aborted = asyncio.run(body())
     assert found and not again and not unknown
@@ -95,5 +121,7 @@ def test_abort_ends_the_stream_with_finish_reason_abort(cluster):
     last = rest[-1]
     assert last.finish_reason == generate_pb2.FINISH_REASON_ABORT
     streamed = len(first.token_ids) + sum(len(c.token_ids) for c in rest)
-    assert last.usage.completion_tokens == streamed < 249 and last.usage.prompt_tokens == len(PROMPT)
+    assert last.usage.completion_tokens == streamed < 249 and last.usage.prompt_tokens == len(
+        PROMPT
+    )
     assert aborted == 1

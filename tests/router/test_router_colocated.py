@@ -22,17 +22,22 @@ from router_helpers import (
 
 from splitserve.cli import router_cmd
 from splitserve.config.files import ConfigError
-from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2, router_pb2, router_pb2_grpc
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.router.config import RouterConfig
 
 FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
 
 
 def _params(sp: generate_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(temperature=sp.temperature, top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-                          seed=sp.seed if sp.HasField("seed") else None, max_tokens=sp.max_tokens,
-                          stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids))
+    return SamplingParams(
+        temperature=sp.temperature,
+        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+        seed=sp.seed if sp.HasField("seed") else None,
+        max_tokens=sp.max_tokens,
+        stop=tuple(sp.stop),
+        stop_token_ids=tuple(sp.stop_token_ids),
+    )
 
 
 def test_colocated_generation_equals_offline_engine(cluster, oracle):
@@ -45,8 +50,14 @@ def test_colocated_generation_equals_offline_engine(cluster, oracle):
     cases = [
         (tok.encode(text), text_request(text, greedy(20))),
         (ids, ids_request(ids, greedy(20, stop=[stop]), request_id="stop-str")),
-        (ids, ids_request(ids, generate_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12),
-                          request_id="seeded")),
+        (
+            ids,
+            ids_request(
+                ids,
+                generate_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12),
+                request_id="seeded",
+            ),
+        ),
         (ids, ids_request(ids, greedy(1), request_id="one")),  # the first token ends it (length)
         (ids, ids_request(ids, greedy(8, stop_token_ids=[first]), request_id="stop-first")),
     ]
@@ -69,7 +80,10 @@ def test_colocated_generation_equals_offline_engine(cluster, oracle):
         assert all(not c.HasField("usage") and not c.finish_reason for c in res.chunks[:-1])
         usage = res.last.usage
         assert (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) == (
-            len(prompt), 0, len(ref.token_ids))
+            len(prompt),
+            0,
+            len(ref.token_ids),
+        )
     assert results[1].last.stop_reason.stop_str == stop
     assert results[4].tokens == [first] and results[4].last.stop_reason.stop_token_id == first
     assert ttft == len(cases)  # observed at each request's first decode chunk
@@ -77,12 +91,31 @@ def test_colocated_generation_equals_offline_engine(cluster, oracle):
 
 def test_colocated_refuses_prefill_workers_with_one_line(cluster, tiny_llama, capsys):
     with pytest.raises(ConfigError, match="colocated mode sends no prefills"):
-        RouterConfig.load(None, {"model_path": str(tiny_llama), "routing.colocated": True,
-                                 "workers.prefill": ["127.0.0.1:1"]})
-    code = router_cmd.main(["--model", str(tiny_llama), "--colocated", "--prefill", "127.0.0.1:1",
-                            "--decode", "127.0.0.1:2"])
+        RouterConfig.load(
+            None,
+            {
+                "model_path": str(tiny_llama),
+                "routing.colocated": True,
+                "workers.prefill": ["127.0.0.1:1"],
+            },
+        )
+    code = router_cmd.main(
+        [
+            "--model",
+            str(tiny_llama),
+            "--colocated",
+            "--prefill",
+            "127.0.0.1:1",
+            "--decode",
+            "127.0.0.1:2",
+        ]
+    )
     err = capsys.readouterr().err.strip()
-    assert code == 2 and err.count("\n") == 0 and "drop the prefill workers or routing.colocated" in err
+    assert (
+        code == 2
+        and err.count("\n") == 0
+        and "drop the prefill workers or routing.colocated" in err
+    )
 
     async def body():
         cfg = router_config(cluster.model, routing={"colocated": True})
@@ -90,12 +123,23 @@ def test_colocated_refuses_prefill_workers_with_one_line(cluster, tiny_llama, ca
             assert not router.ready  # no decode worker yet
             async with grpc.aio.insecure_channel(router.address) as ch:
                 ctl = router_pb2_grpc.RouterControlStub(ch)
-                refused = await rpc_error(ctl.RegisterWorker(router_pb2.RegisterWorkerRequest(
-                    role=generate_pb2.WORKER_ROLE_PREFILL, address=cluster.prefill)))
-                await ctl.RegisterWorker(router_pb2.RegisterWorkerRequest(
-                    role=generate_pb2.WORKER_ROLE_DECODE, address=cluster.decode))
+                refused = await rpc_error(
+                    ctl.RegisterWorker(
+                        router_pb2.RegisterWorkerRequest(
+                            role=generate_pb2.WORKER_ROLE_PREFILL, address=cluster.prefill
+                        )
+                    )
+                )
+                await ctl.RegisterWorker(
+                    router_pb2.RegisterWorkerRequest(
+                        role=generate_pb2.WORKER_ROLE_DECODE, address=cluster.decode
+                    )
+                )
                 await wait_until(lambda: router.ready, 10, "registered decode worker healthy")
         return refused
 
     refused = asyncio.run(body())
-    assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "register decode workers only" in refused.details()
+    assert (
+        refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+        and "register decode workers only" in refused.details()
+    )

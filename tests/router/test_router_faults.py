@@ -23,10 +23,15 @@ from router_helpers import (
     worker_load,
 )
 
-from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2
+from splitserve.request.sampling_params import SamplingParams
 
-PROMPTS = [[1, 44, 45, 46, 200, 201, 202], [1, 50, 60, 70], [1] + list(range(300, 320)), [1, 7, 8, 9, 10]]
+PROMPTS = [
+    [1, 44, 45, 46, 200, 201, 202],
+    [1, 50, 60, 70],
+    [1] + list(range(300, 320)),
+    [1, 7, 8, 9, 10],
+]
 
 
 @pytest.fixture
@@ -44,7 +49,9 @@ async def _info(address: str) -> generate_pb2.ServerInfo:
     from splitserve.protos import generate_pb2_grpc
 
     async with grpc.aio.insecure_channel(address) as ch:
-        return await generate_pb2_grpc.GenerateServiceStub(ch).GetServerInfo(generate_pb2.GetServerInfoRequest())
+        return await generate_pb2_grpc.GenerateServiceStub(ch).GetServerInfo(
+            generate_pb2.GetServerInfoRequest()
+        )
 
 
 def _check(results, oracle, n: int) -> None:
@@ -55,12 +62,21 @@ def _check(results, oracle, n: int) -> None:
 def test_prefill_unavailable_is_retried_once_on_another_worker(cluster, oracle, procs, tiny_llama):
     spare = procs.prefill_worker(tiny_llama, *worker_flags())
     # probes far apart: the registry still believes in the spare when the requests reach it
-    cfg = router_config(cluster.model, [cluster.prefill, spare.address], [cluster.decode],
-                        routing={"prefill_policy": "round_robin"}, registry={"poll_interval_s": 60})
+    cfg = router_config(
+        cluster.model,
+        [cluster.prefill, spare.address],
+        [cluster.decode],
+        routing={"prefill_policy": "round_robin"},
+        registry={"poll_interval_s": 60},
+    )
 
     async def body():
         async with running_router(cfg) as (r, stub):
-            await wait_until(lambda: all(w.healthy for w in r.registry.workers()), 10, "both prefill workers healthy")
+            await wait_until(
+                lambda: all(w.healthy for w in r.registry.workers()),
+                10,
+                "both prefill workers healthy",
+            )
             spare.kill()
             results = [await generate(stub, ids_request(p, greedy(6))) for p in PROMPTS[:2]]
             healthy = await _health(r.address)
@@ -69,25 +85,45 @@ def test_prefill_unavailable_is_retried_once_on_another_worker(cluster, oracle, 
 
     results, retries, healthy = asyncio.run(body())
     _check(results, oracle, 6)
-    assert retries == 1  # round robin sent one of the two to the dead worker; the other never tried it
+    assert (
+        retries == 1
+    )  # round robin sent one of the two to the dead worker; the other never tried it
     assert healthy == {cluster.prefill: True, spare.address: False, cluster.decode: True}
 
 
-def test_killed_prefill_worker_is_evicted_and_returns_when_healthy(cluster, oracle, procs, tiny_llama):
+def test_killed_prefill_worker_is_evicted_and_returns_when_healthy(
+    cluster, oracle, procs, tiny_llama
+):
     second = procs.prefill_worker(tiny_llama, *worker_flags())
     port = second.port
-    cfg = router_config(cluster.model, [cluster.prefill, second.address], [cluster.decode],
-                        routing={"prefill_policy": "round_robin"})
+    cfg = router_config(
+        cluster.model,
+        [cluster.prefill, second.address],
+        [cluster.decode],
+        routing={"prefill_policy": "round_robin"},
+    )
 
     async def body():
         async with running_router(cfg) as (r, stub):
-            await wait_until(lambda: all(w.healthy for w in r.registry.workers()), 10, "both prefill workers healthy")
+            await wait_until(
+                lambda: all(w.healthy for w in r.registry.workers()),
+                10,
+                "both prefill workers healthy",
+            )
             second.kill()
-            await wait_until(lambda: not r.registry.get(second.address).healthy, 10, "the dead worker evicted")
-            served = await asyncio.gather(*(generate(stub, ids_request(p, greedy(6))) for p in PROMPTS))
+            await wait_until(
+                lambda: not r.registry.get(second.address).healthy, 10, "the dead worker evicted"
+            )
+            served = await asyncio.gather(
+                *(generate(stub, ids_request(p, greedy(6))) for p in PROMPTS)
+            )
             retries = r.metrics.prefill_retries._value.get()
-            again = procs.prefill_worker(tiny_llama, *worker_flags(), port=port)  # back on its address
-            await wait_until(lambda: r.registry.get(again.address).healthy, 15, "the worker back in rotation")
+            again = procs.prefill_worker(
+                tiny_llama, *worker_flags(), port=port
+            )  # back on its address
+            await wait_until(
+                lambda: r.registry.get(again.address).healthy, 15, "the worker back in rotation"
+            )
             back = [await generate(stub, ids_request(p, greedy(6))) for p in PROMPTS[:2]]
             load = await worker_load(again.address, "prefill")
             evictions = r.metrics.evictions_of("prefill", again.address)
@@ -102,7 +138,9 @@ def test_killed_prefill_worker_is_evicted_and_returns_when_healthy(cluster, orac
     assert load.prefix_cache.num_cached_blocks > 0  # round robin gave it one of the two requests
 
 
-def test_decode_worker_death_mid_stream_is_unavailable_after_the_tokens_sent(cluster, oracle, procs, tiny_llama):
+def test_decode_worker_death_mid_stream_is_unavailable_after_the_tokens_sent(
+    cluster, oracle, procs, tiny_llama
+):
     doomed = procs.decode_worker(tiny_llama, *worker_flags())
     cfg = router_config(cluster.model, [cluster.prefill], [doomed.address])
     prompt = PROMPTS[0]
@@ -119,7 +157,9 @@ def test_decode_worker_death_mid_stream_is_unavailable_after_the_tokens_sent(clu
             except grpc.aio.AioRpcError as e:
                 err = e
             async with grpc.aio.insecure_channel(r.address) as ch:
-                status = (await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())).status
+                status = (
+                    await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
+                ).status
             await assert_workers_free([cluster.prefill])
             return got, err or await call.code(), status
 
@@ -130,5 +170,5 @@ def test_decode_worker_death_mid_stream_is_unavailable_after_the_tokens_sent(clu
     assert f"failed after {len(tokens)} tokens were streamed" in err.details()
     assert "send the request again" in err.details()
     ref = oracle(prompt, SamplingParams(temperature=0, max_tokens=249, ignore_eos=True)).token_ids
-    assert 2 <= len(tokens) < 249 and tokens == ref[:len(tokens)]
+    assert 2 <= len(tokens) < 249 and tokens == ref[: len(tokens)]
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING  # no decode worker left

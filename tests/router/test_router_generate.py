@@ -24,12 +24,15 @@ from router_helpers import (
     worker_load,
 )
 
-from splitserve.request.sampling_params import SamplingParams
 from splitserve.protos import generate_pb2
+from splitserve.request.sampling_params import SamplingParams
 from splitserve.router.policies import cached_prefix_blocks
 
 FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
-TEXTS = ["The quick brown fox jumps over", "In the morning the market opened early; farmers brought"]
+TEXTS = [
+    "The quick brown fox jumps over",
+    "In the morning the market opened early; farmers brought",
+]
 ID_PROMPTS = [[1, 44, 45, 46, 200, 201, 202], [1] + list(range(300, 340))]
 
 
@@ -40,24 +43,33 @@ def _check_against_oracle(result, prompt, params, ref) -> None:
     assert list(first.token_ids) == ref.token_ids[:1]  # the prefill token, alone
     assert all(not c.HasField("usage") and not c.finish_reason for c in result.chunks[:-1])
     assert last.finish_reason == FINISH[ref.finish_reason]
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), len(ref.token_ids))
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        len(prompt),
+        len(ref.token_ids),
+    )
 
 
 def test_greedy_generation_equals_offline_engine_for_concurrent_requests(cluster, oracle):
     tok = oracle.tokenizer
     cases = [(tok.encode(t), text_request(t, greedy(n)), n) for t, n in zip(TEXTS, (24, 9))]
-    cases += [(ids, ids_request(ids, greedy(n), request_id=f"ids-{i}"), n)
-              for i, (ids, n) in enumerate(zip(ID_PROMPTS, (17, 30)))]
+    cases += [
+        (ids, ids_request(ids, greedy(n), request_id=f"ids-{i}"), n)
+        for i, (ids, n) in enumerate(zip(ID_PROMPTS, (17, 30)))
+    ]
     # a stop string met mid-stream cuts the text, as offline
     probe = oracle(ID_PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))
     stop = probe.text[6:9].strip() or probe.text[6:9]
-    cases.append((ID_PROMPTS[0], ids_request(ID_PROMPTS[0], greedy(20, stop=[stop]), request_id="stop"), 20))
+    cases.append(
+        (ID_PROMPTS[0], ids_request(ID_PROMPTS[0], greedy(20, stop=[stop]), request_id="stop"), 20)
+    )
     # seeded sampling is reproducible across the prefill and decode processes
     seeded = generate_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12)
     cases.append((ID_PROMPTS[1], ids_request(ID_PROMPTS[1], seeded, request_id="seeded"), 12))
 
     async def body():
-        async with running_router(router_config(cluster.model, [cluster.prefill], [cluster.decode])) as (_, stub):
+        async with running_router(
+            router_config(cluster.model, [cluster.prefill], [cluster.decode])
+        ) as (_, stub):
             results = await asyncio.gather(*(generate(stub, req) for _, req, _ in cases))
             await cluster.assert_free()
         return results
@@ -65,8 +77,13 @@ def test_greedy_generation_equals_offline_engine_for_concurrent_requests(cluster
     results = asyncio.run(body())
     for (prompt, req, n), result in zip(cases, results):
         sp = req.sampling
-        params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-                                seed=sp.seed if sp.HasField("seed") else None, max_tokens=n, stop=tuple(sp.stop))
+        params = SamplingParams(
+            temperature=sp.temperature,
+            top_p=sp.top_p if sp.HasField("top_p") else 1.0,
+            seed=sp.seed if sp.HasField("seed") else None,
+            max_tokens=n,
+            stop=tuple(sp.stop),
+        )
         _check_against_oracle(result, prompt, params, oracle(prompt, params))
         ids = {c.request_id for c in result.chunks}
         assert len(ids) == 1 and (req.request_id in ids or not req.request_id)
@@ -78,12 +95,16 @@ def test_usage_counts_prefix_cache_hits_and_logprobs_follow_tokens(cluster, orac
     prompt = [1] + list(range(100, 140))  # 41 tokens: 10 full blocks of 4
 
     async def body():
-        async with running_router(router_config(cluster.model, [cluster.prefill], [cluster.decode])) as (r, stub):
+        async with running_router(
+            router_config(cluster.model, [cluster.prefill], [cluster.decode])
+        ) as (r, stub):
             cold = await generate(stub, ids_request(prompt, greedy(6, logprobs=2)))
             # the registry's GetLoad polls bring the worker's cached block hashes, which the
             # prefix-aware policy matches with the same chained hash over the prompt
             worker = r.registry.get(cluster.prefill)
-            await wait_until(lambda: cached_prefix_blocks(worker.view(), prompt) == 10, 5, "prefix hashes polled")
+            await wait_until(
+                lambda: cached_prefix_blocks(worker.view(), prompt) == 10, 5, "prefix hashes polled"
+            )
             warm = await generate(stub, ids_request(prompt, greedy(6, logprobs=2)))
             await cluster.assert_free()
         return cold, warm
@@ -91,7 +112,11 @@ def test_usage_counts_prefix_cache_hits_and_logprobs_follow_tokens(cluster, orac
     cold, warm = asyncio.run(body())
     ref = oracle(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=2))
     assert cold.tokens == warm.tokens == ref.token_ids
-    assert warm.last.usage.cached_prompt_tokens == 10 * BLOCK_SIZE > cold.last.usage.cached_prompt_tokens
+    assert (
+        warm.last.usage.cached_prompt_tokens
+        == 10 * BLOCK_SIZE
+        > cold.last.usage.cached_prompt_tokens
+    )
     lps = [lp for c in warm.chunks for lp in c.logprobs]
     assert [lp.token_id for lp in lps] == ref.token_ids
     assert all(len(lp.top_logprobs) == 2 for lp in lps)
@@ -105,20 +130,27 @@ def test_first_token_that_ends_the_request_never_opens_decode(cluster, oracle):
     assert first_text == "til", "the first token needs whole characters for this test"
 
     async def body():
-        async with running_router(router_config(cluster.model, [cluster.prefill], [cluster.decode])) as (r, stub):
+        async with running_router(
+            router_config(cluster.model, [cluster.prefill], [cluster.decode])
+        ) as (r, stub):
             before = await worker_load(cluster.decode, "decode")
             one = await generate(stub, ids_request(prompt, greedy(1)))  # prefill says LENGTH
             # the prefill worker does not check stop strings: the router does, and releases the lease
             by_stop = await generate(stub, ids_request(prompt, greedy(8, stop=[first_text])))
-            by_token = await generate(stub, ids_request(prompt, greedy(8, stop_token_ids=[ref.token_ids[0]])))
+            by_token = await generate(
+                stub, ids_request(prompt, greedy(8, stop_token_ids=[ref.token_ids[0]]))
+            )
             released = r.metrics.leases_released.labels("request_ended")._value.get()
             await cluster.assert_free()
             after = await worker_load(cluster.decode, "decode")
         return before, after, one, by_stop, by_token, released
 
     before, after, one, by_stop, by_token, released = asyncio.run(body())
-    for res, reason in ((one, generate_pb2.FINISH_REASON_LENGTH), (by_stop, generate_pb2.FINISH_REASON_STOP),
-                        (by_token, generate_pb2.FINISH_REASON_STOP)):
+    for res, reason in (
+        (one, generate_pb2.FINISH_REASON_LENGTH),
+        (by_stop, generate_pb2.FINISH_REASON_STOP),
+        (by_token, generate_pb2.FINISH_REASON_STOP),
+    ):
         assert len(res.chunks) == 1 and res.tokens == ref.token_ids[:1]
         assert res.last.finish_reason == reason and res.last.usage.completion_tokens == 1
     assert one.text == first_text and by_stop.text == "" and by_token.text == ""
@@ -129,8 +161,13 @@ def test_first_token_that_ends_the_request_never_opens_decode(cluster, oracle):
 
 
 def test_server_info_health_reflection_and_metrics(cluster):
-    cfg = router_config(cluster.model, [cluster.prefill], [cluster.decode], model_name="tiny",
-                        server={"metrics_port": 0})
+    cfg = router_config(
+        cluster.model,
+        [cluster.prefill],
+        [cluster.decode],
+        model_name="tiny",
+        server={"metrics_port": 0},
+    )
 
     async def body():
         async with running_router(cfg) as (router, stub):
@@ -138,31 +175,54 @@ def test_server_info_health_reflection_and_metrics(cluster):
             await generate(stub, text_request("hello", greedy(3)))
             async with grpc.aio.insecure_channel(router.address) as channel:
                 health = health_pb2_grpc.HealthStub(channel)
-                statuses = [(await health.Check(health_pb2.HealthCheckRequest(service=s))).status
-                            for s in ("", "splitserve.v1.GenerateService", "splitserve.v1.RouterControl")]
+                statuses = [
+                    (await health.Check(health_pb2.HealthCheckRequest(service=s))).status
+                    for s in ("", "splitserve.v1.GenerateService", "splitserve.v1.RouterControl")
+                ]
                 refl = reflection_pb2_grpc.ServerReflectionStub(channel)
-                answer = [a async for a in refl.ServerReflectionInfo(
-                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]))][0]
+                answer = [
+                    a
+                    async for a in refl.ServerReflectionInfo(
+                        iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+                    )
+                ][0]
             url = f"http://127.0.0.1:{router.server.metrics_port}/metrics"
-            page = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
+            page = await asyncio.to_thread(
+                lambda: urllib.request.urlopen(url, timeout=5).read().decode()
+            )
             await cluster.assert_free()
         return info, statuses, answer, page
 
     info, statuses, answer, page = asyncio.run(body())
-    assert (info.model_name, info.max_model_len, info.vocab_size, info.block_size) == ("tiny", MAX_MODEL_LEN, 512,
-                                                                                     BLOCK_SIZE)
+    assert (info.model_name, info.max_model_len, info.vocab_size, info.block_size) == (
+        "tiny",
+        MAX_MODEL_LEN,
+        512,
+        BLOCK_SIZE,
+    )
     assert {(w.role, w.address, w.healthy) for w in info.workers} == {
         (generate_pb2.WORKER_ROLE_PREFILL, cluster.prefill, True),
-        (generate_pb2.WORKER_ROLE_DECODE, cluster.decode, True)}
+        (generate_pb2.WORKER_ROLE_DECODE, cluster.decode, True),
+    }
     assert set(statuses) == {health_pb2.HealthCheckResponse.SERVING}
     names = {s.name for s in answer.list_services_response.service}
-    assert {"splitserve.v1.GenerateService", "splitserve.v1.RouterControl", "grpc.health.v1.Health"} <= names
-    for line in ("splitserve_router_ttft_seconds_count 1.0", "splitserve_router_e2e_seconds_count 1.0",
-                 'splitserve_router_requests_total{outcome="length"} 1.0', "splitserve_router_requests_in_flight 0.0",
-                 f'splitserve_router_worker_healthy{{address="{cluster.prefill}",role="prefill"}} 1.0',
-                 "splitserve_router_completion_tokens_total 3.0"):
+    assert {
+        "splitserve.v1.GenerateService",
+        "splitserve.v1.RouterControl",
+        "grpc.health.v1.Health",
+    } <= names
+    for line in (
+        "splitserve_router_ttft_seconds_count 1.0",
+        "splitserve_router_e2e_seconds_count 1.0",
+        'splitserve_router_requests_total{outcome="length"} 1.0',
+        "splitserve_router_requests_in_flight 0.0",
+        f'splitserve_router_worker_healthy{{address="{cluster.prefill}",role="prefill"}} 1.0',
+        "splitserve_router_completion_tokens_total 3.0",
+    ):
         assert line in page, line
-    assert "splitserve_router_itl_seconds_count 0.0" not in page  # decode chunks came after the first
+    assert (
+        "splitserve_router_itl_seconds_count 0.0" not in page
+    )  # decode chunks came after the first
 
 
 def test_ttft_components_are_observed_per_request(cluster):
@@ -171,13 +231,23 @@ def test_ttft_components_are_observed_per_request(cluster):
     components = ("prefill_queue", "prefill_compute", "transfer", "decode_queue")
 
     async def body():
-        async with running_router(router_config(cluster.model, [cluster.prefill], [cluster.decode])) as (r, stub):
+        async with running_router(
+            router_config(cluster.model, [cluster.prefill], [cluster.decode])
+        ) as (r, stub):
             res = await generate(stub, ids_request(ID_PROMPTS[1], greedy(5)))
             await cluster.assert_free()
         reg = r.metrics.registry
-        got = {c: (reg.get_sample_value("splitserve_router_ttft_component_seconds_count", {"component": c}),
-                   reg.get_sample_value("splitserve_router_ttft_component_seconds_sum", {"component": c}))
-               for c in components}
+        got = {
+            c: (
+                reg.get_sample_value(
+                    "splitserve_router_ttft_component_seconds_count", {"component": c}
+                ),
+                reg.get_sample_value(
+                    "splitserve_router_ttft_component_seconds_sum", {"component": c}
+                ),
+            )
+            for c in components
+        }
         return res, got, reg.get_sample_value("splitserve_router_e2e_seconds_sum")
 
     res, got, e2e = asyncio.run(body())

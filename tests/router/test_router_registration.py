@@ -7,7 +7,15 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from router_helpers import generate, greedy, ids_request, router_config, rpc_error, running_router, wait_until
+from router_helpers import (
+    generate,
+    greedy,
+    ids_request,
+    router_config,
+    rpc_error,
+    running_router,
+    wait_until,
+)
 
 from splitserve.protos import generate_pb2, router_pb2, router_pb2_grpc
 from splitserve.router.registration import keep_registered
@@ -17,8 +25,12 @@ PREFILL = generate_pb2.WORKER_ROLE_PREFILL
 
 
 def test_registered_worker_serves_is_evicted_without_heartbeats_and_returns(cluster):
-    cfg = router_config(cluster.model, [cluster.prefill], [],
-                        registry={"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.5, "forget_after_s": 30})
+    cfg = router_config(
+        cluster.model,
+        [cluster.prefill],
+        [],
+        registry={"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.5, "forget_after_s": 30},
+    )
 
     async def body():
         async with running_router(cfg, ready=False) as (r, stub):
@@ -43,37 +55,64 @@ def test_registered_worker_serves_is_evicted_without_heartbeats_and_returns(clus
 
     no_decode, served, info, evicted, back = asyncio.run(body())
     assert no_decode.code() == evicted.code() == grpc.StatusCode.UNAVAILABLE
-    assert "no healthy decode worker" in evicted.details() and "no heartbeat for" in evicted.details()
+    assert (
+        "no healthy decode worker" in evicted.details() and "no heartbeat for" in evicted.details()
+    )
     assert len(served.tokens) == len(back.tokens) == 5 and served.tokens == back.tokens
     assert [(w.role, w.address, w.healthy) for w in info.workers] == [
-        (PREFILL, cluster.prefill, True), (DECODE, cluster.decode, False)]
+        (PREFILL, cluster.prefill, True),
+        (DECODE, cluster.decode, False),
+    ]
 
 
 def test_bad_registrations_are_refused_and_unknown_heartbeats_say_so(cluster, tiny_llama):
     cfg = router_config(tiny_llama, ["127.0.0.1:1"], [])
 
     async def body():
-        async with running_router(cfg, ready=False) as (r, _):
-            async with grpc.aio.insecure_channel(r.address) as ch:
-                stub = router_pb2_grpc.RouterControlStub(ch)
-                no_role = await rpc_error(stub.RegisterWorker(router_pb2.RegisterWorkerRequest(address="h:1")))
-                bad_addr = await rpc_error(stub.RegisterWorker(router_pb2.RegisterWorkerRequest(
-                    role=DECODE, address="no-port")))
-                taken = await rpc_error(stub.RegisterWorker(router_pb2.RegisterWorkerRequest(
-                    role=DECODE, address="127.0.0.1:1")))
-                unknown = await stub.Heartbeat(router_pb2.HeartbeatRequest(address=cluster.decode, role=DECODE))
-                ok = await stub.RegisterWorker(router_pb2.RegisterWorkerRequest(role=DECODE, address=cluster.decode))
-                known = await stub.Heartbeat(router_pb2.HeartbeatRequest(address=cluster.decode, role=DECODE))
-                again = await stub.RegisterWorker(router_pb2.RegisterWorkerRequest(role=DECODE, address=cluster.decode))
-                listed = [(w.address, w.healthy) for w in r.registry.workers() if w.static]
+        async with (
+            running_router(cfg, ready=False) as (r, _),
+            grpc.aio.insecure_channel(r.address) as ch,
+        ):
+            stub = router_pb2_grpc.RouterControlStub(ch)
+            no_role = await rpc_error(
+                stub.RegisterWorker(router_pb2.RegisterWorkerRequest(address="h:1"))
+            )
+            bad_addr = await rpc_error(
+                stub.RegisterWorker(
+                    router_pb2.RegisterWorkerRequest(role=DECODE, address="no-port")
+                )
+            )
+            taken = await rpc_error(
+                stub.RegisterWorker(
+                    router_pb2.RegisterWorkerRequest(role=DECODE, address="127.0.0.1:1")
+                )
+            )
+            unknown = await stub.Heartbeat(
+                router_pb2.HeartbeatRequest(address=cluster.decode, role=DECODE)
+            )
+            ok = await stub.RegisterWorker(
+                router_pb2.RegisterWorkerRequest(role=DECODE, address=cluster.decode)
+            )
+            known = await stub.Heartbeat(
+                router_pb2.HeartbeatRequest(address=cluster.decode, role=DECODE)
+            )
+            again = await stub.RegisterWorker(
+                router_pb2.RegisterWorkerRequest(role=DECODE, address=cluster.decode)
+            )
+            listed = [(w.address, w.healthy) for w in r.registry.workers() if w.static]
         return no_role, bad_addr, taken, unknown, ok, known, again, listed
 
     no_role, bad_addr, taken, unknown, ok, known, again, listed = asyncio.run(body())
     assert no_role.code() == bad_addr.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE" in no_role.details()
     assert "not host:port" in bad_addr.details()
-    assert taken.code() == grpc.StatusCode.FAILED_PRECONDITION and "already registered as a prefill" in taken.details()
+    assert (
+        taken.code() == grpc.StatusCode.FAILED_PRECONDITION
+        and "already registered as a prefill" in taken.details()
+    )
     assert not unknown.known and known.known
     assert ok.heartbeat_interval_ms == 1000 and ok.heartbeat_timeout_ms == 3000 and again == ok
-    assert listed == [("127.0.0.1:1", False)]  # nothing listens there (listed statically, so never dialed
+    assert listed == [
+        ("127.0.0.1:1", False)
+    ]  # nothing listens there (listed statically, so never dialed
     # at registration; an unreachable RegisterWorker is refused: test_router_reachability.py)

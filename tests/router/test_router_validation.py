@@ -27,20 +27,36 @@ S = generate_pb2.SamplingParams
 CASES = {
     "empty text": (text_request("", greedy(4)), "text is empty; send a non-empty prompt"),
     "no prompt": (generate_pb2.GenerateRequest(sampling=greedy(4)), "prompt is not set"),
-    "empty token ids": (ids_request([], greedy(4)), "token_ids.ids is empty; send at least one token"),
-    "ids over max_model_len": (ids_request([5] * MAX_MODEL_LEN, greedy(4)),
-                               f"shorten the prompt to at most {MAX_MODEL_LEN - 1} tokens"),
+    "empty token ids": (
+        ids_request([], greedy(4)),
+        "token_ids.ids is empty; send at least one token",
+    ),
+    "ids over max_model_len": (
+        ids_request([5] * MAX_MODEL_LEN, greedy(4)),
+        f"shorten the prompt to at most {MAX_MODEL_LEN - 1} tokens",
+    ),
     "text over max_model_len": (text_request("z, " * 300, greedy(4)), "text has"),
-    "token id >= vocab": (ids_request([1, 2, 512], greedy(4)),
-                          "token_ids.ids[2] = 512 is outside the model's vocabulary (size 512)"),
+    "token id >= vocab": (
+        ids_request([1, 2, 512], greedy(4)),
+        "token_ids.ids[2] = 512 is outside the model's vocabulary (size 512)",
+    ),
     "max_tokens 0": (ids_request([1, 2], S(max_tokens=0)), "max_tokens"),
     "temperature < 0": (ids_request([1, 2], S(temperature=-0.5)), "use a finite value >= 0"),
-    "temperature nan": (ids_request([1, 2], S(temperature=math.nan)), "sampling.temperature is nan"),
+    "temperature nan": (
+        ids_request([1, 2], S(temperature=math.nan)),
+        "sampling.temperature is nan",
+    ),
     "top_p 0": (ids_request([1, 2], S(top_p=0.0)), "use a value in (0, 1]"),
     "top_p > 1": (ids_request([1, 2], S(top_p=1.5)), "use a value in (0, 1]"),
     "stop token >= vocab": (ids_request([1, 2], S(stop_token_ids=[600])), "use ids below 512"),
-    "request id too long": (ids_request([1, 2], greedy(2), request_id="x" * 300), "at most 256 printable"),
-    "oversized message": (text_request("a" * 5000, greedy(2)), "over this router's limit of 4096 bytes"),
+    "request id too long": (
+        ids_request([1, 2], greedy(2), request_id="x" * 300),
+        "at most 256 printable",
+    ),
+    "oversized message": (
+        text_request("a" * 5000, greedy(2)),
+        "over this router's limit of 4096 bytes",
+    ),
 }
 
 
@@ -75,13 +91,19 @@ def test_duplicate_live_request_id_and_the_router_keeps_serving(cluster, oracle)
     prompt = [1, 44, 45, 46, 200, 201, 202]
 
     async def body():
-        async with running_router(router_config(cluster.model, [cluster.prefill], [cluster.decode])) as (_, stub):
-            long_call = stub.Generate(ids_request(prompt, greedy(200, ignore_eos=True), request_id="dup"), timeout=60)
+        async with running_router(
+            router_config(cluster.model, [cluster.prefill], [cluster.decode])
+        ) as (_, stub):
+            long_call = stub.Generate(
+                ids_request(prompt, greedy(200, ignore_eos=True), request_id="dup"), timeout=60
+            )
             first = await long_call.read()
             dup = await rpc_error(generate(stub, ids_request(prompt, greedy(2), request_id="dup")))
             bad = [await rpc_error(generate(stub, req)) for req, _ in list(CASES.values())[:4]]
             rest = await read_rest(long_call)
-            again = await generate(stub, ids_request(prompt, greedy(5), request_id="dup"))  # finished: free again
+            again = await generate(
+                stub, ids_request(prompt, greedy(5), request_id="dup")
+            )  # finished: free again
             await cluster.assert_free()
         return first, dup, bad, rest, again
 

@@ -15,8 +15,16 @@ from pathlib import Path
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 256
-ENGINE_FLAGS = ["--device", "cpu", "--num-blocks", "128", "--block-size", str(BLOCK_SIZE),
-                "--max-model-len", str(MAX_MODEL_LEN)]
+ENGINE_FLAGS = [
+    "--device",
+    "cpu",
+    "--num-blocks",
+    "128",
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--max-model-len",
+    str(MAX_MODEL_LEN),
+]
 START_TIMEOUT_S = 240.0
 
 
@@ -32,8 +40,13 @@ def cli(subcommand: str) -> list[str]:
 
 
 def run_cli(subcommand: str, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    return subprocess.run([*cli(subcommand), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"})
+    return subprocess.run(
+        [*cli(subcommand), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+    )
 
 
 def pid_alive(pid: int) -> bool:
@@ -58,12 +71,15 @@ class Serve:
 
     def child_pids(self) -> dict[str, int]:
         """name -> pid from the `started NAME on ADDR (pid N, ...)` progress lines (the last start wins)."""
-        return {m[1]: int(m[2]) for m in re.finditer(r"started (\S+) on \S+ \(pid (\d+)", self.stderr())}
+        return {
+            m[1]: int(m[2]) for m in re.finditer(r"started (\S+) on \S+ \(pid (\d+)", self.stderr())
+        }
 
     def __post_init__(self) -> None:
         def pump() -> None:
             for line in self.proc.stdout:
                 self.stdout_lines.append(line.rstrip("\n"))
+
         threading.Thread(target=pump, daemon=True).start()
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> str:
@@ -75,7 +91,9 @@ class Serve:
                     self.address = m[1]
                     return self.address
             if self.proc.poll() is not None:
-                raise AssertionError(f"serve exited with {self.proc.returncode} before ready:\n{self.stderr()}")
+                raise AssertionError(
+                    f"serve exited with {self.proc.returncode} before ready:\n{self.stderr()}"
+                )
             time.sleep(0.2)
         raise AssertionError(f"serve not ready within {timeout}s:\n{self.stderr()}")
 
@@ -94,9 +112,14 @@ def start_serve(log_dir: Path, *args: str) -> Serve:
     log_dir.mkdir(parents=True, exist_ok=True)
     err = log_dir / "serve.stderr"
     with open(err, "w") as f:
-        proc = subprocess.Popen([*cli("serve"), *args, "--log-dir", str(log_dir)], stdout=subprocess.PIPE,
-                                stderr=f, stdin=subprocess.DEVNULL, text=True,
-                                env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"})
+        proc = subprocess.Popen(
+            [*cli("serve"), *args, "--log-dir", str(log_dir)],
+            stdout=subprocess.PIPE,
+            stderr=f,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+        )
     return Serve(proc, err)
 
 
@@ -108,13 +131,21 @@ def make_oracle(model):
     from splitserve.request.sampling_params import SamplingParams
     from splitserve.request.tokenizer import Tokenizer
 
-    runner = ModelRunner(EngineConfig(model_path=str(model), device="cpu",
-                                      cache={"num_blocks": 256, "block_size": BLOCK_SIZE},
-                                      scheduler={"max_model_len": MAX_MODEL_LEN}))
+    runner = ModelRunner(
+        EngineConfig(
+            model_path=str(model),
+            device="cpu",
+            cache={"num_blocks": 256, "block_size": BLOCK_SIZE},
+            scheduler={"max_model_len": MAX_MODEL_LEN},
+        )
+    )
     engine = OfflineEngine(runner, Tokenizer.from_dir(model))
 
     def generate(text: str, max_tokens: int):
-        [done] = engine.generate([engine.tokenizer.encode(text)], [SamplingParams(max_tokens=max_tokens,
-                                                                                  temperature=0.0)])
+        [done] = engine.generate(
+            [engine.tokenizer.encode(text)],
+            [SamplingParams(max_tokens=max_tokens, temperature=0.0)],
+        )
         return done
+
     return generate

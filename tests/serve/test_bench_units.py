@@ -36,7 +36,11 @@ def test_prompts_random_and_file(tmp_path):
     assert [p.known_input_len for p in ps] == [5, 5, 5] and all(max(p.prompt) < 100 for p in ps)
     assert ps == make_prompts(cfg, vocab_size=100)
     f = tmp_path / "p.jsonl"
-    f.write_text(json.dumps({"prompt": "hi"}) + "\n\n" + json.dumps({"prompt_token_ids": [1, 2], "output_len": 3}))
+    f.write_text(
+        json.dumps({"prompt": "hi"})
+        + "\n\n"
+        + json.dumps({"prompt_token_ids": [1, 2], "output_len": 3})
+    )
     ps = make_prompts(BenchConfig(address="x:1", num_prompts=3, dataset=str(f), output_len=9), 100)
     assert [(p.prompt, p.output_len) for p in ps] == [("hi", 9), ((1, 2), 3), ("hi", 9)]
     f.write_text('{"text": "no prompt key"}\n')
@@ -47,17 +51,34 @@ def test_prompts_random_and_file(tmp_path):
 
 
 def _res(i, ttft, e2e, n, itls=(), ok=True):
-    return RequestResult(i, ok=ok, error=None if ok else "UNAVAILABLE: gone", input_len=4, output_len=n,
-                         ttft_s=ttft, itls_s=list(itls), e2e_s=e2e)
+    return RequestResult(
+        i,
+        ok=ok,
+        error=None if ok else "UNAVAILABLE: gone",
+        input_len=4,
+        output_len=n,
+        ttft_s=ttft,
+        itls_s=list(itls),
+        e2e_s=e2e,
+    )
 
 
 def test_summary_stats_and_goodput():
-    results = [_res(0, 0.1, 0.5, 5, [0.1] * 4), _res(1, 0.3, 1.1, 5, [0.2] * 4),
-               _res(2, None, 0.2, 0, ok=False)]
+    results = [
+        _res(0, 0.1, 0.5, 5, [0.1] * 4),
+        _res(1, 0.3, 1.1, 5, [0.2] * 4),
+        _res(2, None, 0.2, 0, ok=False),
+    ]
     s = summarize(results, 2.0, {"ttft": 200, "tpot": 150})
     assert (s["completed"], s["failed"], s["errors"]) == (2, 1, {"UNAVAILABLE": 1})
-    assert s["total_output_tokens"] == 10 and s["output_throughput"] == 5.0 and s["request_throughput"] == 1.0
-    assert s["ttft_ms"]["mean"] == pytest.approx(200.0) and s["ttft_ms"]["median"] == pytest.approx(200.0)
+    assert (
+        s["total_output_tokens"] == 10
+        and s["output_throughput"] == 5.0
+        and s["request_throughput"] == 1.0
+    )
+    assert s["ttft_ms"]["mean"] == pytest.approx(200.0) and s["ttft_ms"]["median"] == pytest.approx(
+        200.0
+    )
     assert s["tpot_ms"]["mean"] == pytest.approx((100 + 200) / 2)
     assert s["itl_ms"]["p99"] == pytest.approx(200.0)
     assert s["good_requests"] == 1 and s["goodput"] == 0.5  # request 1 misses the TTFT SLO

@@ -74,7 +74,9 @@ def test_every_command_parses(compose):
 def test_prefill_config_loads_and_exposes_kv_port(compose):
     from splitserve.prefill_worker.config import PrefillWorkerConfig
 
-    cfg = PrefillWorkerConfig.load(ROOT / "deploy" / "prefill-worker.yaml", {"engine.model_path": "/models/tiny"})
+    cfg = PrefillWorkerConfig.load(
+        ROOT / "deploy" / "prefill-worker.yaml", {"engine.model_path": "/models/tiny"}
+    )
     assert str(cfg.kv_transfer.listen_port) in compose["services"]["prefill"]["expose"]
 
 
@@ -102,6 +104,10 @@ def test_prometheus_scrapes_every_metrics_port(compose):
     prom = compose["services"]["prometheus"]
     assert any(v.startswith("./deploy/prometheus.yml:") for v in prom["volumes"])
     doc = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
-    targets = {t for job in doc["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
-    want = {f"{name}:{parse(compose['services'][name]['command']).metrics_port}" for name in SPLITSERVE}
+    targets = {
+        t for job in doc["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
+    want = {
+        f"{name}:{parse(compose['services'][name]['command']).metrics_port}" for name in SPLITSERVE
+    }
     assert targets == want

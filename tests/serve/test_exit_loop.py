@@ -22,16 +22,35 @@ GONE_WITHIN_S = 10.0
 
 def _cpu_hogs(n: int) -> list[subprocess.Popen]:
     # niced a little: the load must not starve the services past the 10 s bound, only crowd them
-    return [subprocess.Popen([sys.executable, "-c", "import os; os.nice(5)\nwhile True: pass"])
-            for _ in range(n)]
+    return [
+        subprocess.Popen([sys.executable, "-c", "import os; os.nice(5)\nwhile True: pass"])
+        for _ in range(n)
+    ]
 
 
 def _one_round(model, log_dir) -> tuple[int, float, list[int], str]:
     """(exit code, seconds from 'stopping services' to the exit, pids started, stderr)."""
-    cmd = [*cli("serve"), "--model", str(model), "--port", "0", *ENGINE_FLAGS, "--log-dir", str(log_dir),
-           "--prompt", "Hello, splitserve", "--max-tokens", "8"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"})
+    cmd = [
+        *cli("serve"),
+        "--model",
+        str(model),
+        "--port",
+        "0",
+        *ENGINE_FLAGS,
+        "--log-dir",
+        str(log_dir),
+        "--prompt",
+        "Hello, splitserve",
+        "--max-tokens",
+        "8",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+    )
     lines, stopping = [], []
 
     def read() -> None:
@@ -56,7 +75,9 @@ def test_quick_start_exits_cleanly_under_load(tiny_llama, tmp_path):
         for i in range(EXIT_LOOP_RUNS):
             code, stop_s, pids, err = _one_round(tiny_llama, tmp_path / f"run{i}")
             assert code == 0, f"run {i}: exit {code}\n{err}"
-            assert len(pids) == 3 and not [p for p in pids if pid_alive(p)], f"run {i}: left running\n{err}"
+            assert len(pids) == 3 and not [p for p in pids if pid_alive(p)], (
+                f"run {i}: left running\n{err}"
+            )
             assert stop_s < GONE_WITHIN_S, f"run {i}: stopping took {stop_s:.1f}s\n{err}"
             assert "did not stop" not in err, err
     finally:

@@ -17,14 +17,25 @@ from serve_helpers import ENGINE_FLAGS, make_oracle, pid_alive, run_cli, start_s
 from splitserve.cli import client
 from splitserve.protos import generate_pb2
 
-PROMPTS = [("Hello, splitserve", 12), ("The quick brown fox jumps over", 9), ("a", 14),
-           ("Disaggregated serving " * 4, 7)]
+PROMPTS = [
+    ("Hello, splitserve", 12),
+    ("The quick brown fox jumps over", 9),
+    ("a", 14),
+    ("Disaggregated serving " * 4, 7),
+]
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_llama, tmp_path_factory):
-    serve = start_serve(tmp_path_factory.mktemp("serve_e2e"), "--model", str(tiny_llama), "--port", "0",
-                        "--metrics", *ENGINE_FLAGS)
+    serve = start_serve(
+        tmp_path_factory.mktemp("serve_e2e"),
+        "--model",
+        str(tiny_llama),
+        "--port",
+        "0",
+        "--metrics",
+        *ENGINE_FLAGS,
+    )
     try:
         serve.wait_ready()
         yield serve
@@ -49,13 +60,22 @@ def test_ready_output_names_every_child(stack):
 def transformers_greedy(tiny_llama):
     """(prompt ids, n) -> transformers' greedy continuation on the same checkpoint folder."""
     import torch
+
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_llama, dtype=torch.float32
+    ).eval()
 
     def greedy(prompt_ids, n):
-        out = model.generate(torch.tensor([list(prompt_ids)]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-        return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            torch.tensor([list(prompt_ids)]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        return out[0, len(prompt_ids) :].tolist()
 
     return greedy
 
@@ -70,7 +90,9 @@ def test_concurrent_generate_matches_offline_engine(stack, oracle, transformers_
         results = list(pool.map(one, PROMPTS))
     for (text, n), got in zip(PROMPTS, results):
         want = oracle(text, n)
-        assert got.token_ids == want.token_ids == transformers_greedy(want.prompt_token_ids, n), text
+        assert got.token_ids == want.token_ids == transformers_greedy(want.prompt_token_ids, n), (
+            text
+        )
         assert got.text == want.text, text
         assert got.finish_reason == want.finish_reason == "length"
         assert got.usage["completion_tokens"] == n
@@ -85,7 +107,17 @@ def test_generate_cli_streams_text_and_json(stack, oracle):
     assert plain.stdout == want.text + "\n"
     assert "finish_reason=length" in plain.stderr
 
-    js = run_cli("generate", text, "--address", stack.address, "--max-tokens", str(n), "--json", "--logprobs", "2")
+    js = run_cli(
+        "generate",
+        text,
+        "--address",
+        stack.address,
+        "--max-tokens",
+        str(n),
+        "--json",
+        "--logprobs",
+        "2",
+    )
     assert js.returncode == 0, js.stderr
     doc = json.loads(js.stdout)
     assert doc["token_ids"] == want.token_ids and doc["text"] == want.text
@@ -102,9 +134,24 @@ def test_generate_error_is_one_line_with_status(stack):
 
 def test_bench_writes_summary_json(stack, tmp_path):
     out = tmp_path / "bench.json"
-    res = run_cli("bench", "--address", stack.address, "--num-prompts", "8", "--input-len", "16",
-                  "--output-len", "8", "--request-rate", "50", "--slo", "ttft:60000,tpot:60000",
-                  "--json-out", str(out), "--no-progress")
+    res = run_cli(
+        "bench",
+        "--address",
+        stack.address,
+        "--num-prompts",
+        "8",
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--request-rate",
+        "50",
+        "--slo",
+        "ttft:60000,tpot:60000",
+        "--json-out",
+        str(out),
+        "--no-progress",
+    )
     assert res.returncode == 0, res.stderr
     assert "Serving Benchmark Result" in res.stdout and "Median TTFT (ms)" in res.stdout
     doc = json.loads(out.read_text())
@@ -116,17 +163,31 @@ def test_bench_writes_summary_json(stack, tmp_path):
     assert doc["ttft_ms"]["median"] <= doc["e2el_ms"]["median"]
     assert doc["request_throughput"] > 0 and doc["output_throughput"] > 0
     assert doc["goodput"] == pytest.approx(doc["request_throughput"]) and doc["good_requests"] == 8
-    assert [r["output_len"] for r in doc["requests"]] == [8] * 8  # ignore_eos: every output has its length
+    assert [r["output_len"] for r in doc["requests"]] == [
+        8
+    ] * 8  # ignore_eos: every output has its length
     assert doc["config"]["request_rate"] == 50 and doc["server"]["model_name"]
 
 
 def test_every_service_exports_metrics(stack):
-    ports = dict(re.findall(r"^  (\S+)\s+healthy on .* metrics http://127\.0\.0\.1:(\d+)/metrics", stack.stderr(),
-                            re.M))
-    want = {"router": "splitserve_router_ttft_seconds_count", "prefill-0": "splitserve_prefill_ttft_seconds_count",
-            "decode-0": "splitserve_decode_itl_seconds_count"}
+    ports = dict(
+        re.findall(
+            r"^  (\S+)\s+healthy on .* metrics http://127\.0\.0\.1:(\d+)/metrics",
+            stack.stderr(),
+            re.M,
+        )
+    )
+    want = {
+        "router": "splitserve_router_ttft_seconds_count",
+        "prefill-0": "splitserve_prefill_ttft_seconds_count",
+        "decode-0": "splitserve_decode_itl_seconds_count",
+    }
     for name, metric in want.items():
-        text = urllib.request.urlopen(f"http://127.0.0.1:{ports[name]}/metrics", timeout=10).read().decode()
+        text = (
+            urllib.request.urlopen(f"http://127.0.0.1:{ports[name]}/metrics", timeout=10)
+            .read()
+            .decode()
+        )
         assert re.search(rf"^{metric}(\{{.*\}})? [1-9]", text, re.M), (name, metric)
 
 
@@ -137,11 +198,16 @@ def test_openai_http_api_is_on_by_default_and_printed(stack, oracle):
     with urllib.request.urlopen(m[1].removesuffix("/v1") + "/health", timeout=10) as resp:
         assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
     text, n = PROMPTS[1]
-    req = urllib.request.Request(m[1] + "/completions", data=json.dumps(
-        {"prompt": text, "max_tokens": n, "temperature": 0}).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        m[1] + "/completions",
+        data=json.dumps({"prompt": text, "max_tokens": n, "temperature": 0}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         doc = json.loads(resp.read())
-    assert doc["choices"][0]["text"] == oracle(text, n).text and doc["usage"]["completion_tokens"] == n
+    assert (
+        doc["choices"][0]["text"] == oracle(text, n).text and doc["usage"]["completion_tokens"] == n
+    )
 
 
 def test_sigterm_stops_every_child(stack):

@@ -11,14 +11,26 @@ import pytest
 from serve_helpers import ENGINE_FLAGS, make_oracle, pid_alive, run_cli
 
 
-
 def _started_pids(stderr: str) -> list[int]:
     return [int(p) for p in re.findall(r"started \S+ on \S+ \(pid (\d+)", stderr)]
 
 
 def test_serve_prompt_answers_and_exits(tiny_llama, tmp_path):
-    res = run_cli("serve", "--model", str(tiny_llama), "--port", "0", *ENGINE_FLAGS, "--log-dir", str(tmp_path),
-                  "--prompt", "Hello, splitserve", "--max-tokens", "10", timeout=240)
+    res = run_cli(
+        "serve",
+        "--model",
+        str(tiny_llama),
+        "--port",
+        "0",
+        *ENGINE_FLAGS,
+        "--log-dir",
+        str(tmp_path),
+        "--prompt",
+        "Hello, splitserve",
+        "--max-tokens",
+        "10",
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr
     want = make_oracle(tiny_llama)("Hello, splitserve", 10)
     assert res.stdout == want.text + "\n"
@@ -39,24 +51,54 @@ def test_bad_model_is_one_line(tmp_path):
 
 
 def test_child_failing_to_start_is_one_line_with_its_log(tiny_llama, tmp_path):
-    flags = [f if f != "4" else "3" for f in ENGINE_FLAGS]  # --block-size 3: refused by the workers' config
-    res = run_cli("serve", "--model", str(tiny_llama), "--port", "0", *flags, "--log-dir", str(tmp_path), timeout=240)
+    flags = [
+        f if f != "4" else "3" for f in ENGINE_FLAGS
+    ]  # --block-size 3: refused by the workers' config
+    res = run_cli(
+        "serve",
+        "--model",
+        str(tiny_llama),
+        "--port",
+        "0",
+        *flags,
+        "--log-dir",
+        str(tmp_path),
+        timeout=240,
+    )
     assert res.returncode == 1
     errors = [ln for ln in res.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1, res.stderr
-    assert re.search(r"(prefill|decode)-0 exited before it was healthy \(exit code \d+\)", errors[0]), errors[0]
+    assert re.search(
+        r"(prefill|decode)-0 exited before it was healthy \(exit code \d+\)", errors[0]
+    ), errors[0]
     assert "power of two" in errors[0] and str(tmp_path) in errors[0]
     assert not [p for p in _started_pids(res.stderr) if pid_alive(p)]
 
 
 def test_colocated(tiny_llama, tmp_path):
-    res = run_cli("serve", "--colocated", "--model", str(tiny_llama), "--port", "0", *ENGINE_FLAGS,
-                  "--log-dir", str(tmp_path), "--prompt", "Hello, splitserve", "--max-tokens", "10", timeout=240)
+    res = run_cli(
+        "serve",
+        "--colocated",
+        "--model",
+        str(tiny_llama),
+        "--port",
+        "0",
+        *ENGINE_FLAGS,
+        "--log-dir",
+        str(tmp_path),
+        "--prompt",
+        "Hello, splitserve",
+        "--max-tokens",
+        "10",
+        timeout=240,
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout == make_oracle(tiny_llama)("Hello, splitserve", 10).text + "\n"
     assert "finish_reason=length" in res.stderr and "colocated + 1 decode worker(s)" in res.stderr
     pids = _started_pids(res.stderr)
-    assert len(pids) == 2 and not [p for p in pids if pid_alive(p)]  # one decode worker + the router
+    assert len(pids) == 2 and not [
+        p for p in pids if pid_alive(p)
+    ]  # one decode worker + the router
     assert "colocated (no prefill workers)" in (tmp_path / "router.log").read_text()
 
 

@@ -14,10 +14,16 @@ import torch
 
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
 
-PROMPTS = [[1] + list(range(40, 77)), [1, 300, 301, 302, 303, 304, 305], [1] + list(range(100, 160))]
+PROMPTS = [
+    [1] + list(range(40, 77)),
+    [1, 300, 301, 302, 303, 304, 305],
+    [1] + list(range(100, 160)),
+]
 COMMON = ("--device", "cuda", "--block-size", "16", "--num-blocks", "256")
 
 
@@ -28,18 +34,38 @@ def _sampling():
 def _run(procs, model, prefill_tp: int, decode_tp: int) -> list[list[int]]:
     metrics = helpers_procs.free_port()
     p = procs.prefill_worker(model, *COMMON, "--tensor-parallel-size", str(prefill_tp), timeout=300)
-    d = procs.decode_worker(model, *COMMON, "--tensor-parallel-size", str(decode_tp), "--max-batch-size", "8",
-                            "--metrics-port", str(metrics), "--kv-failure-policy", "fail", timeout=300)
+    d = procs.decode_worker(
+        model,
+        *COMMON,
+        "--tensor-parallel-size",
+        str(decode_tp),
+        "--max-batch-size",
+        "8",
+        "--metrics-port",
+        str(metrics),
+        "--kv-failure-policy",
+        "fail",
+        timeout=300,
+    )
     prefill = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(p.address))
     decode = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(d.address))
     out = []
     for i, prompt in enumerate(PROMPTS):
-        resp = prefill.Prefill(worker_pb2.PrefillRequest(request_id=f"r{i}", prompt_token_ids=prompt,
-                                                         sampling=_sampling()), timeout=120)
+        resp = prefill.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=f"r{i}", prompt_token_ids=prompt, sampling=_sampling()
+            ),
+            timeout=120,
+        )
         assert len(resp.kv.shards) == (prefill_tp if prefill_tp > 1 else 0)
         tokens = [resp.first_token_id]
-        req = worker_pb2.DecodeRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling=_sampling(),
-                                       first_token_id=resp.first_token_id, kv=resp.kv)
+        req = worker_pb2.DecodeRequest(
+            request_id=f"r{i}",
+            prompt_token_ids=prompt,
+            sampling=_sampling(),
+            first_token_id=resp.first_token_id,
+            kv=resp.kv,
+        )
         for chunk in decode.Decode(req, timeout=120):
             tokens.extend(chunk.token_ids)
         out.append(tokens)

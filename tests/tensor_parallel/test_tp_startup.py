@@ -23,8 +23,12 @@ GPU_ERROR = r"parallel.tensor_parallel_size 2 with engine.device cuda(:0)? needs
 
 
 def _cfg(folder, tp: int, device: str = "cpu") -> EngineConfig:
-    return EngineConfig(model_path=str(folder), device=device, cache={"num_blocks": 32, "block_size": 8},
-                        parallel={"tensor_parallel_size": tp})
+    return EngineConfig(
+        model_path=str(folder),
+        device=device,
+        cache={"num_blocks": 32, "block_size": 8},
+        parallel={"tensor_parallel_size": tp},
+    )
 
 
 def exit_at_once(rank: int, size: int, init_method: str, *args) -> None:
@@ -38,7 +42,10 @@ def test_more_ranks_than_gpus_is_refused_before_spawning(tiny_llama, monkeypatch
     before = set(mp.active_children())
     with pytest.raises(ValueError, match=GPU_ERROR):
         start_ranks(_cfg(tiny_llama, 2, "cuda"))
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 1 with engine.device cuda:1 needs GPUs cuda:1..cuda:1"):
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size 1 with engine.device cuda:1 needs GPUs cuda:1..cuda:1",
+    ):
         start_ranks(_cfg(tiny_llama, 1, "cuda:1"))
     assert set(mp.active_children()) == before  # nothing was spawned
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -46,24 +53,45 @@ def test_more_ranks_than_gpus_is_refused_before_spawning(tiny_llama, monkeypatch
     check_devices(torch.device("cpu"), 8)  # CPU ranks share the CPU
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() >= 2, reason="2 GPUs are visible here")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.device_count() >= 2, reason="2 GPUs are visible here"
+)
 def test_worker_cli_names_both_fields_and_exits_at_once(tiny_llama):
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "splitserve.cli.main", "prefill-worker", "--model", str(tiny_llama),
-                          "--device", "cuda", "--tensor-parallel-size", "2"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.cli.main",
+            "prefill-worker",
+            "--model",
+            str(tiny_llama),
+            "--device",
+            "cuda",
+            "--tensor-parallel-size",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("splitserve prefill-worker: error: parallel.tensor_parallel_size 2 with engine.device "
-                           "cuda needs GPUs cuda:0..cuda:1"), out.stderr
+    assert last.startswith(
+        "splitserve prefill-worker: error: parallel.tensor_parallel_size 2 with engine.device "
+        "cuda needs GPUs cuda:0..cuda:1"
+    ), out.stderr
     assert "tp1" not in out.stderr  # refused before any follower started
     print(f"refused in {time.monotonic() - t0:.1f}s")
 
 
 def test_follower_exiting_before_joining_fails_rank0_quickly(tiny_llama):
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"tensor-parallel rank 1 \(pid \d+\) exited with code 3 during start-up, "
-                                           r"before joining the group"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"tensor-parallel rank 1 \(pid \d+\) exited with code 3 during start-up, "
+        r"before joining the group",
+    ):
         start_ranks(_cfg(tiny_llama, 2), exit_at_once)
     took = time.monotonic() - t0
     # a spawned interpreter's start (imports) on a loaded 2-core machine, not the group's timeout
@@ -75,7 +103,7 @@ def test_watch_reports_a_death_but_not_a_clean_close(tiny_llama):
     for kill in (False, True):
         deaths: list = []
         ranks = start_ranks(_cfg(tiny_llama, 2))
-        ranks.watch(lambda rank, code: deaths.append((rank, code)))
+        ranks.watch(lambda rank, code, deaths=deaths: deaths.append((rank, code)))
         ranks.runner.prefill([PrefillChunk([1, 2, 3], 0, (1,))])  # a collective over both ranks
         if kill:
             ranks.procs[0].kill()

@@ -14,7 +14,11 @@ import pytest
 
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 
-PROMPTS = [[1] + list(range(40, 77)), [1, 300, 301, 302, 303, 304, 305], [1] + list(range(100, 160))]
+PROMPTS = [
+    [1] + list(range(40, 77)),
+    [1, 300, 301, 302, 303, 304, 305],
+    [1] + list(range(100, 160)),
+]
 MAX_TOKENS = 16
 COMMON = ("--block-size", "4", "--num-blocks", "96")
 
@@ -29,7 +33,9 @@ def _sampling():
 
 
 def _decode(stub, request_id, prompt, first=None, kv=None):
-    req = worker_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=_sampling())
+    req = worker_pb2.DecodeRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=_sampling()
+    )
     if first is not None:
         req.first_token_id = first
     if kv is not None:
@@ -40,33 +46,55 @@ def _decode(stub, request_id, prompt, first=None, kv=None):
     return tokens
 
 
-
 def _received_bytes(metrics_port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    text = (
+        urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
+        .read()
+        .decode()
+    )
     m = re.search(r'splitserve_kv_transfer_bytes_total\{direction="received"\} ([0-9.e+]+)', text)
     return float(m.group(1)) if m else 0.0
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (2, 2)])
-def test_handover_between_tp_sizes_equals_tp1(tiny_llama, expected, tmp_path, prefill_tp, decode_tp):
+def test_handover_between_tp_sizes_equals_tp1(
+    tiny_llama, expected, tmp_path, prefill_tp, decode_tp
+):
     metrics = helpers_procs.free_port()
     with helpers_procs.ProcessGroup(tmp_path) as procs:
         p = procs.prefill_worker(tiny_llama, *COMMON, "--tensor-parallel-size", str(prefill_tp))
-        d = procs.decode_worker(tiny_llama, *COMMON, "--tensor-parallel-size", str(decode_tp),
-                                "--metrics-port", str(metrics), "--kv-failure-policy", "fail")
+        d = procs.decode_worker(
+            tiny_llama,
+            *COMMON,
+            "--tensor-parallel-size",
+            str(decode_tp),
+            "--metrics-port",
+            str(metrics),
+            "--kv-failure-policy",
+            "fail",
+        )
         prefill = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(p.address))
         decode = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(d.address))
         for i, prompt in enumerate(PROMPTS):
-            resp = prefill.Prefill(worker_pb2.PrefillRequest(request_id=f"r{i}", prompt_token_ids=prompt,
-                                                             sampling=_sampling()), timeout=120)
+            resp = prefill.Prefill(
+                worker_pb2.PrefillRequest(
+                    request_id=f"r{i}", prompt_token_ids=prompt, sampling=_sampling()
+                ),
+                timeout=120,
+            )
             if prefill_tp == 2:
-                assert [(s.tp_rank, s.kv_head_start, s.kv_head_end) for s in resp.kv.shards] == [(0, 0, 1), (1, 1, 2)]
+                assert [(s.tp_rank, s.kv_head_start, s.kv_head_end) for s in resp.kv.shards] == [
+                    (0, 0, 1),
+                    (1, 1, 2),
+                ]
                 assert resp.kv.shards[0].address.port == resp.kv.address.port
                 assert resp.kv.shards[1].address.port not in (0, resp.kv.address.port)
             else:
                 assert not resp.kv.shards
             assert _decode(decode, f"r{i}", prompt, resp.first_token_id, resp.kv) == expected[i]
-        payload = sum(-(-len(x) // 4) for x in PROMPTS) * 2 * 3 * 4 * 2 * 16 * 4  # blocks*K,V*layers*bs*heads*dim*fp32
+        payload = (
+            sum(-(-len(x) // 4) for x in PROMPTS) * 2 * 3 * 4 * 2 * 16 * 4
+        )  # blocks*K,V*layers*bs*heads*dim*fp32
         assert _received_bytes(metrics) == payload  # pulled (every head), not recomputed
         helpers_procs.all_free(prefill)
         helpers_procs.all_free(decode)
@@ -80,14 +108,18 @@ def test_handover_between_tp_sizes_equals_tp1(tiny_llama, expected, tmp_path, pr
 def test_tp2_decode_worker_alone_equals_tp1(tiny_llama, tmp_path):
     """Colocated requests (the prompt computed by the decode worker: the mirrored prefill path)
     and host-sampled rows (temperature, seed: the mirrored token writes) give TP1's tokens."""
-    sampled = generate_pb2.SamplingParams(temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True)
+    sampled = generate_pb2.SamplingParams(
+        temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
     with helpers_procs.ProcessGroup(tmp_path) as procs:
         outs = []
         for tp in (1, 2):
             d = procs.decode_worker(tiny_llama, *COMMON, "--tensor-parallel-size", str(tp))
             stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(d.address))
             got = [_decode(stub, f"g{i}", p) for i, p in enumerate(PROMPTS)]
-            req = worker_pb2.DecodeRequest(request_id="s", prompt_token_ids=PROMPTS[0], sampling=sampled)
+            req = worker_pb2.DecodeRequest(
+                request_id="s", prompt_token_ids=PROMPTS[0], sampling=sampled
+            )
             got.append([t for chunk in stub.Decode(req, timeout=120) for t in chunk.token_ids])
             helpers_procs.all_free(stub)
             assert d.stop() == 0
@@ -134,13 +166,23 @@ def test_rank0_owns_the_lifecycle(tiny_llama, tmp_path):
         assert all(len(pids) >= 1 for pids in followers.values()), followers
         for pid in followers[d.name]:
             os.kill(pid, signal.SIGKILL)
-        assert _wait(lambda: helpers_procs.health_status(d.address, d.service)
-                     != health_pb2.HealthCheckResponse.SERVING), d.log()  # NOT_SERVING, then gone
+        assert _wait(
+            lambda: (
+                helpers_procs.health_status(d.address, d.service)
+                != health_pb2.HealthCheckResponse.SERVING
+            )
+        ), d.log()  # NOT_SERVING, then gone
         assert d.proc.wait(20) == 1, d.log()
         p.kill()  # SIGKILL: no clean-up of its own
-        assert _wait(lambda: not any(os.path.exists(f"/proc/{pid}") and
-                                     "zombie" not in open(f"/proc/{pid}/status").read().lower()
-                                     for pid in followers[p.name])), "followers outlived rank 0"
+        assert _wait(
+            lambda: (
+                not any(
+                    os.path.exists(f"/proc/{pid}")
+                    and "zombie" not in open(f"/proc/{pid}/status").read().lower()  # noqa: SIM115
+                    for pid in followers[p.name]
+                )
+            )
+        ), "followers outlived rank 0"
 
 
 def test_router_in_front_of_tp2_workers(tiny_llama, expected, tmp_path):
@@ -149,12 +191,17 @@ def test_router_in_front_of_tp2_workers(tiny_llama, expected, tmp_path):
 
     with helpers_procs.ProcessGroup(tmp_path) as procs:
         p = procs.prefill_worker(tiny_llama, *COMMON, "--tensor-parallel-size", "2")
-        d = procs.decode_worker(tiny_llama, *COMMON, "--tensor-parallel-size", "2", "--kv-failure-policy", "fail")
+        d = procs.decode_worker(
+            tiny_llama, *COMMON, "--tensor-parallel-size", "2", "--kv-failure-policy", "fail"
+        )
         router = procs.router(tiny_llama, "--prefill", p.address, "--decode", d.address)
         stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(router.address))
         for i, prompt in enumerate(PROMPTS):
-            req = generate_pb2.GenerateRequest(request_id=f"g{i}", token_ids=generate_pb2.TokenIds(ids=prompt),
-                                               sampling=_sampling())
+            req = generate_pb2.GenerateRequest(
+                request_id=f"g{i}",
+                token_ids=generate_pb2.TokenIds(ids=prompt),
+                sampling=_sampling(),
+            )
             assert [t for c in stub.Generate(req, timeout=120) for t in c.token_ids] == expected[i]
         prefill = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(p.address))
         helpers_procs.all_free(prefill)
