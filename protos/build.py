@@ -1,18 +1,29 @@
-"""Regenerate the Python gRPC code from the .proto files in this folder.
+r"""Regenerate the Python gRPC code from the .proto files under ``splitserve/v1/`` here.
 
     python -m splitserve.protos.build          # (re)write *_pb2.py, *_pb2.pyi, *_pb2_grpc.py
     python -m splitserve.protos.build --check  # exit 1 and list stale files, write nothing
     python protos/build.py [--check]           # the same, from the repo root
 
-The .proto files are compiled under the virtual include path ``splitserve/protos``
-(``protoc -Isplitserve/protos=<this folder>``), so they import each other as
-``import "splitserve/protos/kv.proto";`` and the generated code imports as
-``from splitserve.protos import kv_pb2``. protoc's output depends only on the inputs
-and the grpcio-tools version, which is pinned to 1.84.x here: ``_pb2_grpc.py`` files
-refuse to import under a grpcio older than their ``GRPC_GENERATED_VERSION``, and the
-GPU machine runs grpcio 1.84.0. Patch releases of one series emit the same code, so
-that stamp is lowered to the series floor (``1.84.0``) after protoc runs; it is the
-only post-processing.
+The sources live in a tree that matches their package (``package splitserve.v1;`` is in
+``protos/splitserve/v1/``) and import each other relative to ``protos/``
+(``import "splitserve/v1/kv.proto";``), so the plain ``protoc -I protos`` that Go, Node or
+Rust tooling runs compiles them from a clone; protos/README.md has the rules for changing
+them. The generated Python stays flat in this folder as ``splitserve.protos.*_pb2``.
+
+protoc's output depends only on the inputs and the grpcio-tools version, which is pinned to
+1.84.x here. Two narrow, line-anchored rewrites follow protoc, and nothing else is touched:
+
+* Module paths. protoc names Python modules after the .proto path, so it emits
+  ``from splitserve.v1 import kv_pb2 as ...`` and registers the message classes under
+  ``'splitserve.v1.kv_pb2'`` (their ``__module__``: pickling and reprs use it). Neither
+  module exists: ``^from splitserve\.v1 import (\w+_pb2) as`` and the module-name argument
+  of the ``^_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.X_pb2'``
+  line become ``splitserve.protos``. Descriptor file names stay ``splitserve/v1/*.proto``,
+  the same in every language.
+* Version stamp. ``_pb2_grpc.py`` files refuse to import under a grpcio older than their
+  ``GRPC_GENERATED_VERSION``, and the GPU machine runs grpcio 1.84.0. Patch releases of
+  one series emit the same code, so that stamp is lowered to the series floor
+  (``1.84.0``).
 """
 
 from __future__ import annotations
@@ -24,12 +35,24 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROTO_DIR = Path(__file__).resolve().parent
-VIRTUAL_DIR = "splitserve/protos"
+PROTO_DIR = Path(__file__).resolve().parent  # the -I root, and where the Python goes
+PROTO_PACKAGE = "splitserve/v1"  # the sources' folder under PROTO_DIR: their proto package
+PY_PACKAGE = "splitserve.protos"  # the import path of the generated modules
 REQUIRED_TOOLS_SERIES = "1.84."
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 GRPC_VERSION_FLOOR = REQUIRED_TOOLS_SERIES + "0"
 _GRPC_STAMP = re.compile(rb"^GRPC_GENERATED_VERSION = '1\.84\.\d+'$", re.M)
+_PROTOC_MODULE = re.escape(PROTO_PACKAGE.replace("/", ".")).encode()  # b"splitserve\.v1"
+_IMPORT = re.compile(rb"^from " + _PROTOC_MODULE + rb" import (\w+_pb2 as \w+)$", re.M)
+_BUILD = re.compile(
+    rb"^(_builder\.BuildTopDescriptorsAndMessages\(DESCRIPTOR, )'"
+    + _PROTOC_MODULE
+    + rb"\.(\w+_pb2)'",
+    re.M,
+)
+_LEFTOVER = re.compile(
+    rb"^(?:from|import) " + _PROTOC_MODULE + rb"\b|'" + _PROTOC_MODULE + rb"\.\w+_pb2'", re.M
+)
 
 
 class BuildError(RuntimeError):
@@ -55,8 +78,19 @@ def tools_version_error() -> str | None:
 
 
 def proto_files(proto_dir: Path = PROTO_DIR) -> list[Path]:
-    """The .proto sources, in a stable order."""
-    return sorted(proto_dir.glob("*.proto"))
+    """The .proto sources (``<proto_dir>/splitserve/v1/*.proto``), in a stable order.
+
+    A .proto anywhere else under ``proto_dir`` is an error rather than silently skipped:
+    the old flat layout, or a new package version that needs its own build target."""
+    sources = sorted((proto_dir / PROTO_PACKAGE).glob("*.proto"))
+    stray = sorted(
+        str(p.relative_to(proto_dir)) for p in proto_dir.rglob("*.proto") if p not in sources
+    )
+    if stray:
+        raise BuildError(
+            f"only {PROTO_PACKAGE}/*.proto is compiled; move or remove: " + ", ".join(stray)
+        )
+    return sources
 
 
 def is_generated_name(name: str) -> bool:
@@ -64,7 +98,7 @@ def is_generated_name(name: str) -> bool:
 
 
 def generate(proto_dir: Path = PROTO_DIR) -> dict[str, bytes]:
-    """Compile every .proto in ``proto_dir``; return {file name: contents}.
+    """Compile every ``<proto_dir>/splitserve/v1/*.proto``; return {file name: contents}.
 
     Nothing is written to ``proto_dir``; protoc writes into a temporary folder.
     """
@@ -77,29 +111,46 @@ def generate(proto_dir: Path = PROTO_DIR) -> dict[str, bytes]:
 
     sources = proto_files(proto_dir)
     if not sources:
-        raise BuildError(f"no .proto files in {proto_dir}")
+        raise BuildError(f"no .proto files in {proto_dir / PROTO_PACKAGE}")
     well_known = importlib.resources.files("grpc_tools") / "_proto"
     with tempfile.TemporaryDirectory(prefix="splitserve-protos-") as tmp:
         args = [
             "grpc_tools.protoc",
-            f"-I{VIRTUAL_DIR}={proto_dir}",
-            f"-I{well_known}",
+            f"-I{proto_dir}",  # what every other language uses: no virtual mapping
+            f"-I{well_known}",  # google/protobuf/*.proto, built into protoc binaries
             f"--python_out={tmp}",
             f"--pyi_out={tmp}",
             f"--grpc_python_out={tmp}",
-            *(f"{VIRTUAL_DIR}/{src.name}" for src in sources),
+            *(f"{PROTO_PACKAGE}/{src.name}" for src in sources),
         ]
         if protoc.main(args) != 0:
             raise BuildError(f"protoc failed on {proto_dir} (its message is above)")
-        out_dir = Path(tmp, VIRTUAL_DIR)
-        outputs = {p.name: p.read_bytes() for p in sorted(out_dir.iterdir()) if p.is_file()}
-    unexpected = sorted(n for n in outputs if not is_generated_name(n))
+        written = {p.relative_to(tmp).as_posix(): p for p in Path(tmp).rglob("*") if p.is_file()}
+        ours = {rel for rel in written if Path(rel).parent.as_posix() == PROTO_PACKAGE}
+        outputs = {Path(rel).name: written[rel].read_bytes() for rel in sorted(ours)}
+    unexpected = sorted(rel for rel in written if rel not in ours or not is_generated_name(rel))
     if unexpected:
         raise BuildError(f"protoc wrote unexpected files: {', '.join(unexpected)}")
     for name in outputs:
+        outputs[name] = _fix_module_paths(name, outputs[name])
         if name.endswith("_pb2_grpc.py"):
             outputs[name] = _lower_grpc_stamp(name, outputs[name])
     return outputs
+
+
+def _fix_module_paths(name: str, code: bytes) -> bytes:
+    """``splitserve.v1.X_pb2`` (protoc's name, after the .proto path) -> ``splitserve.protos``."""
+    code = _IMPORT.sub(b"from " + PY_PACKAGE.encode() + rb" import \1", code)
+    code, count = _BUILD.subn(rb"\1'" + PY_PACKAGE.encode() + rb".\2'", code)
+    if name.endswith("_pb2.py") and count != 1:
+        raise BuildError(f"{name}: expected one BuildTopDescriptorsAndMessages line, found {count}")
+    leftover = _LEFTOVER.search(code)
+    if leftover:
+        raise BuildError(
+            f"{name}: protoc's module path left after the rewrite: "
+            f"{leftover[0].decode()!r} (does build.py know this protoc's output?)"
+        )
+    return code
 
 
 def _lower_grpc_stamp(name: str, code: bytes) -> bytes:
@@ -107,7 +158,9 @@ def _lower_grpc_stamp(name: str, code: bytes) -> bytes:
     floor = f"GRPC_GENERATED_VERSION = '{GRPC_VERSION_FLOOR}'".encode()
     code, count = _GRPC_STAMP.subn(floor, code)
     if count != 1:
-        raise BuildError(f"{name}: expected one GRPC_GENERATED_VERSION = '1.84.N' line, found {count}")
+        raise BuildError(
+            f"{name}: expected one GRPC_GENERATED_VERSION = '1.84.N' line, found {count}"
+        )
     return code
 
 
@@ -146,7 +199,8 @@ def write(proto_dir: Path = PROTO_DIR) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m splitserve.protos.build",
-        description="Regenerate *_pb2.py, *_pb2.pyi and *_pb2_grpc.py from protos/*.proto.",
+        description="Regenerate *_pb2.py, *_pb2.pyi and *_pb2_grpc.py from "
+        f"protos/{PROTO_PACKAGE}/*.proto.",
     )
     parser.add_argument(
         "--check",
@@ -158,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.check:
             stale = stale_files()
             if stale:
-                print("stale generated protobuf code in protos/ "
-                      "(run `python -m splitserve.protos.build`):", file=sys.stderr)
+                print(
+                    "stale generated protobuf code in protos/ "
+                    "(run `python -m splitserve.protos.build`):",
+                    file=sys.stderr,
+                )
                 for line in stale:
                     print(f"  {line}", file=sys.stderr)
                 return 1
@@ -171,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for line in changed:
         print(line)
-    print("generated protobuf code is up to date" if not changed else f"{len(changed)} file(s) changed")
+    print(
+        "generated protobuf code is up to date"
+        if not changed
+        else f"{len(changed)} file(s) changed"
+    )
     return 0
 
 

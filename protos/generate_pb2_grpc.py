@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from splitserve.protos import generate_pb2 as splitserve_dot_protos_dot_generate__pb2
+from splitserve.protos import generate_pb2 as splitserve_dot_v1_dot_generate__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in splitserve/protos/generate_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/generate_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -39,18 +39,18 @@ class GenerateServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/splitserve.v1.GenerateService/Generate',
-                request_serializer=splitserve_dot_protos_dot_generate__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_generate__pb2.GenerateResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.GenerateService/Abort',
-                request_serializer=splitserve_dot_protos_dot_generate__pb2.AbortRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_generate__pb2.AbortResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/splitserve.v1.GenerateService/GetServerInfo',
-                request_serializer=splitserve_dot_protos_dot_generate__pb2.GetServerInfoRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_generate__pb2.ServerInfo.FromString,
+                request_serializer=splitserve_dot_v1_dot_generate__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generate__pb2.ServerInfo.FromString,
                 _registered_method=True)
 
 
@@ -102,18 +102,18 @@ def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=splitserve_dot_protos_dot_generate__pb2.GenerateRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_generate__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_generate__pb2.GenerateRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=splitserve_dot_protos_dot_generate__pb2.AbortRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_generate__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_generate__pb2.AbortRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
-                    request_deserializer=splitserve_dot_protos_dot_generate__pb2.GetServerInfoRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_generate__pb2.ServerInfo.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_generate__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generate__pb2.ServerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -144,8 +144,8 @@ class GenerateService:
             request,
             target,
             '/splitserve.v1.GenerateService/Generate',
-            splitserve_dot_protos_dot_generate__pb2.GenerateRequest.SerializeToString,
-            splitserve_dot_protos_dot_generate__pb2.GenerateResponse.FromString,
+            splitserve_dot_v1_dot_generate__pb2.GenerateRequest.SerializeToString,
+            splitserve_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -171,8 +171,8 @@ class GenerateService:
             request,
             target,
             '/splitserve.v1.GenerateService/Abort',
-            splitserve_dot_protos_dot_generate__pb2.AbortRequest.SerializeToString,
-            splitserve_dot_protos_dot_generate__pb2.AbortResponse.FromString,
+            splitserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+            splitserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -198,8 +198,8 @@ class GenerateService:
             request,
             target,
             '/splitserve.v1.GenerateService/GetServerInfo',
-            splitserve_dot_protos_dot_generate__pb2.GetServerInfoRequest.SerializeToString,
-            splitserve_dot_protos_dot_generate__pb2.ServerInfo.FromString,
+            splitserve_dot_v1_dot_generate__pb2.GetServerInfoRequest.SerializeToString,
+            splitserve_dot_v1_dot_generate__pb2.ServerInfo.FromString,
             options,
             channel_credentials,
             insecure,

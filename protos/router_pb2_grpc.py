@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from splitserve.protos import router_pb2 as splitserve_dot_protos_dot_router__pb2
+from splitserve.protos import router_pb2 as splitserve_dot_v1_dot_router__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in splitserve/protos/router_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/router_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -40,13 +40,13 @@ class RouterControlStub:
         """
         self.RegisterWorker = channel.unary_unary(
                 '/splitserve.v1.RouterControl/RegisterWorker',
-                request_serializer=splitserve_dot_protos_dot_router__pb2.RegisterWorkerRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_router__pb2.RegisterWorkerResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_router__pb2.RegisterWorkerRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_router__pb2.RegisterWorkerResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/splitserve.v1.RouterControl/Heartbeat',
-                request_serializer=splitserve_dot_protos_dot_router__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_router__pb2.HeartbeatResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_router__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_router__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
 
 
@@ -90,13 +90,13 @@ def add_RouterControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'RegisterWorker': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterWorker,
-                    request_deserializer=splitserve_dot_protos_dot_router__pb2.RegisterWorkerRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_router__pb2.RegisterWorkerResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_router__pb2.RegisterWorkerRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_router__pb2.RegisterWorkerResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=splitserve_dot_protos_dot_router__pb2.HeartbeatRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_router__pb2.HeartbeatResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_router__pb2.HeartbeatRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_router__pb2.HeartbeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -128,8 +128,8 @@ class RouterControl:
             request,
             target,
             '/splitserve.v1.RouterControl/RegisterWorker',
-            splitserve_dot_protos_dot_router__pb2.RegisterWorkerRequest.SerializeToString,
-            splitserve_dot_protos_dot_router__pb2.RegisterWorkerResponse.FromString,
+            splitserve_dot_v1_dot_router__pb2.RegisterWorkerRequest.SerializeToString,
+            splitserve_dot_v1_dot_router__pb2.RegisterWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -155,8 +155,8 @@ class RouterControl:
             request,
             target,
             '/splitserve.v1.RouterControl/Heartbeat',
-            splitserve_dot_protos_dot_router__pb2.HeartbeatRequest.SerializeToString,
-            splitserve_dot_protos_dot_router__pb2.HeartbeatResponse.FromString,
+            splitserve_dot_v1_dot_router__pb2.HeartbeatRequest.SerializeToString,
+            splitserve_dot_v1_dot_router__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

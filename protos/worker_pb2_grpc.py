@@ -3,8 +3,8 @@
 import grpc
 import warnings
 
-from splitserve.protos import generate_pb2 as splitserve_dot_protos_dot_generate__pb2
-from splitserve.protos import worker_pb2 as splitserve_dot_protos_dot_worker__pb2
+from splitserve.protos import generate_pb2 as splitserve_dot_v1_dot_generate__pb2
+from splitserve.protos import worker_pb2 as splitserve_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +19,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in splitserve/protos/worker_pb2_grpc.py depends on'
+        + ' but the generated code in splitserve/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -39,23 +39,23 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.unary_unary(
                 '/splitserve.v1.PrefillWorker/Prefill',
-                request_serializer=splitserve_dot_protos_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_worker__pb2.PrefillResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.PrefillWorker/Abort',
-                request_serializer=splitserve_dot_protos_dot_generate__pb2.AbortRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_generate__pb2.AbortResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.ReleaseLease = channel.unary_unary(
                 '/splitserve.v1.PrefillWorker/ReleaseLease',
-                request_serializer=splitserve_dot_protos_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_worker__pb2.ReleaseLeaseResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/splitserve.v1.PrefillWorker/GetLoad',
-                request_serializer=splitserve_dot_protos_dot_worker__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_worker__pb2.WorkerLoad.FromString,
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
 
 
@@ -115,23 +115,23 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=splitserve_dot_protos_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=splitserve_dot_protos_dot_generate__pb2.AbortRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_generate__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_generate__pb2.AbortRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
             ),
             'ReleaseLease': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseLease,
-                    request_deserializer=splitserve_dot_protos_dot_worker__pb2.ReleaseLeaseRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_worker__pb2.ReleaseLeaseResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseLeaseResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=splitserve_dot_protos_dot_worker__pb2.GetLoadRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_worker__pb2.WorkerLoad.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -161,8 +161,8 @@ class PrefillWorker:
             request,
             target,
             '/splitserve.v1.PrefillWorker/Prefill',
-            splitserve_dot_protos_dot_worker__pb2.PrefillRequest.SerializeToString,
-            splitserve_dot_protos_dot_worker__pb2.PrefillResponse.FromString,
+            splitserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -188,8 +188,8 @@ class PrefillWorker:
             request,
             target,
             '/splitserve.v1.PrefillWorker/Abort',
-            splitserve_dot_protos_dot_generate__pb2.AbortRequest.SerializeToString,
-            splitserve_dot_protos_dot_generate__pb2.AbortResponse.FromString,
+            splitserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+            splitserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -215,8 +215,8 @@ class PrefillWorker:
             request,
             target,
             '/splitserve.v1.PrefillWorker/ReleaseLease',
-            splitserve_dot_protos_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
-            splitserve_dot_protos_dot_worker__pb2.ReleaseLeaseResponse.FromString,
+            splitserve_dot_v1_dot_worker__pb2.ReleaseLeaseRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -242,8 +242,8 @@ class PrefillWorker:
             request,
             target,
             '/splitserve.v1.PrefillWorker/GetLoad',
-            splitserve_dot_protos_dot_worker__pb2.GetLoadRequest.SerializeToString,
-            splitserve_dot_protos_dot_worker__pb2.WorkerLoad.FromString,
+            splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
             options,
             channel_credentials,
             insecure,
@@ -268,18 +268,18 @@ class DecodeWorkerStub:
         """
         self.Decode = channel.unary_stream(
                 '/splitserve.v1.DecodeWorker/Decode',
-                request_serializer=splitserve_dot_protos_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_worker__pb2.DecodeResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.DecodeWorker/Abort',
-                request_serializer=splitserve_dot_protos_dot_generate__pb2.AbortRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_generate__pb2.AbortResponse.FromString,
+                request_serializer=splitserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/splitserve.v1.DecodeWorker/GetLoad',
-                request_serializer=splitserve_dot_protos_dot_worker__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=splitserve_dot_protos_dot_worker__pb2.WorkerLoad.FromString,
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
 
 
@@ -331,18 +331,18 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=splitserve_dot_protos_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_worker__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=splitserve_dot_protos_dot_generate__pb2.AbortRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_generate__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_generate__pb2.AbortRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generate__pb2.AbortResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=splitserve_dot_protos_dot_worker__pb2.GetLoadRequest.FromString,
-                    response_serializer=splitserve_dot_protos_dot_worker__pb2.WorkerLoad.SerializeToString,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -372,8 +372,8 @@ class DecodeWorker:
             request,
             target,
             '/splitserve.v1.DecodeWorker/Decode',
-            splitserve_dot_protos_dot_worker__pb2.DecodeRequest.SerializeToString,
-            splitserve_dot_protos_dot_worker__pb2.DecodeResponse.FromString,
+            splitserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -399,8 +399,8 @@ class DecodeWorker:
             request,
             target,
             '/splitserve.v1.DecodeWorker/Abort',
-            splitserve_dot_protos_dot_generate__pb2.AbortRequest.SerializeToString,
-            splitserve_dot_protos_dot_generate__pb2.AbortResponse.FromString,
+            splitserve_dot_v1_dot_generate__pb2.AbortRequest.SerializeToString,
+            splitserve_dot_v1_dot_generate__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -426,8 +426,8 @@ class DecodeWorker:
             request,
             target,
             '/splitserve.v1.DecodeWorker/GetLoad',
-            splitserve_dot_protos_dot_worker__pb2.GetLoadRequest.SerializeToString,
-            splitserve_dot_protos_dot_worker__pb2.WorkerLoad.FromString,
+            splitserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
             options,
             channel_credentials,
             insecure,

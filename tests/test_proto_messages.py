@@ -79,8 +79,11 @@ def test_every_message_round_trips(name, variant):
     assert back == msg
     assert _set_count(back) == _set_count(msg)
     assert back.SerializeToString(deterministic=True) == data
-    top_level = [f for f in msg.DESCRIPTOR.fields
-                 if f.containing_oneof is None or len(f.containing_oneof.fields) == 1]
+    top_level = [
+        f
+        for f in msg.DESCRIPTOR.fields
+        if f.containing_oneof is None or len(f.containing_oneof.fields) == 1
+    ]
     assert {f.name for f, _ in back.ListFields()} >= {f.name for f in top_level}
 
 
@@ -91,7 +94,8 @@ def test_optional_fields_keep_presence_of_zero():
     assert back.HasField("temperature") and back.HasField("logprobs")
     assert not back.HasField("top_p") and not back.HasField("max_tokens")
     req = generate_pb2.GenerateRequest.FromString(
-        generate_pb2.GenerateRequest(skip_special_tokens=False).SerializeToString())
+        generate_pb2.GenerateRequest(skip_special_tokens=False).SerializeToString()
+    )
     assert req.HasField("skip_special_tokens") and not req.skip_special_tokens
 
 
@@ -108,14 +112,29 @@ def test_prompt_and_stop_reason_are_oneofs():
 def test_kv_handle_example():
     handle = kv_pb2.KvHandle(
         address=kv_pb2.UcxAddress(host="10.0.0.5", port=13337),
-        lease_id="lease-1", request_id="req-1",
-        num_blocks=3, block_size=16, num_tokens=40,
-        layout=kv_pb2.KV_LAYOUT_LAYER_KV_BLOCK_TOKEN_HEAD_DIM, dtype=kv_pb2.KV_DTYPE_BF16,
-        num_layers=32, num_kv_heads=8, head_dim=128, model_compat_hash="sha256:ab12",
-        expires_at_unix_ms=1_700_000_030_000, ttl_ms=30_000,
-        shards=[kv_pb2.KvShard(tp_rank=r, tp_size=2, kv_head_start=4 * r, kv_head_end=4 * r + 4,
-                               address=kv_pb2.UcxAddress(host="10.0.0.5", port=13337 + r))
-                for r in range(2)],
+        lease_id="lease-1",
+        request_id="req-1",
+        num_blocks=3,
+        block_size=16,
+        num_tokens=40,
+        layout=kv_pb2.KV_LAYOUT_LAYER_KV_BLOCK_TOKEN_HEAD_DIM,
+        dtype=kv_pb2.KV_DTYPE_BF16,
+        num_layers=32,
+        num_kv_heads=8,
+        head_dim=128,
+        model_compat_hash="sha256:ab12",
+        expires_at_unix_ms=1_700_000_030_000,
+        ttl_ms=30_000,
+        shards=[
+            kv_pb2.KvShard(
+                tp_rank=r,
+                tp_size=2,
+                kv_head_start=4 * r,
+                kv_head_end=4 * r + 4,
+                address=kv_pb2.UcxAddress(host="10.0.0.5", port=13337 + r),
+            )
+            for r in range(2)
+        ],
     )
     resp = worker_pb2.PrefillResponse(request_id="req-1", first_token_id=42, kv=handle)
     back = worker_pb2.PrefillResponse.FromString(resp.SerializeToString())
@@ -131,16 +150,23 @@ def test_kv_handle_example():
 class _Servicer(generate_pb2_grpc.GenerateServiceServicer):
     async def GetServerInfo(self, request, context):
         return generate_pb2.ServerInfo(
-            model_name="tiny-llama", max_model_len=256, vocab_size=512, block_size=16,
-            workers=[generate_pb2.WorkerInfo(role=generate_pb2.WORKER_ROLE_PREFILL,
-                                             address="127.0.0.1:50061", healthy=True)],
+            model_name="tiny-llama",
+            max_model_len=256,
+            vocab_size=512,
+            block_size=16,
+            workers=[
+                generate_pb2.WorkerInfo(
+                    role=generate_pb2.WORKER_ROLE_PREFILL, address="127.0.0.1:50061", healthy=True
+                )
+            ],
         )
 
     async def Generate(self, request, context):
         ids = list(request.token_ids.ids)
         yield generate_pb2.GenerateResponse(request_id=request.request_id, token_ids=ids[:1])
         yield generate_pb2.GenerateResponse(
-            request_id=request.request_id, token_ids=ids[1:],
+            request_id=request.request_id,
+            token_ids=ids[1:],
             finish_reason=generate_pb2.FINISH_REASON_LENGTH,
             usage=generate_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(ids)),
         )
@@ -155,8 +181,9 @@ async def _smoke():
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = generate_pb2_grpc.GenerateServiceStub(channel)
             info = await stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=10)
-            req = generate_pb2.GenerateRequest(request_id="r1",
-                                               token_ids=generate_pb2.TokenIds(ids=[5, 6, 7]))
+            req = generate_pb2.GenerateRequest(
+                request_id="r1", token_ids=generate_pb2.TokenIds(ids=[5, 6, 7])
+            )
             chunks = [c async for c in stub.Generate(req, timeout=10)]
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await stub.Abort(generate_pb2.AbortRequest(request_id="r1"), timeout=10)
