@@ -114,6 +114,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await err.abort(context)
         block_ids = None
         transfer_s = 0.0
+        recomputed = False
         if request.HasField("kv") and request.kv.lease_id and self.puller is not None:
             start = time.perf_counter()
             try:
@@ -121,6 +122,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             except RequestError as err:
                 await err.abort(context)
             transfer_s = time.perf_counter() - start
+            recomputed = block_ids is None
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         if self._outbox is None:
             self._outbox = _Outbox(asyncio.get_running_loop())
@@ -139,6 +141,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if first:
                 first = False
                 resp.transfer_time_ms = transfer_s * 1000
+                resp.kv_recomputed = recomputed
                 resp.queue_time_ms = (first_out_at - submitted) * 1000
             return resp
 

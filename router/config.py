@@ -105,10 +105,11 @@ class RoutingConfig(_Frozen):
         "(a worker gone or draining) once, on another decode worker",
     )
     release_lease_after_decode: bool = Field(
-        True,
-        description="release the prefill lease once the decode stream has started (the decode worker "
-        "normally does after its pull; this is the safety net); a request that ends before "
-        "Decode took the lease always releases it",
+        False,
+        description="also release the prefill lease once every decode stream has started (a second "
+        "ReleaseLease per request); off: the decode worker's pull releases it, and the router "
+        "releases it only when the decode worker says it recomputed the prompt instead "
+        "(DecodeResponse.kv_recomputed) or the request ended before Decode took it",
     )
 
     @field_validator("decode_policy")

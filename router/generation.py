@@ -279,7 +279,9 @@ class Generation:
                         self._observe_components(
                             transfer=resp.transfer_time_ms, decode_queue=resp.queue_time_ms
                         )
-                    if self.ctx.cfg.routing.release_lease_after_decode:
+                    if resp.kv_recomputed:  # the decode worker never took the lease: free it now
+                        self._release_lease("kv_recomputed")
+                    elif self.ctx.cfg.routing.release_lease_after_decode:
                         self._release_lease("decode_started")
                 if first is None and resp.token_ids and not self.out.num_tokens:
                     self.ctx.metrics.ttft_seconds.observe(time.monotonic() - self.arrival)

@@ -270,7 +270,7 @@ WIRE = {
     "ReleaseLeaseResponse": "released=1",
     "DecodeRequest": "request_id=1 prompt_token_ids=2 first_token_id=3 sampling=4 kv=5",
     "DecodeResponse": "token_ids=1 logprobs=2 finish_reason=3 stop_reason=4 transfer_time_ms=5 "
-    "queue_time_ms=6",
+    "queue_time_ms=6 kv_recomputed=7",
     "GetLoadRequest": "max_prefix_hashes=1",
     "PrefixCacheSummary": "block_hashes=1 num_cached_blocks=2",
     "WorkerLoad": "role=1 num_running=2 num_waiting=3 free_blocks=4 total_blocks=5 block_size=6 "

@@ -50,15 +50,22 @@ def test_corrupted_transfer_is_detected_and_never_served(cluster, oracle, procs,
             )
             after_good = counts()
             await finish_case(ledger, stub, oracle, [prefill.address], [cluster.decode], r)
-            return bad, good, before, after_bad, after_good
+            released = {
+                why: r.metrics.leases_released.labels(why)._value.get()
+                for why in ("kv_recomputed", "decode_started")
+            }
+            return bad, good, before, after_bad, after_good, released
 
-    bad, good, before, after_bad, after_good = asyncio.run(body())
+    bad, good, before, after_bad, after_good, released = asyncio.run(body())
     for t, prompt in ((bad, PROMPT), (good, PROMPT[:-1])):
         want = oracle(
             prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
         ).token_ids
         assert t.status == "OK/LENGTH" and t.tokens == want
     assert after_bad[0] == before[0] + 1  # detected by checksum or length: discarded
+    # the recomputed request's lease was never consumed: the router released it on the decode
+    # worker's kv_recomputed; every pulled lease went with its pull (no second ReleaseLease)
+    assert released == {"kv_recomputed": 1, "decode_started": 0}, released
     assert (
         after_good[0] == after_bad[0] and after_good[1] > after_bad[1]
     )  # the clean one was pulled
