@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from decode_timing import copy_bandwidth, engine_time, kernel_times  # the step timings
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -59,109 +61,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def log(msg: str) -> None:
     print(f"[decode-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def time_ms(torch, fn, steps: int) -> float:
-    """Mean ms per call of fn over `steps` calls: CUDA events on the GPU, wall clock on CPU."""
-    if not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / steps
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
-
-
-def copy_bandwidth(torch, device: str, nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    time_ms(torch, lambda: dst.copy_(src), 3)
-    secs = time_ms(torch, lambda: dst.copy_(src), 10) / 1e3
-    src = dst = None  # free the buffers now (the closures above hold the names)
-    return 2 * nbytes / secs
-
-
-def fake_sequences(engine, batch: int, context: int, room: int):
-    """`batch` sequences of `context` tokens whose KV blocks exist (values do not matter)."""
-    from splitserve.decode_worker.sequence import DecodeSequence
-    from splitserve.request.sampling_params import SamplingParams
-    from splitserve.request.stop_checker import StopChecker
-
-    params = SamplingParams(temperature=0, max_tokens=room, ignore_eos=True)
-    per_seq = -(-(context + room + 1) // engine.runner.block_size)
-    seqs = []
-    for i in range(batch):
-        got = engine.allocator.allocate(per_seq)
-        if got is None:
-            raise MemoryError(
-                "KV pool too small for this batch; lower --context or the batch sizes"
-            )
-        stop = StopChecker(params, (), engine.runner.max_model_len, context)
-        seqs.append(
-            DecodeSequence(
-                f"b{i}",
-                [1] * context,
-                params,
-                stop,
-                lambda out: None,
-                None,
-                [5],
-                list(got.block_ids),
-            )
-        )
-    return seqs
-
-
-def kernel_times(torch, engine, eager_runner, batch: int, args) -> dict:
-    seqs = fake_sequences(engine, batch, args.context, 3 * args.steps + 8)
-    g = engine.graphs
-    size = g.dispatch[batch]
-    out = {"graph_size": size}
-    with torch.inference_mode():
-        g.read(
-            g.launch(seqs, changed=True)
-        )  # full prepare; positions then advance inside the graph
-        if size:
-            graph = g._graphs[size]
-            time_ms(torch, graph.replay, 3)
-            out["graph_step_ms"] = time_ms(torch, graph.replay, args.steps)
-        for s in seqs:
-            s.in_flight = 0
-        eager_runner.read(eager_runner.launch(seqs, changed=True))
-        time_ms(torch, lambda: eager_runner._body(batch), 3)
-        out["eager_step_ms"] = time_ms(torch, lambda: eager_runner._body(batch), args.steps)
-    for s in seqs:
-        engine.allocator.free(s.block_ids)
-    return out
-
-
-def engine_time(engine, batch: int, args) -> float:
-    """Wall ms per step of the serving loop (admit with KV present, greedy, fixed length)."""
-    from splitserve.decode_worker.sequence import DecodeInput
-    from splitserve.request.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
-    for i in range(batch):
-        got = engine.allocator.allocate(-(-args.context // engine.runner.block_size))
-        engine.admit(
-            DecodeInput(f"e{i}", [1] * args.context, 5, params),
-            list(got.block_ids),
-            lambda out: None,
-        )
-    engine.step()  # admission + full prepare
-    t0 = time.perf_counter()
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        steps += 1
-    assert engine.allocator.num_free == engine.allocator.num_usable
-    return (time.perf_counter() - t0) * 1e3 / max(steps, 1)
 
 
 def hf_peer(torch, model_dir: str, batch: int, args) -> dict:

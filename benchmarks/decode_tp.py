@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from decode import engine_time, log
+from decode import log
+from decode_timing import engine_time
 
 
 def parse_args(argv=None) -> argparse.Namespace:

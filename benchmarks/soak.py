@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import random
@@ -25,16 +24,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 os.environ.setdefault(
     "GRPC_VERBOSITY", "ERROR"
 )  # before grpc loads: no fork-handler notes per restart
 import grpc  # noqa: E402
+from soak_checks import LEASE_TTL_S, SoakFailure, leaks, rss_mb, wait_health  # noqa: E402
+from soak_requests import Ledger, one_request  # noqa: E402
 
 from splitserve.cli.launcher import Launcher, StartError  # noqa: E402
-from splitserve.protos import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
+from splitserve.protos import generate_pb2_grpc  # noqa: E402
 
 WORKER_FLAGS = [
     "--device",
@@ -46,9 +46,6 @@ WORKER_FLAGS = [
     "--max-model-len",
     "512",
 ]
-# a killed router leaves the leases of its in-flight requests to expire on the prefill workers
-# (nothing else can release them): short, so the end-of-run check can wait them out
-LEASE_TTL_S = 5.0
 SERVICES = {
     "prefill-worker": "splitserve.v1.PrefillWorker",
     "decode-worker": "splitserve.v1.DecodeWorker",
@@ -91,96 +88,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class Ledger:
-    """Request id -> terminal outcomes; a request with none is lost, with two is duplicated."""
-
-    def __init__(self) -> None:
-        self.outcomes: dict[str, list[str]] = {}
-
-    def start(self, rid: str) -> None:
-        self.outcomes[rid] = []
-
-    def end(self, rid: str, outcome: str) -> None:
-        self.outcomes[rid].append(outcome)
-
-    def summary(self) -> dict:
-        ends = Counter(o[0] for o in self.outcomes.values() if len(o) == 1)
-        return {
-            "requests": len(self.outcomes),
-            "succeeded": ends.pop("OK", 0),
-            "cancelled": ends.pop("CANCELLED", 0),
-            "failed_by_status": dict(ends),
-            "lost": sum(not o for o in self.outcomes.values()),
-            "duplicated": sum(len(o) > 1 for o in self.outcomes.values()),
-        }
-
-
-async def one_request(
-    stub,
-    ledger: Ledger,
-    rid: str,
-    prompt: list[int],
-    max_tokens: int,
-    cancel_after: int | None,
-    abort_after: int | None = None,
-):
-    ledger.start(rid)
-    req = generate_pb2.GenerateRequest(
-        request_id=rid,
-        token_ids=generate_pb2.TokenIds(ids=prompt),
-        sampling=generate_pb2.SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, ignore_eos=True
-        ),
-    )
-    call = stub.Generate(req, timeout=60)
-    tokens, finished = 0, 0
-    try:
-        async for chunk in call:
-            tokens += len(chunk.token_ids)
-            finished += chunk.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
-            if cancel_after is not None and tokens >= cancel_after and not finished:
-                call.cancel()
-                ledger.end(rid, "CANCELLED")
-                return
-            if abort_after is not None and tokens >= abort_after and not finished:
-                abort_after = None  # once; the stream then ends with its own last chunk (ABORT)
-                await stub.Abort(generate_pb2.AbortRequest(request_id=rid), timeout=10)
-        # a finished stream carries exactly one final chunk; each extra one counts as a duplicate
-        for _ in range(finished):
-            ledger.end(rid, "OK")
-        if not finished:
-            ledger.end(rid, "NO_FINAL_CHUNK")  # the stream ended cleanly without saying why
-    except grpc.aio.AioRpcError as err:
-        ledger.end(rid, err.code().name)
-    except Exception as exc:  # anything else leaves the request without an outcome: counted lost
-        print(f"  {rid}: client error {type(exc).__name__}: {exc}", flush=True)
-
-
-async def worker_health(stub) -> dict[str, bool]:
-    info = await stub.GetServerInfo(generate_pb2.GetServerInfoRequest(), timeout=5)
-    return {w.address: w.healthy for w in info.workers}
-
-
-class SoakFailure(RuntimeError):
-    """The soak could not go on (a restarted process never came back, ...): one line."""
-
-
-async def wait_health(stub, child, healthy: bool, timeout: float = 120.0) -> float:
-    start = time.monotonic()
-    while True:
-        with contextlib.suppress(grpc.aio.AioRpcError):  # the router itself may be restarting
-            if (await worker_health(stub)).get(child.address) == healthy:
-                return time.monotonic() - start
-        if healthy and not child.alive():
-            raise SoakFailure(f"{child.name} exited with {child.proc.returncode} after its restart")
-        if time.monotonic() - start > timeout:
-            raise SoakFailure(
-                f"{child.address} ({child.name}) not {'healthy' if healthy else 'evicted'} in the "
-                f"router within {timeout:.0f}s"
-            )
-        await asyncio.sleep(0.02)
-
-
 async def kill_and_restart(launcher: Launcher, child, stub, router) -> dict:
     child.proc.kill()
     child.proc.wait()
@@ -205,39 +112,6 @@ async def kill_and_restart(launcher: Launcher, child, stub, router) -> dict:
         "recover_s": round(recover, 3),
         "restart_to_serving_s": round(time.monotonic() - start, 3),
     }
-
-
-async def leaks(children) -> dict[str, dict]:
-    out = {}
-    for c in children:
-        stub_cls = (
-            worker_pb2_grpc.PrefillWorkerStub
-            if c.subcommand == "prefill-worker"
-            else worker_pb2_grpc.DecodeWorkerStub
-        )
-        async with grpc.aio.insecure_channel(c.address) as ch:
-            for _ in range(
-                int((LEASE_TTL_S + 10) * 10)
-            ):  # releases are asynchronous, orphaned leases expire
-                ld = await stub_cls(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
-                if ld.free_blocks == ld.total_blocks and not (
-                    ld.leases_held or ld.num_running or ld.num_waiting
-                ):
-                    break
-                await asyncio.sleep(0.1)
-        out[c.name] = {
-            "leaked_blocks": ld.total_blocks - ld.free_blocks,
-            "leases": ld.leases_held,
-            "running": ld.num_running + ld.num_waiting,
-        }
-    return out
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 async def drive(args, launcher: Launcher, router, workers, vocab: int) -> dict:
@@ -377,6 +251,9 @@ def main(argv=None) -> int:
             print(f"soak: {exc}", flush=True)
             print_log_tails(launcher)
             return 1
+        except BaseException:  # anything else: the services' side of the story, then the traceback
+            print_log_tails(launcher)
+            raise
         finally:
             launcher.stop(grace_s=10)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from splitserve.cli import (
     bench_cmd,
@@ -17,7 +18,7 @@ from splitserve.cli import (
     router_cmd,
     serve_cmd,
 )
-from splitserve.service.service_process import die_with_launcher, end_cli
+from splitserve.service.service_process import die_with_launcher, end_cli, service_ran
 
 
 class CliError(Exception):
@@ -53,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, ValueError, FileNotFoundError, MemoryError, RuntimeError) as exc:
         print(f"splitserve {args.command}: error: {exc}", file=sys.stderr)
         code = 2
+    except Exception:  # a bug: its traceback, then the service process still ends on its own terms
+        if not service_ran():
+            raise
+        traceback.print_exc()
+        code = 1
     return end_cli(code)
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from collections.abc import Callable
 
-from splitserve.service.service_process import die_with_launcher, end_cli
+from splitserve.service.service_process import die_with_launcher, end_cli, service_ran
 
 
 def standalone_main(
@@ -31,4 +32,9 @@ def standalone_main(
     except (ValueError, FileNotFoundError, MemoryError, RuntimeError) as exc:
         print(f"splitserve {command}: error: {exc}", file=sys.stderr)
         code = 2
+    except Exception:  # a bug: its traceback, then the service process still ends on its own terms
+        if not service_ran():
+            raise
+        traceback.print_exc()
+        code = 1
     return end_cli(code)

@@ -107,6 +107,11 @@ def run_service_process(main: Callable[[], Coroutine[object, object, int]]) -> i
     return int(asyncio.run(main()) or 0)
 
 
+def service_ran() -> bool:
+    """Whether this process ran a service (and so must end through end_cli's exit_now)."""
+    return EXIT_DEADLINE.enabled
+
+
 def end_cli(code: int) -> int:
     """The CLI's last step: a process that ran a service exits here at once (exit_now); any other
     command returns its code as usual."""

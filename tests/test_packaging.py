@@ -17,4 +17,6 @@ def test_every_package_folder_is_listed_in_pyproject():
         for init in folder.rglob("__init__.py"):
             sub = init.parent.relative_to(folder).parts
             name = ".".join((pkg, *sub))
-            assert name in listed, f"{init.parent} is a package but {name!r} is not in pyproject's packages"
+            assert name in listed, (
+                f"{init.parent} is a package but {name!r} is not in pyproject's packages"
+            )

@@ -103,13 +103,17 @@ def test_sigterm_drain_finishes_in_flight_streams(cluster, oracle, procs):
             await wait_until(
                 lambda: not w.healthy, 5, "router stopped routing to the draining worker"
             )
+            # evicted by the NOT_SERVING answer itself, inside the announce window: after it the
+            # port closes and the reason would be a refused probe
+            why = w.why
             codes = await asyncio.gather(*(t.finish() for t in streams))
             code = await asyncio.to_thread(draining.proc.wait, grace_s)
             exited_s = time.monotonic() - termed
             await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
-            return streams, codes, code, exited_s, in_flight
+            return streams, codes, code, exited_s, in_flight, why
 
-    streams, codes, code, exited_s, in_flight = asyncio.run(body())
+    streams, codes, code, exited_s, in_flight, why = asyncio.run(body())
+    assert why == "health is NOT_SERVING", why
     want = oracle(PROMPT, SamplingParams(temperature=0, max_tokens=249, ignore_eos=True)).token_ids
     assert codes == [grpc.StatusCode.OK] * 3 and all(t.tokens == want for t in streams)
     assert code == 0 and exited_s < grace_s

@@ -103,7 +103,7 @@ def test_colocated(tiny_llama, tmp_path):
 
 
 def test_colocated_refuses_prefill_workers():
-    from splitserve.cli.serve_cmd import add_arguments, check_args
+    from splitserve.cli.serve_args import add_arguments, check_args
 
     p = argparse.ArgumentParser()
     add_arguments(p)

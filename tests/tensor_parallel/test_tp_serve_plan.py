@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from splitserve.cli.launcher import Launcher
-from splitserve.cli.serve_cmd import add_arguments, build
+from splitserve.cli.serve_args import add_arguments
+from splitserve.cli.serve_children import build
 from splitserve.cli.serve_placement import worker_flags
 
 

@@ -1,0 +1,179 @@
+"""`splitserve serve`'s flags and the checks on them before anything starts (cli/serve_cmd.py).
+
+    add_arguments(parser)     every `serve` flag
+    resolve_model(model)      --model as a checkpoint folder (default: the embedded tiny model)
+    check_args(args)          (prefill workers, decode workers); the router's port is free
+    check_http_port(args)     the router's OpenAI HTTP port (0: a free one), None for none
+
+Each check raises ValueError with one line saying what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from pathlib import Path
+
+from splitserve.cli import client
+from splitserve.cli.arg_types import port
+
+DEFAULT_HTTP_PORT = 8000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", metavar="DIR", help="checkpoint folder (default: the embedded tiny model)"
+    )
+    p.add_argument(
+        "--num-prefill",
+        type=int,
+        default=None,
+        help="prefill workers (default 1; 0 with --colocated)",
+    )
+    p.add_argument("--num-decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="no prefill workers: each decode worker prefills its own prompts in its batch",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address every service binds (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--port",
+        type=port,
+        default=client.DEFAULT_PORT,
+        help=f"router gRPC port (default {client.DEFAULT_PORT}; 0 picks a free one)",
+    )
+    p.add_argument(
+        "--http-port",
+        type=port,
+        default=None,
+        help=f"router's OpenAI-compatible HTTP port (default {DEFAULT_HTTP_PORT}; a free one with --port 0; "
+        "off with --prompt unless given)",
+    )
+    p.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP front")
+    p.add_argument("--device", help="cpu, cuda, cuda:N or auto (the workers' default: auto)")
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="ranks per worker (each worker spawns its N-1 followers); on CUDA each worker gets its own "
+        "GPUs: prefill workers from --device on, decode workers after them",
+    )
+    p.add_argument(
+        "--prefill-tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="ranks per prefill worker (default: --tensor-parallel-size)",
+    )
+    p.add_argument(
+        "--decode-tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="ranks per decode worker (default: --tensor-parallel-size)",
+    )
+    p.add_argument("--block-size", type=int, help="tokens per KV block (power of two)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        help="KV pool size in blocks per worker (default: from free memory)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, help="longest prompt + output (default: the model's)"
+    )
+    p.add_argument(
+        "--metrics",
+        action="store_true",
+        help="serve Prometheus /metrics of every service on a free port",
+    )
+    p.add_argument(
+        "--log-dir",
+        metavar="DIR",
+        help="children's logs (default: a temporary folder, removed on a clean exit)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="children's log level",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for every service (default 600)",
+    )
+    p.add_argument(
+        "--drain-grace-s",
+        type=float,
+        default=10.0,
+        help="seconds in-flight streams get to finish at shutdown, per stage (default 10)",
+    )
+    p.add_argument(
+        "--prompt", help="answer this prompt once everything is healthy, print it, shut down"
+    )
+    client.add_sampling_arguments(p, max_tokens=32)
+
+
+def resolve_model(model: str | None) -> Path:
+    if model is None:
+        from splitserve.cli.tiny_model_cache import default_model_dir
+
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"--model {model}: no such folder; give a checkpoint folder (config.json, *.safetensors, "
+            "tokenizer.json) or leave --model out for the embedded tiny model"
+        )
+    missing = [f for f in ("config.json", "tokenizer.json") if not (path / f).is_file()]
+    if not any(path.glob("*.safetensors")):
+        missing.append("*.safetensors")
+    if missing:
+        raise ValueError(
+            f"--model {model}: not a checkpoint folder (missing {', '.join(missing)}); "
+            "`splitserve make-model DIR` writes one"
+        )
+    return path.resolve()
+
+
+def check_args(args: argparse.Namespace) -> tuple[int, int]:
+    num_prefill = (0 if args.colocated else 1) if args.num_prefill is None else args.num_prefill
+    if args.colocated and num_prefill:
+        raise ValueError("--colocated runs no prefill workers; leave --num-prefill out")
+    if not args.colocated and num_prefill < 1:
+        raise ValueError(f"--num-prefill must be >= 1, got {num_prefill} (or use --colocated)")
+    if args.num_decode < 1:
+        raise ValueError(f"--num-decode must be >= 1, got {args.num_decode}")
+    if args.port:
+        with socket.socket() as s:
+            try:
+                s.bind((args.host, args.port))
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot use {args.host}:{args.port} for the router ({exc.strerror}); another "
+                    "`splitserve serve` may run there: pass --port 0 for a free port"
+                ) from None
+    return num_prefill, args.num_decode
+
+
+def check_http_port(args: argparse.Namespace) -> int | None:
+    """The router's HTTP port (0: pick a free one), None for no HTTP front."""
+    if args.no_http or (args.prompt is not None and args.http_port is None):
+        return None
+    port = (
+        args.http_port
+        if args.http_port is not None
+        else (0 if args.port == 0 else DEFAULT_HTTP_PORT)
+    )
+    if port:
+        with socket.socket() as s:
+            try:
+                s.bind((args.host, port))
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot use {args.host}:{port} for the OpenAI HTTP API ({exc.strerror}); pass "
+                    "--http-port 0 for a free port, or --no-http"
+                ) from None
+    return port

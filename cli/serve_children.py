@@ -1,0 +1,95 @@
+"""What `splitserve serve` launches (cli/serve_cmd.py): each prefill worker, decode worker and the
+router as a launcher child with its argv, on the devices serve_placement.py gives it.
+
+    build(launcher, args, model, num_prefill, num_decode, http_port, placement)
+                              adds the workers, then the router (its --prefill/--decode
+                              addresses are read at each launch)
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from splitserve.cli.launcher import Launcher
+from splitserve.cli.serve_placement import worker_flags
+from splitserve.service.net import free_port, is_wildcard
+
+SERVICES = {
+    "prefill-worker": "splitserve.v1.PrefillWorker",
+    "decode-worker": "splitserve.v1.DecodeWorker",
+    "router": "splitserve.v1.GenerateService",
+}
+
+
+def build(
+    launcher: Launcher,
+    args: argparse.Namespace,
+    model: Path,
+    num_prefill: int,
+    num_decode: int,
+    http_port: int | None = None,
+    placement: tuple[list[list[str]], list[list[str]]] | None = None,
+) -> None:
+    """`placement`: serve_placement.worker_flags (computed here when None)."""
+    prefill_at, decode_at = placement or worker_flags(args, num_prefill, num_decode)
+    common = ["--model", str(model), "--log-level", args.log_level]
+    engine = [*common]
+    if is_wildcard(args.host):  # peers are all on this machine: KV handles name loopback
+        engine += ["--advertise-host", "127.0.0.1"]
+    for flag, value in (
+        ("--block-size", args.block_size),
+        ("--num-blocks", args.num_blocks),
+        ("--max-model-len", args.max_model_len),
+    ):
+        if value is not None:
+            engine += [flag, str(value)]
+
+    def metrics() -> list[str]:
+        return ["--metrics-port", str(free_port(args.host))] if args.metrics else []
+
+    grace = ["--drain-grace-s", str(args.drain_grace_s)]
+    prefill = [
+        launcher.add(
+            f"prefill-{i}",
+            "prefill-worker",
+            [*engine, *prefill_at[i], *metrics()],
+            SERVICES["prefill-worker"],
+            host=args.host,
+        )
+        for i in range(num_prefill)
+    ]
+    decode = [
+        launcher.add(
+            f"decode-{i}",
+            "decode-worker",
+            [*engine, *decode_at[i], *grace, *metrics()],
+            SERVICES["decode-worker"],
+            host=args.host,
+        )
+        for i in range(num_decode)
+    ]
+    router_extra = [*common, *grace, *metrics()]
+    if args.max_model_len is not None:
+        router_extra += ["--max-model-len", str(args.max_model_len)]
+    if args.colocated:
+        router_extra.append("--colocated")
+    if http_port is not None:
+        router_extra += ["--http-port", str(http_port)]
+
+    def router_args() -> list[str]:  # built at each launch: a relaunched worker has a new address
+        return [
+            *router_extra,
+            *(a for w in prefill for a in ("--prefill", w.address)),
+            *(a for w in decode for a in ("--decode", w.address)),
+        ]
+
+    launcher.add(
+        "router",
+        "router",
+        router_args,
+        SERVICES["router"],
+        host=args.host,
+        port=args.port or None,
+        depends_on=(*prefill, *decode),
+    )
