@@ -7,7 +7,8 @@
 
 An incompatible handle is FAILED_PRECONDITION whatever the policy: recomputing would hide a
 deployment error. When the pool is short right now, the request is recomputed once blocks
-free up (the scheduler queues it) and the prefill lease is left to its TTL.
+free up (the scheduler queues it); the first chunk says kv_recomputed, so the router releases
+the prefill lease.
 """
 
 from __future__ import annotations

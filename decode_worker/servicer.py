@@ -81,7 +81,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self) -> None:
         self.loop: EngineLoop | None = None  # set once the model is loaded and the graphs captured
         self.puller: KvPuller | None = (
-            None  # set after the graphs are captured (DESIGN: capture before UCX)
+            None  # set after the graphs are captured (docs/architecture.md: capture before UCX)
         )
         self._outbox: _Outbox | None = None
         self._streams: dict[

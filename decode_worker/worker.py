@@ -3,7 +3,7 @@ stall watch, drain, TP ranks) around the decode engine loop and its KV puller.
 
     start_engine(): model (+ TP ranks), capture every decode graph (in a thread; health answers
                     meanwhile) -> engine loop -> UCX client (only now, after every graph was
-                    captured: DESIGN "CUDA graphs")
+                    captured: docs/architecture.md, "CUDA graphs")
     stop_engine():  KV puller (pooled endpoints aborted) -> engine loop (what is left gets
                     UNAVAILABLE) -> graphs released
     a failed engine: health NOT_SERVING before the failed requests' UNAVAILABLE reaches them

@@ -89,8 +89,10 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseLease(self, request, context):
-        """Unpins the blocks of a lease: the decode side's pull is done, or the
-        router gives the request up.
+        """Unpins the blocks of a lease the decode side will not pull: the router
+        gives the request up, or the decode worker recomputed the prompt
+        (DecodeResponse.kv_recomputed). A delivered pull releases its lease itself,
+        on the UCX connection (KvPullDone).
         Deadline: short; drops the lease's block references at once, never waits
         on the engine.
         Idempotency: idempotent; an unknown, expired or already released lease
@@ -294,8 +296,8 @@ class DecodeWorkerServicer:
         (not the first token, which the router already has).
         Deadline: the router sets the client's remaining deadline as the gRPC
         timeout; on expiry or cancel the worker removes the request from the batch
-        and frees its blocks within one step (and releases the prefill lease if
-        the pull had not finished).
+        and frees its blocks within one step (a pull that had not finished leaves
+        the prefill lease to the router's ReleaseLease, or to its TTL).
         Idempotency: not idempotent; a request_id already in flight here is
         rejected with INVALID_ARGUMENT. A retry elsewhere works only while the
         prefill lease is still held; otherwise the router must prefill again.

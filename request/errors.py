@@ -1,4 +1,4 @@
-"""The two kinds of failure a serving process knows (DESIGN.md, "Errors").
+"""The two kinds of failure a serving process knows (docs/architecture.md, section 1).
 
 * `RequestError`: one request is refused or ended; it carries the gRPC status and a
   message that says how to fix the request. The worker keeps serving.

@@ -1,22 +1,66 @@
-"""Every Python package folder of the project ships in a (non-editable) wheel."""
+"""Packaging: every folder of Python modules ships as a listed package, and no top-level folder
+can shadow a published package of the same name when the repository root is on sys.path (as
+`python -m pytest` puts it): the mapped folders are namespace packages, without __init__.py."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+MAPPED = {pkg: ROOT / folder for pkg, folder in SETUPTOOLS["package-dir"].items()}
 
 
-def test_every_package_folder_is_listed_in_pyproject():
-    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    listed = set(cfg["packages"])
-    dirs = {pkg: ROOT / folder for pkg, folder in cfg["package-dir"].items()}
-    assert listed == set(dirs), "packages and package-dir must name the same packages"
-    for pkg, folder in dirs.items():
-        for init in folder.rglob("__init__.py"):
-            sub = init.parent.relative_to(folder).parts
+def test_every_module_folder_is_a_listed_package():
+    listed = set(SETUPTOOLS["packages"])
+    assert listed == set(MAPPED), "packages and package-dir must name the same packages"
+    for pkg, folder in MAPPED.items():
+        for module in folder.rglob("*.py"):
+            if "__pycache__" in module.parts:
+                continue
+            sub = module.parent.relative_to(folder).parts
+            if sub and sub[0] == "splitserve":  # protos/splitserve/v1: .proto data, not modules
+                continue
             name = ".".join((pkg, *sub))
-            assert name in listed, (
-                f"{init.parent} is a package but {name!r} is not in pyproject's packages"
-            )
+            assert name in listed, f"{module} ships only if {name!r} is in pyproject's packages"
+
+
+def test_no_top_level_folder_is_a_regular_package():
+    inits = [folder / "__init__.py" for pkg, folder in MAPPED.items() if pkg.count(".") <= 1]
+    assert not [p for p in inits if p.exists()], (
+        "an __init__.py here makes the folder shadow its PyPI namesake"
+    )
+
+
+def test_bare_folder_names_do_not_resolve_to_the_repository_from_its_root():
+    """`import kernels` from the root must find Hugging Face's kernels (transformers imports it),
+    or at worst a namespace portion, never our folder as a regular package."""
+    names = sorted(folder.name for pkg, folder in MAPPED.items() if pkg.count(".") == 1)
+    code = (
+        "import importlib.util, json, sys; out = {}\n"
+        f"for n in {names!r}:\n"
+        "    s = importlib.util.find_spec(n)\n"
+        "    out[n] = s.origin if s is not None else None\n"
+        "print(json.dumps(out))"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    import json
+
+    folders = [folder.resolve() for folder in MAPPED.values()]
+    for name, origin in json.loads(run.stdout).items():
+        ours = origin is not None and any(Path(origin).resolve().is_relative_to(f) for f in folders)
+        assert not ours, f"`import {name}` resolves to our folder: {origin}"
+
+
+def test_transformers_imports_from_the_repository_root():
+    """The failure `python -m pytest` hit: transformers' optional `kernels` import."""
+    code = "import transformers; from transformers import LlamaForCausalLM; print('ok')"
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
