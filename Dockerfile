@@ -9,6 +9,8 @@ FROM python:3.11-slim
 
 ARG TORCH_SPEC="torch>=2.5"
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu128
+# the UCX build for the same CUDA major version: cu12 with a cu12x torch, cu13 with cu13x
+ARG UCX_EXTRA=cu12
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -22,14 +24,18 @@ WORKDIR /opt/splitserve
 COPY pyproject.toml README.md ./
 COPY splitserve_pkg/ splitserve_pkg/
 COPY cli/ cli/
+COPY request/ request/
+COPY config/ config/
+COPY service/ service/
 COPY engine/ engine/
 COPY kernels/ kernels/
 COPY kvtransfer/ kvtransfer/
+COPY worker/ worker/
 COPY prefill_worker/ prefill_worker/
 COPY decode_worker/ decode_worker/
 COPY router/ router/
 COPY protos/ protos/
-RUN pip install . && splitserve --help > /dev/null
+RUN pip install ".[${UCX_EXTRA}]" && splitserve --help > /dev/null
 
 # 50051 router, 8000 router's OpenAI HTTP API, 50061 prefill gRPC, 50062 prefill KV (UCX), 50071 decode;
 # 94xx metrics

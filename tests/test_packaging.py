@@ -64,3 +64,27 @@ def test_transformers_imports_from_the_repository_root():
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+
+
+def test_the_image_copies_every_package_folder():
+    copied = {
+        line.split()[1].rstrip("/")
+        for line in (ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ")
+    }
+    folders = {
+        Path(folder).name for folder in SETUPTOOLS["package-dir"].values() if "/" not in folder
+    }
+    assert folders <= copied, f"the Dockerfile misses {sorted(folders - copied)}"
+
+
+def test_ucx_comes_from_an_extra_that_the_set_up_installs():
+    """The base dependencies pin no CUDA-specific UCX; cu12 / cu13 extras do, and the README's
+    two commands and .ci/run install one (cu12, which also runs on a CPU-only machine)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("ucxx")]
+    extras = project["optional-dependencies"]
+    assert extras["cu12"][0].startswith("ucxx-cu12") and extras["cu13"][0].startswith("ucxx-cu13")
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    assert "pip install -e '.[cu12]' && splitserve serve" in readme
+    assert "pip install -e '.[test,cu12]' &&" in readme and "-e '.[test,cu12]'" in ci
