@@ -3,8 +3,8 @@
 Single-threaded (the engine loop thread, or a test, calls it). One step:
 
     1. a still-unread step that needs host sampling is finished first (its tokens feed this one)
-    2. schedule: grow / preempt / admit; recompute (local prefill) the KV of admitted
-       sequences that have none (preempted ones, and requests whose KvHandle is empty);
+    2. schedule: grow / preempt / admit; recompute (local prefill, recompute.py) the KV of
+       admitted sequences that have none (preempted ones, and requests whose KvHandle is empty);
        a request that had no prefill at all (colocated: no first token) gets its whole prompt
        computed here and its first token sampled on the host, accepted like any other token,
        then runs its first decode step in this same step: prefill and decode in one loop
@@ -23,14 +23,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from splitserve.decode_worker.config import DecodeWorkerConfig, capture_sizes
 from splitserve.decode_worker.graph_runner import GraphRunner, StepHandle
 from splitserve.decode_worker.metrics import DecodeMetrics
+from splitserve.decode_worker.recompute import recompute_kv, sample_first_tokens
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
-from splitserve.engine.model_runner import ModelRunner, PrefillChunk
+from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, SeqSamplingInfo, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.detokenizer import IncrementalDetokenizer
@@ -197,53 +196,15 @@ class DecodeEngine:
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
 
     def _recompute(self, seqs: list[DecodeSequence]) -> None:
-        """Rebuilds the KV of `seqs` with local prefills, at most max_num_batched_tokens a call;
-        sequences without a first token then get it from their last prompt position's logits."""
+        """Rebuilds the KV of `seqs` (recompute.py); sequences without a first token then get it
+        sampled on the host and accepted like any token (stops, logprobs, stream)."""
         budget = self.cfg.engine.scheduler.max_num_batched_tokens
-        chunks: list[PrefillChunk] = []
-        lasts: list[tuple[int, DecodeSequence]] = []  # (chunk index, seq): a prompt's last chunk
-        firsts: list[DecodeSequence] = []
-        rows: list[torch.Tensor] = []
-
-        def run() -> None:
-            logits = self.runner.prefill(chunks)
-            for i, seq in lasts:
-                firsts.append(seq)
-                rows.append(logits[i])
-
-        used = 0
-        for seq in seqs:
-            tokens = seq.recompute_tokens()
-            (
-                self.metrics.prompt_tokens
-                if seq.needs_first_token
-                else self.metrics.recomputed_tokens
-            ).inc(len(tokens))
-            start = 0
-            while start < len(tokens):
-                take = min(len(tokens) - start, budget - used)
-                chunks.append(PrefillChunk(tokens[start : start + take], start, seq.block_ids))
-                start += take
-                used += take
-                if start == len(tokens) and seq.needs_first_token:
-                    lasts.append((len(chunks) - 1, seq))
-                if used == budget:
-                    run()
-                    chunks, lasts, used = [], [], 0
-        if chunks:
-            run()
+        firsts, logits = recompute_kv(self.runner, seqs, budget, self.metrics)
         if firsts:
-            self._sample_first(firsts, torch.stack(rows))
-
-    def _sample_first(self, seqs: list[DecodeSequence], logits: torch.Tensor) -> None:
-        """Colocated: out[0] of prompts computed here, sampled on the host as the prefill worker
-        does (step 0, same seed rule), then accepted like any token (stops, logprobs, stream)."""
-        out = self.sampler.sample(
-            logits, [SeqSamplingInfo(s.params, s.prompt_token_ids, []) for s in seqs]
-        )
-        now = time.monotonic()
-        for seq, tok, lp in zip(seqs, out.token_ids, out.logprobs):
-            self._accept(seq, tok, lp, now)
+            out = sample_first_tokens(self.sampler, firsts, logits)
+            now = time.monotonic()
+            for seq, tok, lp in zip(firsts, out.token_ids, out.logprobs):
+                self._accept(seq, tok, lp, now)
 
     def _complete(self, handle: StepHandle) -> None:
         tokens = self.graphs.read(handle)

@@ -20,7 +20,8 @@ import grpc
 
 from splitserve.decode_worker.config import DecodeFaults
 from splitserve.decode_worker.engine_loop import EngineLoop
-from splitserve.kvtransfer.client import KvTransferClient, KvTransferError
+from splitserve.kvtransfer.client import KvTransferClient
+from splitserve.kvtransfer.errors import KvTransferError
 from splitserve.protos import kv_pb2
 from splitserve.request.errors import RequestError
 

@@ -23,7 +23,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from splitserve.engine.tp_control import follower_process
+from splitserve.engine.tp_follower import follower_process
 from splitserve.kernels import ops
 from splitserve.kvtransfer.shards import head_overlap
 
@@ -84,7 +84,7 @@ def decode_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
     from splitserve.decode_worker.graph_runner import GraphRunner
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.parallel import destroy_tp
-    from splitserve.engine.tp_control import follow, join_as_follower
+    from splitserve.engine.tp_follower import follow, join_as_follower
 
     tp = join_as_follower(rank, size, init_method, cfg.engine)
     graphs = None

@@ -5,15 +5,15 @@ A handle with a tensor-parallel shard map is pulled shard by shard (shards.py: o
 concurrently, rank 0 last); each shard's heads land in their slice of the pool, or go to
 `install` (a tensor-parallel decode worker's rank 0 spreads them over its ranks).
 
-Every wait has a timeout; a failure raises `KvTransferError` with a reason label, and the
-endpoint involved is aborted instead of being returned to the pool (re-created next time).
+Every wait has a timeout; a failure raises `KvTransferError` (errors.py) with a reason label, and
+the endpoint involved is aborted instead of being returned to the pool (endpoint_pool.py;
+re-created next time).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -25,6 +25,8 @@ from splitserve.kvtransfer.buffers import TransferStream, ucx_view
 from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
+from splitserve.kvtransfer.endpoint_pool import EndpointPool
+from splitserve.kvtransfer.errors import KvTransferError
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.shards import ShardSource, shard_sources
 from splitserve.protos import kv_pb2
@@ -40,22 +42,6 @@ _STATUS_REASON = {
 }
 
 
-class KvTransferError(RuntimeError):
-    """A pull that did not deliver; `reason` labels the metric, `status` maps to gRPC."""
-
-    def __init__(
-        self,
-        reason: str,
-        message: str,
-        status: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
-        payload_started: bool = False,
-    ):
-        super().__init__(message)
-        self.reason = reason
-        self.status = status
-        self.payload_started = payload_started  # past the lease request: the lease may be consumed
-
-
 @dataclass(frozen=True)
 class PullStats:
     num_bytes: int
@@ -64,43 +50,6 @@ class PullStats:
     @property
     def gbps(self) -> float:
         return self.num_bytes / max(self.seconds, 1e-9) / 1e9
-
-
-class _EndpointPool:
-    def __init__(self, connect_timeout_s: float) -> None:
-        self.timeout = connect_timeout_s
-        self.idle: dict[tuple[str, int], list] = defaultdict(list)
-
-    async def acquire(self, host: str, port: int, fresh: bool = False):
-        """(endpoint, reused): an idle cached endpoint, else a new connection."""
-        idle = self.idle[(host, port)]
-        while idle and not fresh:
-            ep = idle.pop()
-            if not ep.closed:
-                return ep, True
-        import ucxx
-
-        try:
-            ep = await asyncio.wait_for(
-                ucxx.create_endpoint(host, port, connect_timeout=self.timeout), self.timeout + 1
-            )
-            return ep, False
-        except Exception as exc:  # timeout or refused: either way the peer is unreachable now
-            raise KvTransferError(
-                "connect",
-                f"cannot reach the prefill worker's UCX listener at "
-                f"{host}:{port}: {exc or type(exc).__name__}",
-            ) from exc
-
-    def release(self, host: str, port: int, ep) -> None:
-        if not ep.closed:
-            self.idle[(host, port)].append(ep)
-
-    def close(self) -> None:
-        for eps in self.idle.values():
-            for ep in eps:
-                ep.abort()
-        self.idle.clear()
 
 
 class KvTransferClient:
@@ -122,7 +71,7 @@ class KvTransferClient:
         self.head_range = head_range or (0, spec.num_kv_heads)
         self.install = install
         self.stream = TransferStream(kv_cache.device)
-        self.pool = _EndpointPool(config.connect_timeout_s)
+        self.pool = EndpointPool(config.connect_timeout_s)
 
     async def pull(self, handle: kv_pb2.KvHandle, dest_blocks: list[int]) -> PullStats:
         try:

@@ -7,8 +7,10 @@
            post-step: register full blocks,  ◀── first tokens ───┘
            grant leases, resolve futures
 
-Only the loop thread touches the allocator, so nothing is locked. A sequence aborted while
-its chunk is in the step thread is only marked; the post-step pass frees it (one step).
+The step's pieces (its inputs, the step thread's work, the post-step bookkeeping) live in
+prefill_step.py. Only the loop thread touches the allocator, so nothing is locked. A sequence
+aborted while its chunk is in the step thread is only marked; the post-step pass frees it (one
+step).
 """
 
 from __future__ import annotations
@@ -21,18 +23,23 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
-from splitserve.engine.sampler import SampleOutput, Sampler, SeqSamplingInfo
+from splitserve.engine.sampler import SampleOutput, Sampler
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.leases import Lease, LeaseTable
 from splitserve.prefill_worker.metrics import PrefillMetrics
+from splitserve.prefill_worker.prefill_step import (
+    finish_prefill,
+    register_full_blocks,
+    run_step,
+    step_inputs,
+)
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import PrefillScheduler, ScheduledChunk
 from splitserve.request.block_allocator import NULL_BLOCK, BlockAllocator
-from splitserve.request.block_hash import ROOT_HASH, block_hashes
+from splitserve.request.block_hash import block_hashes
 from splitserve.request.errors import RequestError
 from splitserve.request.sampling_params import SamplingParams
-from splitserve.request.stop_checker import StopChecker
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +91,8 @@ class PrefillEngine:
 
     def _warmup(self) -> None:
         bs = self.runner.block_size
-        self.runner.prefill(
-            [PrefillChunk([0] * bs, 0, [NULL_BLOCK])]
-        )  # the null block takes the scribbles
+        # the null block takes the scribbles
+        self.runner.prefill([PrefillChunk([0] * bs, 0, [NULL_BLOCK])])
         self.runner.zero_kv()
 
     async def stop(self) -> None:
@@ -140,9 +146,8 @@ class PrefillEngine:
             fut = seq.future
             if not (fut.done() and not fut.cancelled() and fut.exception() is None):
                 self._abort_seq(seq, None, "cancelled")
-            elif (
-                fut.result().lease is not None
-            ):  # finished just as the caller left: nobody will pull
+            elif fut.result().lease is not None:
+                # finished just as the caller left: nobody will pull
                 lease = self.leases.pop(fut.result().lease.lease_id)
                 if lease is not None:
                     self._drop_lease(lease)
@@ -189,12 +194,7 @@ class PrefillEngine:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.leases.seconds_to_next_expiry())
             return
-        chunks = [
-            PrefillChunk(c.seq.prompt[c.start : c.end], c.start, tuple(c.seq.block_table))
-            for c in batch
-        ]
-        rows = [i for i, c in enumerate(batch) if c.is_last]
-        infos = [SeqSamplingInfo(batch[i].seq.params, batch[i].seq.prompt, ()) for i in rows]
+        chunks, rows, infos = step_inputs(batch)
         self._in_step = {c.seq for c in batch}
         delay = (
             self.cfg.faults.slow_last_chunk([batch[i].seq.request_id for i in rows])
@@ -204,7 +204,7 @@ class PrefillEngine:
         start, loop = time.perf_counter(), asyncio.get_running_loop()
         try:
             sampled = await loop.run_in_executor(
-                self._executor, self._step, chunks, rows, infos, delay
+                self._executor, run_step, self.runner, self.sampler, chunks, rows, infos, delay
             )
         finally:
             self._in_step = set()
@@ -212,20 +212,6 @@ class PrefillEngine:
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.batch_tokens.observe(sum(c.end - c.start for c in batch))
         self._after_step(batch, sampled)
-
-    def _step(
-        self,
-        chunks: list[PrefillChunk],
-        rows: list[int],
-        infos: list[SeqSamplingInfo],
-        delay_s: float = 0.0,
-    ) -> SampleOutput | None:
-        """Runs in the step thread: the model, then the first tokens of the prompts it finished
-        (after `delay_s`: the faults config's slow last chunk, tests only)."""
-        if delay_s:
-            time.sleep(delay_s)
-        logits = self.runner.prefill(chunks)
-        return self.sampler.sample(logits[rows], infos) if rows else None
 
     def _after_step(self, batch: list[ScheduledChunk], sampled: SampleOutput | None) -> None:
         firsts = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled else iter(())
@@ -236,55 +222,13 @@ class PrefillEngine:
                 self._abort_seq(seq, None, "cancelled")
                 continue
             seq.num_computed = c.end
-            self._register_blocks(seq)
-            if first is not None:
-                self._complete(seq, *first)
+            register_full_blocks(self.cache, seq, self.runner.block_size)
+            if first is not None:  # the prompt is done: a lease (or its blocks freed), the result
+                self.scheduler.remove(seq)
+                finish_prefill(
+                    seq, *first, self.eos, self.max_model_len, self.cache, self.leases, self.metrics
+                )
         self._update_gauges()
-
-    def _register_blocks(self, seq: PrefillSeq) -> None:
-        bs = self.runner.block_size
-        full = seq.num_computed // bs
-        for i in range(seq.num_registered, full):
-            parent = seq.block_hashes[i - 1] if i else ROOT_HASH
-            self.cache.register(
-                seq.block_table[i], seq.block_hashes[i], parent, seq.prompt[i * bs : (i + 1) * bs]
-            )
-        seq.num_registered = max(seq.num_registered, full)
-
-    def _complete(self, seq: PrefillSeq, token_id: int, logprob) -> None:
-        self.scheduler.remove(seq)
-        stop = StopChecker(seq.params, self.eos, self.max_model_len, len(seq.prompt)).update(
-            token_id, ""
-        )
-        table, seq.block_table = seq.block_table, []
-        if stop.finish_reason is not None:
-            self.cache.free(table)
-            lease = None
-        else:
-            lease = self.leases.grant(
-                seq.request_id, tuple(table), len(seq.prompt), seq.lease_ttl_s
-            )
-        m = self.metrics
-        now = time.perf_counter()
-        admitted = seq.admitted_at or now
-        m.ttft_seconds.observe(now - seq.arrival)
-        m.queue_seconds.observe(admitted - seq.arrival)
-        m.count_prompt(len(seq.prompt), seq.num_cached)
-        m.requests.labels("finished" if lease is None else "leased").inc()
-        seq.future.set_result(
-            PrefillResult(
-                seq.request_id,
-                token_id,
-                logprob,
-                stop.finish_reason,
-                stop.stop_reason,
-                len(seq.prompt),
-                seq.num_cached,
-                lease,
-                queue_time_s=admitted - seq.arrival,
-                compute_time_s=now - admitted,
-            )
-        )
 
     # ---- freeing -------------------------------------------------------------------------------
     def _abort_seq(self, seq: PrefillSeq, error: RequestError | None, outcome: str) -> None:

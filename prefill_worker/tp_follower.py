@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from splitserve.engine.tp_control import follower_process
+from splitserve.engine.tp_follower import follower_process
 from splitserve.kvtransfer.server import LeaseLookupError
 from splitserve.prefill_worker.leases import Lease, LeaseTable
 from splitserve.protos import kv_pb2
@@ -151,7 +151,7 @@ def prefill_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
     """Entry of follower rank `rank` of a prefill worker (`cfg`: its PrefillWorkerConfig)."""
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.parallel import destroy_tp
-    from splitserve.engine.tp_control import join_as_follower
+    from splitserve.engine.tp_follower import join_as_follower
 
     tp = join_as_follower(rank, size, init_method, cfg.engine)
     try:
@@ -161,7 +161,7 @@ def prefill_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
 
 
 async def _serve(tp, runner, cfg) -> None:
-    from splitserve.engine.tp_control import follow
+    from splitserve.engine.tp_follower import follow
     from splitserve.kvtransfer.descriptor import PoolSpec
     from splitserve.kvtransfer.server import KvTransferServer
 

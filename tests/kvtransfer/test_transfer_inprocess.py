@@ -10,9 +10,10 @@ import grpc
 import pytest
 import torch
 
-from splitserve.kvtransfer.client import KvTransferClient, KvTransferError
+from splitserve.kvtransfer.client import KvTransferClient
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
+from splitserve.kvtransfer.errors import KvTransferError
 from splitserve.kvtransfer.server import KvTransferServer, LeaseLookupError, TransferFaults
 from splitserve.protos import kv_pb2
 

@@ -1,0 +1,107 @@
+"""One prefill step's pieces, around the engine loop (engine.py) that schedules and awaits it.
+
+step_inputs(batch)      loop thread: the scheduled chunks as model input + rows to sample
+run_step(...)           step thread: the model, then the first tokens of finished prompts
+register_full_blocks    loop thread, after the step: newly full blocks into the prefix cache
+finish_prefill          loop thread: a finished prompt's lease (or freed blocks), metrics,
+                        its future resolved with the PrefillResult
+"""
+
+from __future__ import annotations
+
+import time
+
+from splitserve.engine.model_runner import ModelRunner, PrefillChunk
+from splitserve.engine.sampler import SampleOutput, Sampler, SeqSamplingInfo
+from splitserve.prefill_worker.leases import LeaseTable
+from splitserve.prefill_worker.metrics import PrefillMetrics
+from splitserve.prefill_worker.prefix_cache import PrefixCache
+from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
+from splitserve.prefill_worker.scheduler import ScheduledChunk
+from splitserve.request.block_hash import ROOT_HASH
+from splitserve.request.stop_checker import StopChecker
+
+
+def step_inputs(
+    batch: list[ScheduledChunk],
+) -> tuple[list[PrefillChunk], list[int], list[SeqSamplingInfo]]:
+    """(chunks, rows, infos): one PrefillChunk per scheduled chunk; the rows (chunk indices) that
+    end a prompt, whose logits give its first token; their sampling infos."""
+    chunks = [
+        PrefillChunk(c.seq.prompt[c.start : c.end], c.start, tuple(c.seq.block_table))
+        for c in batch
+    ]
+    rows = [i for i, c in enumerate(batch) if c.is_last]
+    infos = [SeqSamplingInfo(batch[i].seq.params, batch[i].seq.prompt, ()) for i in rows]
+    return chunks, rows, infos
+
+
+def run_step(
+    runner: ModelRunner,
+    sampler: Sampler,
+    chunks: list[PrefillChunk],
+    rows: list[int],
+    infos: list[SeqSamplingInfo],
+    delay_s: float = 0.0,
+) -> SampleOutput | None:
+    """Runs in the step thread: the model, then the first tokens of the prompts it finished
+    (after `delay_s`: the faults config's slow last chunk, tests only)."""
+    if delay_s:
+        time.sleep(delay_s)
+    logits = runner.prefill(chunks)
+    return sampler.sample(logits[rows], infos) if rows else None
+
+
+def register_full_blocks(cache: PrefixCache, seq: PrefillSeq, block_size: int) -> None:
+    """Publishes `seq`'s computed full blocks not yet in the prefix cache (each once)."""
+    bs = block_size
+    full = seq.num_computed // bs
+    for i in range(seq.num_registered, full):
+        parent = seq.block_hashes[i - 1] if i else ROOT_HASH
+        cache.register(
+            seq.block_table[i], seq.block_hashes[i], parent, seq.prompt[i * bs : (i + 1) * bs]
+        )
+    seq.num_registered = max(seq.num_registered, full)
+
+
+def finish_prefill(
+    seq: PrefillSeq,
+    token_id: int,
+    logprob,
+    eos: tuple[int, ...],
+    max_model_len: int,
+    cache: PrefixCache,
+    leases: LeaseTable,
+    metrics: PrefillMetrics,
+) -> None:
+    """`seq`'s prompt is computed and `token_id` is its first token (`seq` already left the
+    scheduler): its blocks become a lease, or are freed when that token already ends the request;
+    the metrics are counted and `seq.future` gets the PrefillResult."""
+    stop = StopChecker(seq.params, eos, max_model_len, len(seq.prompt)).update(token_id, "")
+    table, seq.block_table = seq.block_table, []
+    if stop.finish_reason is not None:
+        cache.free(table)
+        lease = None
+    else:
+        lease = leases.grant(seq.request_id, tuple(table), len(seq.prompt), seq.lease_ttl_s)
+    m = metrics
+    now = time.perf_counter()
+    admitted = seq.admitted_at or now
+    m.ttft_seconds.observe(now - seq.arrival)
+    m.queue_seconds.observe(admitted - seq.arrival)
+    m.count_prompt(len(seq.prompt), seq.num_cached)
+    m.requests.labels("finished" if lease is None else "leased").inc()
+    seq.future.set_result(
+        PrefillResult(
+            seq.request_id,
+            token_id,
+            logprob,
+            stop.finish_reason,
+            stop.stop_reason,
+            len(seq.prompt),
+            seq.num_cached,
+            lease,
+            queue_time_s=admitted - seq.arrival,
+            compute_time_s=now - admitted,
+        )
+    )
