@@ -103,34 +103,31 @@ class RouterMetrics:
             ["route", "status"],
             registry=r,
         )
+        # by role and reason, not address: the series outlive a removed worker (pod churn must
+        # not grow them, and "removed" must stay visible); per-worker health is worker_healthy
         self.worker_evictions = Counter(
             "splitserve_router_worker_evictions",
-            "healthy -> evicted transitions, by reason (EVICTION_REASONS)",
-            ["role", "address", "reason"],
+            "healthy -> evicted transitions and removals of workers, by reason (EVICTION_REASONS)",
+            ["role", "reason"],
             registry=r,
         )
 
-    def evictions_of(self, role: str, address: str) -> dict[str, int]:
-        """reason -> evictions of one worker (the reasons seen so far)."""
+    def evictions(self, role: str) -> dict[str, int]:
+        """reason -> evictions of `role` workers so far (reasons never seen left out)."""
         out = {}
         for metric in self.worker_evictions.collect():
             for sample in metric.samples:
-                labels = sample.labels
-                if sample.name.endswith("_total") and (labels["role"], labels["address"]) == (
-                    role,
-                    address,
+                if (
+                    sample.name.endswith("_total")
+                    and sample.labels["role"] == role
+                    and sample.value
                 ):
-                    out[labels["reason"]] = int(sample.value)
+                    out[sample.labels["reason"]] = int(sample.value)
         return out
 
     def forget_worker(self, role: str, address: str) -> None:
         for metric in (self.worker_healthy, self.worker_queue, self.worker_free_blocks):
             try:
                 metric.remove(role, address)
-            except KeyError:
-                pass
-        for reason in EVICTION_REASONS:
-            try:
-                self.worker_evictions.remove(role, address, reason)
             except KeyError:
                 pass

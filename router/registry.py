@@ -268,7 +268,8 @@ class WorkerRegistry:
                     log.warning(
                         "%s worker %s silent for %.0fs: removed", w.role_name, w.address, silent
                     )
-                    self._set_healthy(w, False, "removed", "removed")
+                    self.metrics.worker_evictions.labels(w.role_name, "removed").inc()
+                    self._set_healthy(w, False, "removed", "removed", count=False)
                     if self._workers.get(w.address) is w:
                         del self._workers[w.address]
                     await self._drop(w)
@@ -356,7 +357,9 @@ class WorkerRegistry:
             log.warning("%s worker %s kept out of rotation: %s", w.role_name, w.address, message)
         return message
 
-    def _set_healthy(self, w: Worker, healthy: bool, why: str, reason: str = "") -> None:
+    def _set_healthy(
+        self, w: Worker, healthy: bool, why: str, reason: str = "", count: bool = True
+    ) -> None:
         w.why = "" if healthy else why
         if healthy == w.healthy:
             return
@@ -366,9 +369,8 @@ class WorkerRegistry:
         if healthy:
             log.info("%s worker %s is healthy: receiving requests", w.role_name, w.address)
         else:
-            self.metrics.worker_evictions.labels(
-                w.role_name, w.address, reason or "probe_error"
-            ).inc()
+            if count:
+                self.metrics.worker_evictions.labels(w.role_name, reason or "probe_error").inc()
             log.warning("%s worker %s evicted: %s", w.role_name, w.address, why)
         if self._on_change is not None:
             self._on_change()

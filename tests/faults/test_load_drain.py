@@ -110,10 +110,10 @@ def test_sigterm_drain_finishes_in_flight_streams(cluster, oracle, procs):
             code = await asyncio.to_thread(draining.proc.wait, grace_s)
             exited_s = time.monotonic() - termed
             await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
-            return streams, codes, code, exited_s, in_flight, why
+            return streams, codes, code, exited_s, in_flight, why, r.metrics.evictions("decode")
 
-    streams, codes, code, exited_s, in_flight, why = asyncio.run(body())
-    assert why == "health is NOT_SERVING", why
+    streams, codes, code, exited_s, in_flight, why, evictions = asyncio.run(body())
+    assert why == "health is NOT_SERVING" and evictions == {"not_serving": 1}, (why, evictions)
     want = oracle(PROMPT, SamplingParams(temperature=0, max_tokens=249, ignore_eos=True)).token_ids
     assert codes == [grpc.StatusCode.OK] * 3 and all(t.tokens == want for t in streams)
     assert code == 0 and exited_s < grace_s

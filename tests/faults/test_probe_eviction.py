@@ -51,12 +51,12 @@ def test_slow_probes_do_not_evict_a_live_worker_but_a_wedged_or_dead_one_goes(
             await _max_slow_probes(w, lambda: w.slow_probes >= 1)
             os.kill(decode.proc.pid, signal.SIGCONT)
             slow_seen = await _max_slow_probes(w, lambda: w.slow_probes == 0 and w.probe_ok)
-            first = dict(r.metrics.evictions_of("decode", decode.address))
+            first = dict(r.metrics.evictions("decode"))
             stayed = w.healthy
             # 2. wedged for good: evicted after three slow probes in a row, back once it answers
             os.kill(decode.proc.pid, signal.SIGSTOP)
             wedged_runs = await _max_slow_probes(w, lambda: not w.healthy)
-            wedged = dict(r.metrics.evictions_of("decode", decode.address))
+            wedged = dict(r.metrics.evictions("decode"))
             os.kill(decode.proc.pid, signal.SIGCONT)
             await wait_until(lambda: w.healthy, 30, "the resumed worker back in rotation")
             # 3. killed: the next probe is refused, evicted at once
@@ -64,7 +64,7 @@ def test_slow_probes_do_not_evict_a_live_worker_but_a_wedged_or_dead_one_goes(
             t0 = time.monotonic()
             await wait_until(lambda: not w.healthy, 10, "the killed worker evicted")
             killed_s = time.monotonic() - t0
-            dead = dict(r.metrics.evictions_of("decode", decode.address))
+            dead = dict(r.metrics.evictions("decode"))
         return slow_seen, first, stayed, wedged_runs, wedged, killed_s, dead
 
     slow_seen, first, stayed, wedged_runs, wedged, killed_s, dead = asyncio.run(body())

@@ -179,7 +179,7 @@ def test_decode_killed_mid_stream_is_unavailable_and_evicted(cluster, oracle, pr
             evicted = not r.registry.get(doomed.address).healthy
             after = [await ledger.run(stub, PROMPT, greedy(8, ignore_eos=True)) for _ in range(3)]
             await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
-            return t, evicted, after, r.metrics.evictions_of("decode", doomed.address)
+            return t, evicted, after, r.metrics.evictions("decode")
 
     t, evicted, after, evictions = asyncio.run(body())
     assert f"failed after {len(t.tokens)} tokens were streamed" in t.details
@@ -208,7 +208,7 @@ def test_decode_refused_before_its_first_chunk_is_retried_elsewhere(cluster, ora
             done = [
                 await ledger.run(stub, PROMPT, greedy(8, ignore_eos=True)) for _ in range(2)
             ]  # round robin
-            evictions = r.metrics.evictions_of("decode", gone.address)
+            evictions = r.metrics.evictions("decode")
             await finish_case(ledger, stub, oracle, [cluster.prefill], [cluster.decode], r)
             return done, evictions
 

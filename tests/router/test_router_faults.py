@@ -126,7 +126,7 @@ def test_killed_prefill_worker_is_evicted_and_returns_when_healthy(
             )
             back = [await generate(stub, ids_request(p, greedy(6))) for p in PROMPTS[:2]]
             load = await worker_load(again.address, "prefill")
-            evictions = r.metrics.evictions_of("prefill", again.address)
+            evictions = r.metrics.evictions("prefill")
             await assert_workers_free([cluster.prefill, again.address], [cluster.decode])
             return served, retries, back, load, evictions
 

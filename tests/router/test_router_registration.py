@@ -65,6 +65,31 @@ def test_registered_worker_serves_is_evicted_without_heartbeats_and_returns(clus
     ]
 
 
+def test_a_silent_worker_is_evicted_then_removed_and_both_are_counted(cluster):
+    cfg = router_config(
+        cluster.model,
+        [cluster.prefill],
+        [],
+        registry={"heartbeat_interval_s": 0.1, "heartbeat_timeout_s": 0.5, "forget_after_s": 1.0},
+    )
+
+    async def body():
+        async with running_router(cfg, ready=False) as (r, _):
+            stop = asyncio.Event()
+            beat = asyncio.create_task(keep_registered(r.address, "decode", cluster.decode, stop))
+            await wait_until(lambda: r.ready, 10, "registered decode worker healthy")
+            stop.set()
+            await beat
+            await wait_until(
+                lambda: r.registry.get(cluster.decode) is None, 20, "silent worker removed"
+            )
+            return r.metrics.evictions("decode")
+
+    # evicted for the silence first, then removed: each reason counted, and still visible after
+    # the worker's own series went with it
+    assert asyncio.run(body()) == {"heartbeat_silence": 1, "removed": 1}
+
+
 def test_bad_registrations_are_refused_and_unknown_heartbeats_say_so(cluster, tiny_llama):
     cfg = router_config(tiny_llama, ["127.0.0.1:1"], [])
 

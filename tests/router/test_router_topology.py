@@ -182,7 +182,7 @@ def test_killed_decode_worker_is_evicted_and_later_requests_succeed(topology, or
                 *(generate(stub, _request(p, i)) for i, p in enumerate(PROMPTS[:4]))
             )
             after = await asyncio.to_thread(survivor.counter, "splitserve_decode_requests_finished")
-            evictions = r.metrics.evictions_of("decode", doomed.address)
+            evictions = r.metrics.evictions("decode")
             healthy = {w.address: w.healthy for w in r.registry.workers()}
             await assert_workers_free([w.address for w in topology.prefill], [survivor.address])
         return results, after - before, evictions, healthy
