@@ -108,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drain-grace-s",
         type=float,
         default=10.0,
-        help="seconds in-flight streams get to finish at shutdown, per stage (default 10)",
+        help="seconds in-flight calls get to finish at shutdown, per stage (default 10, shorter "
+        "than a service's own 30 s: a local Ctrl-C should not wait long)",
     )
     p.add_argument(
         "--prompt", help="answer this prompt once everything is healthy, print it, shut down"

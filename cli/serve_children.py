@@ -53,7 +53,7 @@ def build(
         launcher.add(
             f"prefill-{i}",
             "prefill-worker",
-            [*engine, *prefill_at[i], *metrics()],
+            [*engine, *prefill_at[i], *grace, *metrics()],
             SERVICES["prefill-worker"],
             host=args.host,
         )

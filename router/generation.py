@@ -7,7 +7,8 @@
         │ finished already (eos, stop token, stop string, max_tokens)? release the lease, done
     choose decode worker (same model compat hash) ──Decode(timeout = time left)──▶ token chunks
         │ UNAVAILABLE before its first chunk: evict it, retry once on another decode worker
-        │ first decode chunk: the KV is pulled; release the lease (safety net, idempotent)
+        │ first decode chunk: the KV was pulled (the pull released the lease), or kv_recomputed:
+        │ release the lease (routing.release_lease_after_decode: always, as a safety net)
         │ failure after tokens were sent: UNAVAILABLE, never a silent replay
     last chunk: finish reason, usage
 

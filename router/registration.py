@@ -6,7 +6,7 @@ is refused at once (FAILED_PRECONDITION naming --advertise-host): the sidecar ex
     python -m splitserve.router.registration --router ROUTER:50051 --role prefill --worker HOST:50061
 
 runs it as a sidecar next to a worker (a worker process itself must not import the router
-package, DESIGN "imports run one way"); `keep_registered(...)` is the same loop as a
+package: docs/architecture.md, the import contracts); `keep_registered(...)` is the same loop as a
 coroutine, e.g. for tests or a launcher script.
 """
 

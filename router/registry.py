@@ -17,6 +17,9 @@ probed. A request that sees UNAVAILABLE from a worker reports it (`report_failur
 evicts the worker at once instead of at the next probe. A RegisterWorker whose address the
 router cannot dial is refused (register_checked); a prefill worker whose advertised KV
 listener it cannot reach stays out of rotation (registry.verify_addresses, reachability.py).
+
+This module holds membership, choosing and the watch loop that turns probes into health; one
+probe is probing.py, the Worker record and the role constants are worker_state.py.
 """
 
 from __future__ import annotations
@@ -26,64 +29,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
-from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.request.errors import RequestError
 from splitserve.router.config import RouterConfig, check_address
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.policies import Policy, WorkerView
-from splitserve.router.reachability import check_reachable, kv_unreachable_message, tcp_unreachable
+from splitserve.router.policies import Policy
+from splitserve.router.probing import probe_worker
+from splitserve.router.reachability import check_reachable
+from splitserve.router.worker_state import DECODE, PREFILL, ROLE_NAME, SERVICE, STUB, Worker
 from splitserve.service.grpc_service import channel_options
 
 log = logging.getLogger(__name__)
-
-PREFILL = generate_pb2.WORKER_ROLE_PREFILL
-DECODE = generate_pb2.WORKER_ROLE_DECODE
-ROLE_NAME = {PREFILL: "prefill", DECODE: "decode"}
-SERVICE = {PREFILL: "splitserve.v1.PrefillWorker", DECODE: "splitserve.v1.DecodeWorker"}
-_STUB = {PREFILL: worker_pb2_grpc.PrefillWorkerStub, DECODE: worker_pb2_grpc.DecodeWorkerStub}
-
-
-@dataclass(eq=False)
-class Worker:
-    role: int
-    address: str
-    static: bool
-    channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
-    health: health_pb2_grpc.HealthStub
-    healthy: bool = False
-    probe_ok: bool = False
-    why: str = "not probed yet"  # why it is unhealthy
-    slow_probes: int = 0  # timed-out probes in a row
-    load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
-    prefix_hashes: frozenset[int] = frozenset()
-    in_flight: int = 0
-    last_heartbeat: float = 0.0
-    task: asyncio.Task | None = None
-    kv_verified: tuple[str, int] | None = None  # the advertised KV listener the router reached
-    kv_warned: tuple[str, int] | None = None  # ... or last failed to reach (logged once)
-
-    @property
-    def role_name(self) -> str:
-        return ROLE_NAME[self.role]
-
-    def view(self) -> WorkerView:
-        ld = self.load
-        return WorkerView(
-            self.address,
-            ld.num_running,
-            ld.num_waiting,
-            ld.free_blocks,
-            ld.total_blocks,
-            ld.block_size,
-            self.prefix_hashes,
-            self.in_flight,
-        )
 
 
 class WorkerRegistry:
@@ -126,7 +85,7 @@ class WorkerRegistry:
             address,
             static,
             channel,
-            _STUB[role](channel),
+            STUB[role](channel),
             health_pb2_grpc.HealthStub(channel),
             last_heartbeat=self._clock(),
         )
@@ -294,68 +253,8 @@ class WorkerRegistry:
             await asyncio.sleep(self.rc.poll_interval_s)
 
     async def probe(self, w: Worker) -> tuple[bool, str, str]:
-        """One health Check + GetLoad; (ok, why not, eviction reason: metrics.EVICTION_REASONS)."""
-        t = self.rc.probe_timeout_s
-        n = self._prefix_hashes if w.role == PREFILL else 0
-        try:
-            health, load = await asyncio.gather(
-                w.health.Check(health_pb2.HealthCheckRequest(service=SERVICE[w.role]), timeout=t),
-                w.stub.GetLoad(worker_pb2.GetLoadRequest(max_prefix_hashes=n), timeout=t),
-            )
-        except grpc.aio.AioRpcError as err:
-            code = err.code()
-            reason = {
-                grpc.StatusCode.DEADLINE_EXCEEDED: "probe_timeout",
-                grpc.StatusCode.UNAVAILABLE: "refused",
-            }.get(code, "probe_error")
-            return False, f"probe failed: {code.name} ({err.details()})", reason
-        except Exception as exc:  # noqa: BLE001 - a probe must never end the watch loop
-            log.debug("probe of %s failed", w.address, exc_info=exc)
-            return False, f"probe failed: {type(exc).__name__}: {exc}", "probe_error"
-        if health.status != health_pb2.HealthCheckResponse.SERVING:
-            return (
-                False,
-                f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}",
-                "not_serving",
-            )
-        if load.role != w.role:
-            return (
-                False,
-                (
-                    f"it answers as a {ROLE_NAME.get(load.role, 'unknown')} worker, not {w.role_name}; "
-                    "fix the router's worker lists"
-                ),
-                "wrong_role",
-            )
-        if (
-            w.role == PREFILL
-            and self.rc.verify_addresses
-            and (why := await self._kv_unreachable(w, load))
-        ):
-            return False, why, "kv_unreachable"
-        w.load = load
-        w.prefix_hashes = frozenset(load.prefix_cache.block_hashes)
-        self.metrics.worker_queue.labels(w.role_name, w.address).set(
-            load.num_running + load.num_waiting
-        )
-        self.metrics.worker_free_blocks.labels(w.role_name, w.address).set(load.free_blocks)
-        return True, "", ""
-
-    async def _kv_unreachable(self, w: Worker, load: worker_pb2.WorkerLoad) -> str:
-        """Why the prefill worker's advertised KV listener cannot be reached ('' when it can, or
-        is not up yet); dialed until reached once, again only when the address changes."""
-        kv = (load.kv_address.host, load.kv_address.port)
-        if not kv[1] or kv == w.kv_verified:
-            return ""
-        why = await tcp_unreachable(*kv, self.rc.probe_timeout_s)
-        if not why:
-            w.kv_verified = kv
-            return ""
-        message = kv_unreachable_message(w.address, f"{kv[0]}:{kv[1]}", why)
-        if w.kv_warned != kv:
-            w.kv_warned = kv
-            log.warning("%s worker %s kept out of rotation: %s", w.role_name, w.address, message)
-        return message
+        """One health Check + GetLoad (probing.py); (ok, why not, eviction reason)."""
+        return await probe_worker(w, self.rc, self.metrics, self._prefix_hashes)
 
     def _set_healthy(
         self, w: Worker, healthy: bool, why: str, reason: str = "", count: bool = True

@@ -22,7 +22,8 @@ from splitserve.router.context import RouterContext
 from splitserve.router.frontend import Frontend
 from splitserve.router.intake import ModelInfo
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.registry import DECODE, PREFILL, WorkerRegistry
+from splitserve.router.registry import WorkerRegistry
+from splitserve.router.worker_state import DECODE, PREFILL
 from splitserve.router.servicer import GenerateServicer, RouterControlServicer
 from splitserve.service.grpc_service import (
     NOT_SERVING,
