@@ -33,7 +33,11 @@ def test_corrupted_transfer_is_detected_and_never_served(cluster, oracle, procs,
 
     def counts() -> tuple[float, float]:
         return (
-            metric(dm, "splitserve_kv_transfer_failures_total", reason=reason),
+            # any reason: a truncated last message is caught by the checksum, or (seen once
+            # on a loaded 2-core machine) fails the receive itself; either way it is discarded
+            metric(dm, "splitserve_kv_transfer_failures_total")
+            if fault == "truncate_payload"
+            else metric(dm, "splitserve_kv_transfer_failures_total", reason=reason),
             metric(dm, "splitserve_kv_transfer_bytes_total", direction="received"),
         )
 
