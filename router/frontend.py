@@ -23,7 +23,8 @@ import grpc
 from splitserve.protos import generate_pb2
 from splitserve.request.errors import RequestError
 from splitserve.router.context import RouterContext
-from splitserve.router.generation import Generation, LiveRequest
+from splitserve.router.generation import Generation
+from splitserve.router.generation_base import LiveRequest
 from splitserve.router.intake import prepare
 
 log = logging.getLogger(__name__)

@@ -1,117 +1,32 @@
-"""The OpenAI-compatible HTTP API of the router (aiohttp), on the router's own event loop.
-
-    POST /v1/completions        prompt text or token ids  ─┐ openai_protocol.py: body -> GenerateRequest
-    POST /v1/chat/completions   messages -> chat_template ─┤ Frontend.generate: the gRPC Generate path
-                                                           │   (validation, routing, retries, metrics)
-                                 chunks -> SSE or one JSON ◀┘ openai_response.py
-    GET  /v1/models[/{id}]      the served model (id, max_model_len, vocab_size)
-    GET  /health                200 while >= 1 healthy prefill and >= 1 healthy decode worker, else 503
-    GET  /metrics               the router's Prometheus registry (the one the gRPC side exports)
+"""The OpenAI-compatible HTTP API of the router (aiohttp), on the router's own event loop:
+listening, draining, and what every request goes through. The routes are http_routes.py.
 
 Errors are OpenAI's {"error": {message, type, param, code}}, the status mapped from the gRPC
-code (400, 404 unknown model, 409, 429, 503, 504). A stream sends its headers with the first
-chunk, so a request refused before any token gets a real HTTP status; a failure after that is an
-error event, then `data: [DONE]`. A client that disconnects cancels its handler (aiohttp's
-handler_cancellation), which cancels the worker calls exactly like a gRPC client cancel.
-Draining (router stop, SIGTERM) stops listening, gives in-flight requests the grace period, then
-cancels them.
+code (400, 404 unknown model, 409, 429, 503, 504); aiohttp's own refusals (no such route, wrong
+method, body too large) and unexpected exceptions get the same shape here. A stream sends its
+headers with the first chunk, so a request refused before any token gets a real HTTP status; a
+failure after that is an error event, then `data: [DONE]` (http_sinks.py). A client that
+disconnects cancels its handler (aiohttp's handler_cancellation), which cancels the worker calls
+exactly like a gRPC client cancel. Draining (router stop, SIGTERM) stops listening, answers new
+requests 503 (but /health and /metrics), gives in-flight requests the grace period, then cancels
+them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
-import uuid
 from collections.abc import Callable
-from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from splitserve.protos import generate_pb2
-from splitserve.request.errors import RequestError
-from splitserve.router.chat_template import chat_prompt_ids
 from splitserve.router.context import RouterContext
 from splitserve.router.frontend import Frontend
-from splitserve.router.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    error_from_request_error,
-    parse,
-)
-from splitserve.router.openai_response import ResponseBuilder
-from splitserve.router.registry import DECODE, PREFILL
+from splitserve.router.http_routes import OpenAIRoutes
+from splitserve.router.openai_errors import OpenAIError
 from splitserve.service.net import local_dial_host
 
 log = logging.getLogger(__name__)
-
-
-def _dumps(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-class _Collect:
-    """Sink of a non-streamed request: keeps the chunks."""
-
-    def __init__(self) -> None:
-        self.chunks: list[generate_pb2.GenerateResponse] = []
-
-    async def write(self, chunk: generate_pb2.GenerateResponse) -> None:
-        self.chunks.append(chunk)
-
-    def time_remaining(self) -> float | None:
-        return None
-
-
-class _EventStream:
-    """Sink of a streamed request: server-sent events, headers sent with the first chunk."""
-
-    def __init__(self, request: web.Request, builder: ResponseBuilder) -> None:
-        self.request = request
-        self.builder = builder
-        self.resp: web.StreamResponse | None = None
-        self.usage: generate_pb2.Usage | None = None
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    async def send(self, body: dict[str, Any]) -> None:
-        await self.resp.write(b"data: " + _dumps(body) + b"\n\n")
-
-    async def start(self) -> None:
-        self.resp = web.StreamResponse(
-            headers={
-                "Content-Type": "text/event-stream",
-                "Cache-Control": "no-cache",
-                "X-Request-Id": self.builder.id,
-            }
-        )
-        await self.resp.prepare(self.request)
-        if self.builder.kind == "chat":
-            await self.send(self.builder.role_chunk())
-
-    async def write(self, chunk: generate_pb2.GenerateResponse) -> None:
-        if self.resp is None:
-            await self.start()
-        if chunk.finish_reason:
-            self.usage = chunk.usage
-        body = self.builder.stream_chunk(chunk)
-        if body is not None:
-            await self.send(body)
-
-    async def close(self, error: OpenAIError | None = None) -> web.StreamResponse:
-        if self.resp is None:
-            await self.start()
-        if error is not None:
-            await self.send(error.body())
-        elif self.builder.include_usage and self.usage is not None:
-            await self.send(self.builder.usage_chunk(self.usage))
-        await self.resp.write(b"data: [DONE]\n\n")
-        await self.resp.write_eof()
-        return self.resp
 
 
 class OpenAIServer:
@@ -122,16 +37,11 @@ class OpenAIServer:
         cfg = ctx.cfg
         self.host = cfg.http.host or cfg.server.host
         self.port: int | None = None
-        self.created = int(time.time())
         self.app = web.Application(
             client_max_size=4 * cfg.max_request_bytes, middlewares=[self._middleware]
         )
-        self.app.router.add_post("/v1/completions", self.completions)
-        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
-        self.app.router.add_get("/v1/models", self.models)
-        self.app.router.add_get("/v1/models/{model_id:.+}", self.model)
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/metrics", self.metrics)
+        self.routes = OpenAIRoutes(ctx, frontend, lambda: self.ready() and not self._draining)
+        self.routes.add_to(self.app.router)
         self._runner: web.AppRunner | None = None
         self._handlers: set[asyncio.Task] = set()
         self._draining = False
@@ -219,127 +129,3 @@ class OpenAIServer:
         finally:
             self._handlers.discard(task)
             self.ctx.metrics.http_requests.labels(route, str(status)).inc()
-
-    async def _body(self, request: web.Request) -> Any:
-        raw = await request.read()
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise OpenAIError.bad(None, f"the request body is not valid JSON ({exc})") from None
-
-    def _check_model(self, name: str | None) -> None:
-        served = self.ctx.model.name
-        if name is not None and name != served:
-            raise OpenAIError(
-                404,
-                f"The model `{name}` does not exist; this server serves `{served}` "
-                "(GET /v1/models)",
-                "model",
-                "model_not_found",
-            )
-
-    @staticmethod
-    def _request_id(request: web.Request, prefix: str) -> str:
-        return request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
-
-    # ---- generation ------------------------------------------------------------------------------
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse(CompletionRequest, await self._body(request))
-        self._check_model(req.model)
-        rid = self._request_id(request, "cmpl")
-        builder = ResponseBuilder(
-            "completion",
-            rid,
-            self.ctx.model.name,
-            self.ctx.model.tokenizer,
-            req.logprobs is not None,
-            req.include_usage,
-        )
-        return await self._generate(
-            request, req.to_generate(rid), builder, req.stream, req.names(), "prompt"
-        )
-
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse(ChatCompletionRequest, await self._body(request))
-        self._check_model(req.model)
-        model = self.ctx.model
-        try:
-            ids = await chat_prompt_ids(
-                model.tokenizer, [m.as_template_input() for m in req.messages], model.name
-            )
-        except RequestError as err:
-            oe = error_from_request_error(err, {}, "messages")
-            oe.param = "messages"
-            raise oe from None
-        rid = self._request_id(request, "chatcmpl")
-        builder = ResponseBuilder(
-            "chat", rid, model.name, model.tokenizer, req.logprobs, req.include_usage
-        )
-        return await self._generate(
-            request, req.to_generate(rid, ids), builder, req.stream, req.names(), "messages"
-        )
-
-    async def _generate(
-        self,
-        request: web.Request,
-        gen: generate_pb2.GenerateRequest,
-        builder: ResponseBuilder,
-        stream: bool,
-        names: dict[str, str],
-        prompt_param: str,
-    ) -> web.StreamResponse:
-        if not stream:
-            sink = _Collect()
-            try:
-                await self.frontend.generate(gen, sink)
-            except RequestError as err:
-                raise error_from_request_error(err, names, prompt_param) from None
-            return web.json_response(
-                builder.full(sink.chunks),
-                dumps=lambda b: _dumps(b).decode(),
-                headers={"X-Request-Id": builder.id},
-            )
-        events = _EventStream(request, builder)
-        try:
-            await self.frontend.generate(gen, events)
-        except RequestError as err:
-            error = error_from_request_error(err, names, prompt_param)
-            if events.resp is None:  # nothing sent yet: a plain HTTP error
-                raise error from None
-            return await events.close(error)
-        return await events.close()
-
-    # ---- the rest --------------------------------------------------------------------------------
-    def _card(self) -> dict[str, Any]:
-        m = self.ctx.model
-        return {
-            "id": m.name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "splitserve",
-            "max_model_len": m.max_model_len,
-            "vocab_size": m.vocab_size,
-        }
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._card()]})
-
-    async def model(self, request: web.Request) -> web.Response:
-        self._check_model(request.match_info["model_id"])
-        return web.json_response(self._card())
-
-    async def health(self, request: web.Request) -> web.Response:
-        reg = self.ctx.registry
-        ok = self.ready() and not self._draining
-        body = {
-            "status": "ok" if ok else "unavailable",
-            "healthy_prefill": len(reg.healthy(PREFILL)),
-            "healthy_decode": len(reg.healthy(DECODE)),
-        }
-        return web.json_response(body, status=200 if ok else 503)
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.ctx.metrics.registry),
-            headers={"Content-Type": CONTENT_TYPE_LATEST},
-        )

@@ -23,8 +23,8 @@ from splitserve.router.frontend import Frontend
 from splitserve.router.intake import ModelInfo
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.registry import WorkerRegistry
-from splitserve.router.worker_state import DECODE, PREFILL
 from splitserve.router.servicer import GenerateServicer, RouterControlServicer
+from splitserve.router.worker_state import DECODE, PREFILL
 from splitserve.service.grpc_service import (
     NOT_SERVING,
     SERVING,

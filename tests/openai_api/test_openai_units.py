@@ -15,7 +15,8 @@ import pytest
 from splitserve.request.errors import RequestError
 from splitserve.request.tokenizer import Tokenizer
 from splitserve.router.chat_template import chat_prompt_ids, render_chat
-from splitserve.router.openai_protocol import ChatCompletionRequest, error_from_request_error, parse
+from splitserve.router.openai_errors import error_from_request_error, parse
+from splitserve.router.openai_protocol import ChatCompletionRequest
 
 # Llama-3's template shape: system message first, roles must alternate (raise_exception),
 # {% generation %} marks the assistant's tokens, tojson of a non-ASCII value.

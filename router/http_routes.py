@@ -1,0 +1,179 @@
+"""The handlers of the router's OpenAI-compatible HTTP API (http_server.py runs the server).
+
+    POST /v1/completions        prompt text or token ids  ─┐ openai_protocol.py: body -> GenerateRequest
+    POST /v1/chat/completions   messages -> chat_template ─┤ Frontend.generate: the gRPC Generate path
+                                                           │   (validation, routing, retries, metrics)
+                                 chunks -> SSE or one JSON ◀┘ http_sinks.py, openai_response.py
+    GET  /v1/models[/{id}]      the served model (id, max_model_len, vocab_size)
+    GET  /health                200 while ready (>= 1 healthy prefill and >= 1 healthy decode
+                                worker) and not draining, else 503
+    GET  /metrics               the router's Prometheus registry (the one the gRPC side exports)
+
+A handler raises OpenAIError (openai_errors.py) for anything it refuses; the server's middleware
+answers it. A streamed request that fails after its first chunk ends with an error event instead.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from splitserve.protos import generate_pb2
+from splitserve.request.errors import RequestError
+from splitserve.router.chat_template import chat_prompt_ids
+from splitserve.router.context import RouterContext
+from splitserve.router.frontend import Frontend
+from splitserve.router.http_sinks import CollectedChunks, EventStream, json_bytes
+from splitserve.router.openai_errors import OpenAIError, error_from_request_error, parse
+from splitserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from splitserve.router.openai_response import ResponseBuilder
+from splitserve.router.worker_state import DECODE, PREFILL
+
+
+class OpenAIRoutes:
+    """The route handlers; `ready` says whether /health answers 200 (the server adds draining)."""
+
+    def __init__(self, ctx: RouterContext, frontend: Frontend, ready: Callable[[], bool]) -> None:
+        self.ctx = ctx
+        self.frontend = frontend
+        self.ready = ready
+        self.created = int(time.time())
+
+    def add_to(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/v1/completions", self.completions)
+        router.add_post("/v1/chat/completions", self.chat_completions)
+        router.add_get("/v1/models", self.models)
+        router.add_get("/v1/models/{model_id:.+}", self.model)
+        router.add_get("/health", self.health)
+        router.add_get("/metrics", self.metrics)
+
+    # ---- request helpers ---------------------------------------------------------------------------
+    async def _body(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise OpenAIError.bad(None, f"the request body is not valid JSON ({exc})") from None
+
+    def _check_model(self, name: str | None) -> None:
+        served = self.ctx.model.name
+        if name is not None and name != served:
+            raise OpenAIError(
+                404,
+                f"The model `{name}` does not exist; this server serves `{served}` "
+                "(GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
+
+    @staticmethod
+    def _request_id(request: web.Request, prefix: str) -> str:
+        return request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
+
+    # ---- generation ------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse(CompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        rid = self._request_id(request, "cmpl")
+        builder = ResponseBuilder(
+            "completion",
+            rid,
+            self.ctx.model.name,
+            self.ctx.model.tokenizer,
+            req.logprobs is not None,
+            req.include_usage,
+        )
+        return await self._generate(
+            request, req.to_generate(rid), builder, req.stream, req.names(), "prompt"
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse(ChatCompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        model = self.ctx.model
+        try:
+            ids = await chat_prompt_ids(
+                model.tokenizer, [m.as_template_input() for m in req.messages], model.name
+            )
+        except RequestError as err:
+            oe = error_from_request_error(err, {}, "messages")
+            oe.param = "messages"
+            raise oe from None
+        rid = self._request_id(request, "chatcmpl")
+        builder = ResponseBuilder(
+            "chat", rid, model.name, model.tokenizer, req.logprobs, req.include_usage
+        )
+        return await self._generate(
+            request, req.to_generate(rid, ids), builder, req.stream, req.names(), "messages"
+        )
+
+    async def _generate(
+        self,
+        request: web.Request,
+        gen: generate_pb2.GenerateRequest,
+        builder: ResponseBuilder,
+        stream: bool,
+        names: dict[str, str],
+        prompt_param: str,
+    ) -> web.StreamResponse:
+        if not stream:
+            sink = CollectedChunks()
+            try:
+                await self.frontend.generate(gen, sink)
+            except RequestError as err:
+                raise error_from_request_error(err, names, prompt_param) from None
+            return web.json_response(
+                builder.full(sink.chunks),
+                dumps=lambda b: json_bytes(b).decode(),
+                headers={"X-Request-Id": builder.id},
+            )
+        events = EventStream(request, builder)
+        try:
+            await self.frontend.generate(gen, events)
+        except RequestError as err:
+            error = error_from_request_error(err, names, prompt_param)
+            if events.resp is None:  # nothing sent yet: a plain HTTP error
+                raise error from None
+            return await events.close(error)
+        return await events.close()
+
+    # ---- the rest --------------------------------------------------------------------------------
+    def _card(self) -> dict[str, Any]:
+        m = self.ctx.model
+        return {
+            "id": m.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "splitserve",
+            "max_model_len": m.max_model_len,
+            "vocab_size": m.vocab_size,
+        }
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model_id"])
+        return web.json_response(self._card())
+
+    async def health(self, request: web.Request) -> web.Response:
+        reg = self.ctx.registry
+        ok = self.ready()
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "healthy_prefill": len(reg.healthy(PREFILL)),
+            "healthy_decode": len(reg.healthy(DECODE)),
+        }
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.ctx.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )

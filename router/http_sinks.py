@@ -1,0 +1,84 @@
+"""Where the HTTP front's Generate chunks go (Frontend.generate's ChunkSink, frontend.py).
+
+`CollectedChunks` keeps them for one JSON body (stream: false); `EventStream` sends each as a
+server-sent event, its headers with the first chunk so that a request refused before any token
+still gets a real HTTP status, and ends with an error event or the usage chunk, then
+`data: [DONE]`. Bodies come from openai_response.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from splitserve.protos import generate_pb2
+from splitserve.router.openai_errors import OpenAIError
+from splitserve.router.openai_response import ResponseBuilder
+
+
+def json_bytes(body: dict[str, Any]) -> bytes:
+    """Compact UTF-8 JSON, as every HTTP body and event is sent."""
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+class CollectedChunks:
+    """Sink of a non-streamed request: keeps the chunks."""
+
+    def __init__(self) -> None:
+        self.chunks: list[generate_pb2.GenerateResponse] = []
+
+    async def write(self, chunk: generate_pb2.GenerateResponse) -> None:
+        self.chunks.append(chunk)
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+class EventStream:
+    """Sink of a streamed request: server-sent events, headers sent with the first chunk."""
+
+    def __init__(self, request: web.Request, builder: ResponseBuilder) -> None:
+        self.request = request
+        self.builder = builder
+        self.resp: web.StreamResponse | None = None
+        self.usage: generate_pb2.Usage | None = None
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def send(self, body: dict[str, Any]) -> None:
+        await self.resp.write(b"data: " + json_bytes(body) + b"\n\n")
+
+    async def start(self) -> None:
+        self.resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": self.builder.id,
+            }
+        )
+        await self.resp.prepare(self.request)
+        if self.builder.kind == "chat":
+            await self.send(self.builder.role_chunk())
+
+    async def write(self, chunk: generate_pb2.GenerateResponse) -> None:
+        if self.resp is None:
+            await self.start()
+        if chunk.finish_reason:
+            self.usage = chunk.usage
+        body = self.builder.stream_chunk(chunk)
+        if body is not None:
+            await self.send(body)
+
+    async def close(self, error: OpenAIError | None = None) -> web.StreamResponse:
+        if self.resp is None:
+            await self.start()
+        if error is not None:
+            await self.send(error.body())
+        elif self.builder.include_usage and self.usage is not None:
+            await self.send(self.builder.usage_chunk(self.usage))
+        await self.resp.write(b"data: [DONE]\n\n")
+        await self.resp.write_eof()
+        return self.resp

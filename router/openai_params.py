@@ -1,0 +1,133 @@
+"""The request fields both OpenAI endpoints take, and their conversion to SamplingParams.
+
+Sampling (temperature, top_p, seed, penalties, stop), streaming options, and vLLM's extensions
+(top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, ...) are declared once here for
+CompletionRequest and ChatCompletionRequest (openai_protocol.py). Only JSON types, unsupported
+features and integers the proto cannot hold are checked; ranges are the gRPC path's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from splitserve.protos import generate_pb2
+from splitserve.router.openai_errors import OpenAIError
+
+U32 = 2**32 - 1
+U64 = 2**64 - 1
+
+
+class StrictModel(BaseModel):
+    """A body part that refuses unknown parameters (a 400 naming them, via parse)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+def unsupported(name: str, why: str):
+    """A validator refusing field `name` unless it is absent or empty, saying `why`."""
+
+    def check(cls, v):
+        if v is not None and not (isinstance(v, (list, dict)) and not v):
+            raise ValueError(f"{name} is not supported by this server ({why})")
+        return v
+
+    return field_validator(name)(classmethod(check))
+
+
+class CommonParams(StrictModel):
+    """The body fields both endpoints take; `_sampling` builds their SamplingParams."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = Field(None, ge=0, le=U64)
+    stop: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int | None = None
+    user: str | None = None  # an end-user id for the client's own bookkeeping; not used
+    logit_bias: dict[str, float] | None = None
+    # extensions, with vLLM's names
+    top_k: int | None = Field(None, ge=-1, le=U32)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    _no_logit_bias = unsupported("logit_bias", "no per-token logit bias")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int | None) -> int | None:
+        if v is not None and v != 1:
+            raise ValueError(
+                f"n = {v} is not supported: one choice per request; send {v} requests "
+                "(with different seeds) instead"
+            )
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: Any) -> str | list[str] | None:
+        if (
+            v is None
+            or isinstance(v, str)
+            or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+        ):
+            return v
+        raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _ids(cls, v: list[int] | None) -> list[int] | None:
+        bad = next((t for t in v or () if not 0 <= t <= U32), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is negative or too large")
+        return v
+
+    def _checks(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError.bad(
+                "stream_options", "stream_options is only allowed with stream: true"
+            )
+
+    def _sampling(
+        self, max_tokens: int | None, logprobs: int | None
+    ) -> generate_pb2.SamplingParams:
+        sp = generate_pb2.SamplingParams(
+            top_k=0 if self.top_k in (None, -1) else self.top_k,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
+            stop_token_ids=self.stop_token_ids or [],
+        )
+        for name in (
+            "temperature",
+            "top_p",
+            "seed",
+            "repetition_penalty",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
+            if (value := getattr(self, name)) is not None:
+                setattr(sp, name, value)
+        if max_tokens is not None:
+            sp.max_tokens = max_tokens
+        if logprobs is not None:
+            sp.logprobs = logprobs
+        return sp
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
