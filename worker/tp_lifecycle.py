@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from typing import NoReturn
 
 RANK_LOST_GRACE_S = 2.0  # failed calls send their UNAVAILABLE within this, then the worker exits
+EXIT_BACKSTOP_S = 2.0  # the process ends by then whatever the exit path waits on
 
 
 async def serve_until_lost(server, lost: asyncio.Event) -> int:
@@ -35,6 +37,11 @@ def exit_after_rank_loss(ranks, log: logging.Logger) -> NoReturn:
     drained): kills the other followers and exits 1, so its orchestrator restarts it. A hard exit:
     a thread may still wait in a collective with the dead rank (NCCL never gives up), which would
     hold a normal interpreter exit forever."""
+    # a backstop first: flushing the log takes handler locks another thread may hold (a decode
+    # worker once failed to exit within 20 s after logging the line below, on a loaded machine)
+    backstop = threading.Timer(EXIT_BACKSTOP_S, os._exit, args=(1,))
+    backstop.daemon = True
+    backstop.start()
     if ranks is not None:
         ranks.kill()
     log.error("exiting with status 1 after losing a tensor-parallel rank; restart the worker")
