@@ -33,8 +33,8 @@ class OfflineEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.allocator = BlockAllocator(runner.num_blocks)
-        self.sampler = Sampler(seed=seed)
         self.eos = tuple(runner.model_config.eos_token_ids)
+        self.sampler = Sampler(seed, self.eos)
 
     def _blocks_for(self, seq: Completion, length: int) -> None:
         need = -(-length // self.runner.block_size) - len(seq.block_table)

@@ -59,8 +59,8 @@ class PrefillEngine:
         self.cache = PrefixCache(self.allocator, runner.block_size, cfg.enable_prefix_cache)
         self.scheduler = PrefillScheduler(self.cache, cfg.engine.scheduler)
         self.leases = LeaseTable()
-        self.sampler = Sampler(cfg.engine.seed)
         self.eos = tuple(runner.model_config.eos_token_ids)
+        self.sampler = Sampler(cfg.engine.seed, self.eos)
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-step")

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound); the device keeps a table this wide
+MAX_STOP_TOKEN_IDS = 64  # min_tokens bans them on the device, in a table this wide
+LOGIT_BIAS_RANGE = 100.0  # OpenAI: a bias is in [-100, 100]
 _UINT64_MAX = 2**64 - 1  # the wire type of `seed` (generate.proto)
 
 
@@ -25,6 +28,9 @@ class SamplingParams(BaseModel):
     - `seed` makes the request's tokens reproducible wherever and with whatever it is
       batched (see sampler.py).
     - `logprobs` n: return the sampled token's logprob plus the n most likely tokens.
+    - `logit_bias` {token id: bias in [-100, 100]} is added to the raw logits (OpenAI);
+      `min_tokens` bans EOS and `stop_token_ids` (and stops no request) before that many
+      tokens were generated (vLLM).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -39,10 +45,14 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     stop: tuple[Annotated[str, Field(min_length=1)], ...] = ()
-    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = ()
+    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field((), max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[Annotated[int, Field(ge=0)], float] = Field(
+        default_factory=dict, max_length=MAX_LOGIT_BIAS
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -57,6 +67,22 @@ class SamplingParams(BaseModel):
             raise ValueError(f"must be 0 or -1 (disabled) or at least 1, got {v}")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float]) -> dict[int, float]:
+        bad = {t: b for t, b in v.items() if not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE}
+        if bad:
+            raise ValueError(f"biases must be in [-100, 100], got {bad}")
+        return v
+
+    @model_validator(mode="after")
+    def _min_tokens_within_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        return self
+
     @property
     def is_greedy(self) -> bool:
         """Argmax decoding: no randomness, so `seed` and the filters do not matter."""
@@ -70,10 +96,27 @@ class SamplingParams(BaseModel):
             or self.frequency_penalty != 0.0
         )
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Argmax of the raw logits, nothing else asked: the decode step's greedy graph."""
+        return (
+            self.is_greedy
+            and not self.needs_penalties
+            and self.logprobs is None
+            and not self.logit_bias
+            and self.min_tokens == 0
+        )
+
 
 def validate_against_vocab(params: SamplingParams, vocab_size: int) -> None:
     """Refuse token ids the model cannot produce (a stop token that could never match is
     almost certainly a tokenizer / model mix-up, so it is an error rather than ignored)."""
+    bad_bias = sorted(t for t in params.logit_bias if t >= vocab_size)
+    if bad_bias:
+        raise ValueError(
+            f"logit_bias names token ids {bad_bias[:8]} outside the model's vocabulary "
+            f"(size {vocab_size}); use ids below {vocab_size}"
+        )
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(

@@ -1,0 +1,212 @@
+"""Per-sequence sampling state on the device, and the one sampling step that reads it.
+
+A `SamplingState` holds S state slots. A slot is one sequence's parameters (temperature,
+top-k/p, min-p, penalties, seed, min_tokens, logit bias, banned ids), its step counter (tokens
+generated so far) and its penalty state: output-token counts and a prompt-token mask, both
+[S, V], updated by the step itself. The decode worker keeps one state of max_batch + 1 slots
+for its whole life (the last slot: plain greedy, for greedy rows and padding lanes) and fills
+a slot once per admitted sequence (`write`); a step only says which slot each row uses. The
+prefill worker and the host paths build a small state per call (`from_rows`).
+
+`sample_step` is the whole sampling of one step, in torch ops plus one Triton launch on CUDA
+(the torch twin elsewhere), so it runs inside a captured graph: bias and bans, penalties,
+filters, the seeded race, raw logprobs when asked, then step += live and counts += the token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine import sampling_math as sm
+from splitserve.kernels.dispatch import use_triton
+from splitserve.request.sampling_params import MAX_LOGPROBS, SamplingParams
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "rep", "freq", "pres")
+_INT_FIELDS = ("top_k", "has_pen", "seed", "step", "min_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class RowInit:
+    """What a slot is filled from: the request, its tokens so far and its resolved seed."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    seed: int  # the request's seed, or one drawn for it by the sampler (uint64)
+    step: int  # tokens generated before the next sample
+
+
+def _as_int64(seed: int) -> int:
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+class SamplingState:
+    def __init__(
+        self, slots: int, vocab: int, bias_width: int, ban_width: int, device: torch.device
+    ) -> None:
+        f32, i32, i64 = torch.float32, torch.int32, torch.int64
+        self.num_slots, self.vocab, self.device = slots, vocab, device
+        z = lambda dt, *shape: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
+        self.temperature, self.top_p, self.min_p = z(f32, slots), z(f32, slots), z(f32, slots)
+        self.rep, self.freq, self.pres = z(f32, slots), z(f32, slots), z(f32, slots)
+        self.top_k, self.has_pen = z(i32, slots), z(i32, slots)
+        self.seed, self.step, self.min_tokens = z(i64, slots), z(i64, slots), z(i64, slots)
+        self.counts = z(i32, slots, vocab)
+        self.prompt_seen = z(torch.uint8, slots, vocab)
+        self.bias_ids, self.bias_vals = z(i32, slots, bias_width), z(f32, slots, bias_width)
+        self.ban_ids = torch.full((slots, ban_width), -1, dtype=i32, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every slot plain greedy (what capture runs on, and what the greedy slot stays)."""
+        for name in (*_FLOAT_FIELDS, *_INT_FIELDS):
+            getattr(self, name).zero_()
+        self.top_p.fill_(1.0)
+        self.rep.fill_(1.0)
+        for t in (self.counts, self.prompt_seen, self.bias_ids, self.bias_vals):
+            t.zero_()
+        self.ban_ids.fill_(-1)
+
+    # ---- filling slots (host -> device, once per sequence) --------------------------------
+    def write(self, slots: Sequence[int], rows: Sequence[RowInit], eos: Sequence[int]) -> None:
+        """Fills `slots` from `rows`: stream-ordered after any step still using them."""
+        if not slots:
+            return
+        dev, pin = self.device, self.device.type == "cuda"
+
+        def put(values, dtype) -> torch.Tensor:
+            t = torch.tensor(values, dtype=dtype)
+            return (t.pin_memory() if pin else t).to(dev, non_blocking=True)
+
+        idx = put(list(slots), torch.int64)
+        ps = [r.params for r in rows]
+        floats = {
+            "temperature": [0.0 if p.is_greedy else max(p.temperature, sm.TINY) for p in ps],
+            "top_p": [p.top_p for p in ps],
+            "min_p": [p.min_p for p in ps],
+            "rep": [p.repetition_penalty for p in ps],
+            "freq": [p.frequency_penalty for p in ps],
+            "pres": [p.presence_penalty for p in ps],
+        }
+        ints = {
+            "top_k": [p.top_k if p.top_k > 0 else 0 for p in ps],
+            "has_pen": [int(p.needs_penalties) for p in ps],
+            "seed": [_as_int64(r.seed) for r in rows],
+            "step": [r.step for r in rows],
+            "min_tokens": [p.min_tokens for p in ps],
+        }
+        for name, vals in floats.items():
+            getattr(self, name).index_copy_(0, idx, put(vals, torch.float32))
+        for name, vals in ints.items():
+            t = getattr(self, name)
+            t.index_copy_(0, idx, put(vals, t.dtype))
+        width, ban_w = self.bias_ids.shape[1], self.ban_ids.shape[1]
+        bias_ids = [[0] * width for _ in ps]
+        bias_vals = [[0.0] * width for _ in ps]
+        bans = [[-1] * ban_w for _ in ps]
+        for i, p in enumerate(ps):
+            for j, (tok, val) in enumerate(p.logit_bias.items()):
+                bias_ids[i][j], bias_vals[i][j] = tok, val
+            if p.min_tokens:
+                ids = sorted({*(() if p.ignore_eos else eos), *p.stop_token_ids})
+                bans[i][: len(ids)] = ids
+        self.bias_ids.index_copy_(0, idx, put(bias_ids, torch.int32))
+        self.bias_vals.index_copy_(0, idx, put(bias_vals, torch.float32))
+        self.ban_ids.index_copy_(0, idx, put(bans, torch.int32))
+        self.counts.index_fill_(0, idx, 0)
+        self.prompt_seen.index_fill_(0, idx, 0)
+        pen = [(s, r) for s, r in zip(slots, rows) if r.params.needs_penalties]
+        if pen:  # ids outside the vocabulary (a larger tokenizer's prompt) have no logit
+            out = [(s, t) for s, r in pen for t in r.output_token_ids if 0 <= t < self.vocab]
+            seen = [(s, t) for s, r in pen for t in r.prompt_token_ids if 0 <= t < self.vocab]
+            if out:
+                cell = put(out, torch.int64)
+                ones = torch.ones(len(out), dtype=torch.int32, device=dev)
+                self.counts.index_put_((cell[:, 0], cell[:, 1]), ones, accumulate=True)
+            if seen:
+                cell = put(seen, torch.int64)
+                self.prompt_seen[cell[:, 0], cell[:, 1]] = 1
+
+    @classmethod
+    def from_rows(
+        cls, rows: Sequence[RowInit], vocab: int, eos: Sequence[int], device: torch.device
+    ) -> SamplingState:
+        """A state of len(rows) slots, row i in slot i (the eager paths)."""
+        bias = max([len(r.params.logit_bias) for r in rows] + [1])
+        ban = max([len(r.params.stop_token_ids) + len(eos) for r in rows] + [1])
+        state = cls(len(rows), vocab, bias, ban, device)
+        state.write(list(range(len(rows))), rows, eos)
+        return state
+
+
+@dataclass
+class LogprobBuffers:
+    """Outputs of a step that reports logprobs: [n] sampled, [n, 20] top values and ids."""
+
+    sampled: torch.Tensor
+    top: torch.Tensor
+    top_ids: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, vocab: int, device: torch.device) -> LogprobBuffers:
+        f32, width = torch.float32, min(MAX_LOGPROBS, vocab)
+        return cls(
+            torch.zeros(rows, dtype=f32, device=device),
+            torch.zeros(rows, width, dtype=f32, device=device),
+            torch.zeros(rows, width, dtype=torch.int64, device=device),
+        )
+
+
+def sample_step(
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    live: torch.Tensor,
+    state: SamplingState,
+    out: torch.Tensor,
+    logprobs: LogprobBuffers | None = None,
+) -> None:
+    """out[:n] = the tokens of fp32 logits [n, V] whose rows use state slots `slots` [n];
+    `live` [n] (int64, 0 for padding lanes) advances the slots' steps and counts."""
+    n = logits.shape[0]
+    x = logits.clone()
+    ban_on = state.step.index_select(0, slots) < state.min_tokens.index_select(0, slots)
+    sm.add_bias_and_bans(
+        x,
+        state.bias_ids.index_select(0, slots),
+        state.bias_vals.index_select(0, slots),
+        state.ban_ids.index_select(0, slots),
+        ban_on,
+    )
+    tokens = out[:n]
+    if use_triton(x):
+        from splitserve.kernels.triton_sampling import sample_rows
+
+        sample_rows(x, slots, tokens, state)
+    else:
+        g = lambda t: t.index_select(0, slots)  # noqa: E731
+        pen = g(state.has_pen).bool().unsqueeze(1)
+        penalised = sm.apply_penalties(
+            x, g(state.counts), g(state.prompt_seen), g(state.rep), g(state.freq), g(state.pres)
+        )
+        x = torch.where(pen, penalised, x)
+        tokens.copy_(
+            sm.sample_rows_torch(
+                x,
+                g(state.temperature),
+                g(state.top_k),
+                g(state.top_p),
+                g(state.min_p),
+                g(state.seed),
+                g(state.step),
+            )
+        )
+    if logprobs is not None:
+        sampled, top, ids = sm.raw_logprobs(logits, tokens, MAX_LOGPROBS)
+        logprobs.sampled[:n].copy_(sampled)
+        logprobs.top[:n].copy_(top)
+        logprobs.top_ids[:n].copy_(ids)
+    state.step.index_add_(0, slots, live)
+    state.counts.index_put_((slots, tokens), live.to(torch.int32), accumulate=True)
