@@ -66,6 +66,8 @@ def fake_sequences(engine, batch: int, context: int, room: int):
 
 
 def kernel_times(torch, engine, eager_runner, batch: int, args) -> dict:
+    from splitserve.decode_worker.graph_runner import GREEDY
+
     seqs = fake_sequences(engine, batch, args.context, 3 * args.steps + 8)
     g = engine.graphs
     size = g.dispatch[batch]
@@ -75,7 +77,7 @@ def kernel_times(torch, engine, eager_runner, batch: int, args) -> dict:
             g.launch(seqs, changed=True)
         )  # full prepare; positions then advance inside the graph
         if size:
-            graph = g._graphs[size]
+            graph = g._graphs[size, GREEDY]
             time_ms(torch, graph.replay, 3)
             out["graph_step_ms"] = time_ms(torch, graph.replay, args.steps)
         for s in seqs:

@@ -2,18 +2,20 @@
 
 Single-threaded (the engine loop thread, or a test, calls it). One step:
 
-    1. a still-unread step that needs host sampling is finished first (its tokens feed this one)
+    1. (overlap off only) the still-unread step is finished first
     2. schedule: grow / preempt / admit; recompute (local prefill, recompute.py) the KV of
        admitted sequences that have none (preempted ones, and requests whose KvHandle is empty);
        a request that had no prefill at all (colocated: no first token) gets its whole prompt
        computed here and its first token sampled on the host, accepted like any other token,
        then runs its first decode step in this same step: prefill and decode in one loop
     3. launch the step (graph replay or eager)
-    4. read the PREVIOUS step's tokens (overlap: the device already runs this one), sample the
-       non-greedy rows on the host, run stop checks, stream outputs, free finished sequences
-    5. a step with host-sampled rows (or overlap off) is read at once
+    4. read the PREVIOUS step's tokens (overlap: the device already runs this one), run stop
+       checks, stream outputs, free finished sequences
+    5. with overlap off, this step is read at once
 
-Greedy rows never leave the device between steps: their argmax is the next step's input.
+Every row is sampled on the device inside the step (graph_runner.py), greedy or not, so no
+token leaves the device before it is fed to the next step and the host never waits for a
+step it has just launched (`sync_reads` counts the reads that did: 0 with overlap on).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from splitserve.decode_worker.recompute import recompute_kv, sample_first_tokens
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.sampler import Sampler, SeqSamplingInfo, TokenLogprobs
+from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.detokenizer import IncrementalDetokenizer
 from splitserve.request.errors import RequestError
@@ -70,9 +72,10 @@ class DecodeEngine:
             sc.max_queue_len,
             sc.max_num_batched_tokens,
         )
-        self.graphs = GraphRunner(self.runner, sc.max_batch_size)
-        self.sampler = Sampler(cfg.engine.seed)
         self.eos = tuple(self.runner.model_config.eos_token_ids)
+        self.sampler = Sampler(cfg.engine.seed, self.eos)
+        self.graphs = GraphRunner(self.runner, sc.max_batch_size, self.sampler)
+        self.sync_reads = 0  # steps read right after their launch (overlap off)
         self.vocab_size = self.runner.model_config.vocab_size
         self._inflight: StepHandle | None = None
         self.load = LoadSnapshot(
@@ -164,7 +167,7 @@ class DecodeEngine:
     def step(self) -> None:
         t0 = time.perf_counter()
         prev, self._inflight = self._inflight, None
-        if prev is not None and (prev.needs_host_sampling or not self.cfg.overlap):
+        if prev is not None and not self.cfg.overlap:
             self._complete(prev)
             prev = None
         batch = self.scheduler.schedule()
@@ -188,7 +191,8 @@ class DecodeEngine:
         if prev is not None:
             self._complete(prev)
         if handle is not None:
-            if handle.needs_host_sampling or not self.cfg.overlap:
+            if not self.cfg.overlap:
+                self.sync_reads += 1
                 self._complete(handle)
             else:
                 self._inflight = handle
@@ -207,18 +211,7 @@ class DecodeEngine:
                 self._accept(seq, tok, lp, now)
 
     def _complete(self, handle: StepHandle) -> None:
-        tokens = self.graphs.read(handle)
-        logprobs: list[TokenLogprobs | None] = [None] * len(tokens)
-        if handle.sampler_rows:
-            rows = [handle.seqs[i] for i in handle.sampler_rows]
-            infos = [
-                SeqSamplingInfo(s.params, s.prompt_token_ids, s.output_token_ids) for s in rows
-            ]
-            out = self.sampler.sample(handle.sampler_logits, infos)
-            for j, i in enumerate(handle.sampler_rows):
-                tokens[i] = out.token_ids[j]
-                logprobs[i] = out.logprobs[j]
-            self.graphs.write_tokens(handle, out.token_ids)
+        tokens, logprobs = self.graphs.read(handle)
         now = time.monotonic()
         for seq, tok, lp in zip(handle.seqs, tokens, logprobs):
             seq.in_flight -= 1

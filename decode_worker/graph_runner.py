@@ -6,9 +6,17 @@ One step of n real lanes (`launch`):
           or patch (steady)        ─ pinned slot ─H2D─▶ only the blocks appended this step
     device, one graph replay of the padded size N = dispatch[n] (or the eager body):
           slot_mapping, context_lens  <- positions, block_tables, live     (derive_metadata)
-          logits = model.logits(input_ids, positions, ...)   sampled = argmax(logits)
+          logits = model.logits(input_ids, positions, ...)
+          sampled = argmax(logits)                                  (GREEDY graphs)
+                 or sample_step(logits, slots, ...)                 (SAMPLE / LOGPROBS graphs)
           input_ids <- sampled; positions += live                          (advance)
-    device ─D2H─▶ pinned slot: sampled[:n]; event recorded   (read later, in `read`)
+    device ─D2H─▶ pinned slot: sampled[:n] (+ logprobs); event recorded   (read later, `read`)
+
+Sampling is part of the step (engine/sampling_state.py): every row reads its parameters from a
+state slot on the device, filled once when its sequence first runs (`_assign_slots`), so one
+replay serves any mix of greedy, random, seeded, penalised and logprobs rows and the host only
+reads tokens back. A batch of plain greedy rows replays the GREEDY graph (argmax only); any
+other row makes it SAMPLE, LOGPROBS when a row reports logprobs. Each captured size has all three.
 
 So in the steady loop (same rows as the last step, greedy) the host issues one graph launch,
 one D2H copy and one event record per step (+ one small copy and one kernel when a sequence
@@ -21,8 +29,8 @@ wrote (padding lanes only ever touch block 0) is zeroed afterwards. `dispatch` (
 saying which graph serves a batch of n, 0 = eager) is built from the captured graphs alone.
 
 Tensor parallel: rank 0 publishes (`runner.mirror`) each step's device-side work, i.e. the
-padded size, the graph to replay and the prepare / patch data, and every host-sampled token
-write and capture; followers (tp_follower.py) apply the same to their own buffers with
+padded size, the graph (and variant) to replay, the prepare / patch data, slot fills and
+capture; followers (tp_follower.py) apply the same to their own buffers with
 `run_step`, so every rank replays the same graph with the same padding. The sampled tokens
 are broadcast from rank 0 inside the step (captured with NCCL), so all ranks feed rank 0's
 choice to the next step.
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,7 +48,12 @@ from splitserve.decode_worker.sequence import DecodeSequence
 from splitserve.decode_worker.step_buffers import DecodeBuffers, StagingSlot
 from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.sampler import Sampler, TokenLogprobs, to_token_logprobs
+from splitserve.engine.sampling_state import LogprobBuffers, RowInit, SamplingState, sample_step
 from splitserve.request.block_allocator import NULL_BLOCK
+from splitserve.request.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+
+GREEDY, SAMPLE, LOGPROBS = 0, 1, 2  # graph variants
 
 log = logging.getLogger(__name__)
 
@@ -52,26 +65,46 @@ class StepHandle:
     seqs: list[DecodeSequence]
     slot: StagingSlot
     graph_size: int  # 0: eager
-    sampler_rows: list[int] = field(default_factory=list)
-    sampler_logits: torch.Tensor | None = (
-        None  # [len(sampler_rows), V], cloned right after the step
-    )
-
-    @property
-    def needs_host_sampling(self) -> bool:
-        return bool(self.sampler_rows)
+    variant: int = GREEDY
 
 
 class GraphRunner:
-    def __init__(self, runner: ModelRunner, max_batch_size: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, max_batch_size: int, sampler: Sampler | None = None
+    ) -> None:
         self.runner = runner
         self.device = runner.device
         self.max_batch_size = max_batch_size
-        self.bufs = DecodeBuffers(
-            max_batch_size, runner.max_blocks_per_seq, runner.block_size, runner.device
+        mc = runner.model_config
+        eos = tuple(mc.eos_token_ids)
+        self.sampler = sampler or Sampler(None, eos)
+        lp_width = min(MAX_LOGPROBS, mc.vocab_size)
+        # slots 0..max_bs-1 for sequences, slot max_bs stays plain greedy (greedy rows, padding)
+        self.sampling = SamplingState(
+            max_batch_size + 1,
+            mc.vocab_size,
+            MAX_LOGIT_BIAS,
+            MAX_STOP_TOKEN_IDS + len(eos),
+            runner.device,
         )
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._graph_logits: dict[int, torch.Tensor] = {}
+        self._eos = eos
+        self._free_slots = list(range(max_batch_size - 1, -1, -1))
+        self._slot_of: dict[int, int] = {}  # seq.uid -> state slot
+        self.bufs = DecodeBuffers(
+            max_batch_size,
+            runner.max_blocks_per_seq,
+            runner.block_size,
+            runner.device,
+            greedy_slot=max_batch_size,
+            lp_width=lp_width,
+        )
+        self._lp_pack = torch.zeros(max_batch_size, 1 + lp_width, device=runner.device)
+        self._lp_ids = torch.zeros(
+            max_batch_size, lp_width, dtype=torch.int64, device=runner.device
+        )
+        self._lp = LogprobBuffers(self._lp_pack[:, 0], self._lp_pack[:, 1:], self._lp_ids)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graph_logits: dict[tuple[int, int], torch.Tensor] = {}
         self._pool = None
         self.dispatch: list[int] = [0] * (max_batch_size + 1)
         self._rows: dict[int, int] = {}  # seq.uid -> row in the last launched step
@@ -80,10 +113,10 @@ class GraphRunner:
 
     @property
     def captured_sizes(self) -> list[int]:
-        return sorted(self._graphs)
+        return sorted({size for size, _ in self._graphs})
 
     # ---- the step body (captured, or run eagerly) --------------------------------------------
-    def _body(self, n: int) -> torch.Tensor:
+    def _body(self, n: int, variant: int = GREEDY) -> torch.Tensor:
         b, r = self.bufs, self.runner
         b.derive_metadata(n)
         meta = AttentionMetadata(
@@ -93,7 +126,11 @@ class GraphRunner:
             is_prefill=False,
         )
         logits = r.model.logits(b.input_ids[:n], b.positions[:n], r.kv_cache, r.cos_sin, meta)
-        b.sampled[:n].copy_(logits.argmax(dim=-1))
+        if variant == GREEDY:
+            b.sampled[:n].copy_(logits.argmax(dim=-1))
+        else:
+            lp = self._lp if variant == LOGPROBS else None
+            sample_step(logits, b.slots[:n], b.live[:n], self.sampling, b.sampled, lp)
         r.tp.broadcast_(b.sampled[:n])  # rank 0's choice everywhere (a no-op without TP)
         b.advance(n)
         return logits
@@ -121,24 +158,27 @@ class GraphRunner:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compile / autotune every shape before any capture
             for n in sizes:
-                for _ in range(warmup_steps):
-                    self._body(n)
+                for variant in (GREEDY, SAMPLE, LOGPROBS):
+                    for _ in range(warmup_steps):
+                        self._body(n, variant)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         self._pool = torch.cuda.graph_pool_handle()
         for n in sizes:  # largest first: smaller graphs reuse its pool memory
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._body(n)
-            self._graphs[n] = graph
-            self._graph_logits[n] = logits
+            for variant in (LOGPROBS, SAMPLE, GREEDY):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    logits = self._body(n, variant)
+                self._graphs[n, variant] = graph
+                self._graph_logits[n, variant] = logits
         torch.cuda.synchronize(self.device)
         self.bufs.reset()
+        self.sampling.reset()
         self.runner.kv_cache[:, :, NULL_BLOCK].zero_()  # the only block warm-up lanes wrote
         torch.cuda.synchronize(self.device)
 
     def _build_dispatch(self) -> None:
-        sizes = sorted(self._graphs)
+        sizes = self.captured_sizes
         self.dispatch = [
             next((s for s in sizes if s >= n), 0) for n in range(self.max_batch_size + 1)
         ]
@@ -158,12 +198,42 @@ class GraphRunner:
         self._pool = None
         self.dispatch = [0] * (self.max_batch_size + 1)
         self._rows = {}
+        self._slot_of = {}
+        self._free_slots = list(range(self.max_batch_size - 1, -1, -1))
 
     def __del__(self) -> None:
         try:
             self.release()
         except Exception:  # interpreter shutdown: CUDA may already be gone
             pass
+
+    # ---- sampling-state slots ------------------------------------------------------------------
+    def _assign_slots(self, seqs: Sequence[DecodeSequence]) -> list[int]:
+        """The state slot of each row: sequences that left the batch give theirs back (a
+        sequence is in every step until it finishes or is preempted), new non-greedy ones get
+        one, filled from their parameters and tokens (stream-ordered after the step in flight)."""
+        here = {s.uid for s in seqs}
+        for uid in [u for u in self._slot_of if u not in here]:
+            self._free_slots.append(self._slot_of.pop(uid))
+        new_slots, rows = [], []
+        for s in seqs:
+            if s.params.is_plain_greedy or s.uid in self._slot_of:
+                continue
+            slot = self._slot_of[s.uid] = self._free_slots.pop()
+            step = len(s.output_token_ids) + s.in_flight
+            seed = self.sampler.seed_for(s.params)
+            new_slots.append(slot)
+            rows.append(RowInit(s.params, s.prompt_token_ids, s.output_token_ids, seed, step))
+        if new_slots:
+            self.write_slots(new_slots, rows)
+        greedy = self.bufs.greedy_slot
+        return [self._slot_of.get(s.uid, greedy) for s in seqs]
+
+    @torch.inference_mode()
+    def write_slots(self, slots: list[int], rows: list[RowInit]) -> None:
+        if self.runner.mirror is not None:
+            self.runner.mirror(("write_slots", slots, rows))
+        self.sampling.write(slots, rows, self._eos)
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -194,50 +264,53 @@ class GraphRunner:
                 [s.next_position for s in seqs],
                 [s.output_token_ids[-1] if s.in_flight == 0 else 0 for s in seqs],
                 [self._rows.get(s.uid, -1) if s.in_flight else -1 for s in seqs],
+                self._assign_slots(seqs),
             )
             self._rows = {s.uid: i for i, s in enumerate(seqs)}
         elif new_blocks:
             prep = ("patch", [(self._rows[s.uid], col, blk) for s, col, blk in new_blocks])
+        variant = GREEDY
+        if any(not s.params.is_plain_greedy for s in seqs):
+            variant = LOGPROBS if any(s.params.logprobs is not None for s in seqs) else SAMPLE
         if self.runner.mirror is not None:
-            self.runner.mirror(("graph_step", n, graph_size, prep))
+            self.runner.mirror(("graph_step", n, graph_size, prep, variant))
         slot = self.bufs.ring.acquire()
-        logits = self.run_step(slot, n, graph_size, prep)
-        handle = StepHandle(list(seqs), slot, graph_size)
-        handle.sampler_rows = [i for i, s in enumerate(seqs) if s.uses_sampler]
-        if handle.sampler_rows:  # clone before the next replay overwrites the graph's output
-            idx = torch.tensor(handle.sampler_rows, device=self.device)
-            handle.sampler_logits = logits.index_select(0, idx)
+        self.run_step(slot, n, graph_size, prep, variant)
         slot.out[:n].copy_(self.bufs.sampled[:n], non_blocking=True)
+        if variant == LOGPROBS:
+            slot.lp[:n].copy_(self._lp_pack[:n], non_blocking=True)
+            slot.lp_ids[:n].copy_(self._lp_ids[:n], non_blocking=True)
         slot.record()
         for s in seqs:
             s.in_flight += 1
-        return handle
+        return StepHandle(list(seqs), slot, graph_size, variant)
 
     @torch.inference_mode()
     def run_step(
-        self, slot: StagingSlot, n: int, graph_size: int, prep: tuple | None
+        self, slot: StagingSlot, n: int, graph_size: int, prep: tuple | None, variant: int
     ) -> torch.Tensor:
         """The device side of one step: fill the inputs (`prep`: a full prepare, a table patch or
-        nothing), then replay graph `graph_size` (0: eager body). Followers call it directly."""
+        nothing), then replay graph (`graph_size`, `variant`) (size 0: the eager body).
+        Followers call it directly."""
         if prep is not None and prep[0] == "prepare":
             self.bufs.prepare(slot, *prep[1:])
         elif prep is not None:
             self.bufs.patch_tables(slot, prep[1])
         if graph_size:
-            self._graphs[graph_size].replay()
+            self._graphs[graph_size, variant].replay()
             self.num_replays += 1
-            return self._graph_logits[graph_size]
+            return self._graph_logits[graph_size, variant]
         self.num_eager += 1
-        return self._body(n)
+        return self._body(n, variant)
 
-    def read(self, handle: StepHandle) -> list[int]:
-        """The step's argmax tokens, row order (waits for the step to finish)."""
+    def read(self, handle: StepHandle) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The step's tokens in row order, and each row's logprobs where its request asks
+        (waits for the step to finish)."""
         handle.slot.wait()
-        return handle.slot.out_np[: len(handle.seqs)].tolist()
-
-    @torch.inference_mode()
-    def write_tokens(self, handle: StepHandle, tokens: Sequence[int]) -> None:
-        """Host-sampled tokens of `handle.sampler_rows` become those rows' next inputs."""
-        if self.runner.mirror is not None:
-            self.runner.mirror(("write_tokens", list(handle.sampler_rows), list(tokens)))
-        self.bufs.write_tokens(handle.sampler_rows, tokens)
+        n = len(handle.seqs)
+        tokens = handle.slot.out_np[:n].tolist()
+        if handle.variant != LOGPROBS:
+            return tokens, [None] * n
+        lp = handle.slot.lp[:n]
+        host = LogprobBuffers(lp[:, 0], lp[:, 1:], handle.slot.lp_ids[:n])
+        return tokens, to_token_logprobs(tokens, host, [s.params for s in handle.seqs])

@@ -123,11 +123,6 @@ class DecodeSequence:
         the next decode step feeds (the whole prompt when out[0] is still to be sampled)."""
         return self.prompt_token_ids + self.output_token_ids[:-1]
 
-    def __post_init__(self) -> None:
-        p = self.params
-        # False for plain greedy rows: their argmax stays on the device, no host sampling
-        self.uses_sampler = not (p.is_greedy and not p.needs_penalties and p.logprobs is None)
-
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED

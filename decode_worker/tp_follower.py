@@ -5,7 +5,7 @@
     ────────────────────────────────────────────────          ──────────────────────────────
     graphs.capture(sizes)   ── ("capture", sizes, n) ───────▶ same sizes, same order
     graphs.launch(...)      ── ("graph_step", n, size, prep) ▶ run_step: same padding, same graph
-    graphs.write_tokens     ── ("write_tokens", rows, ids) ──▶ same rows
+    graphs.write_slots      ── ("write_slots", slots, rows) ─▶ same sampling-state slots
     runner.prefill (recompute / colocated) ── ("prefill") ───▶ same chunks
     KV pulled from every prefill shard (any TP size) into staging on rank 0, then on the
     engine thread (between steps):  own heads -> own pool;
@@ -92,14 +92,10 @@ def decode_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
         runner = ModelRunner(cfg.engine, tp)
         graphs = GraphRunner(runner, cfg.engine.scheduler.max_batch_size)
 
-        def graph_step(n: int, graph_size: int, prep) -> None:
+        def graph_step(n: int, graph_size: int, prep, variant: int) -> None:
             slot = graphs.bufs.ring.acquire()
-            graphs.run_step(slot, n, graph_size, prep)
+            graphs.run_step(slot, n, graph_size, prep, variant)
             slot.record()
-
-        @torch.inference_mode()
-        def write_tokens(rows, tokens) -> None:
-            graphs.bufs.write_tokens(rows, tokens)
 
         @torch.inference_mode()
         def kv_in(dest_blocks, parts) -> None:
@@ -115,7 +111,7 @@ def decode_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
             runner,
             {
                 "graph_step": graph_step,
-                "write_tokens": write_tokens,
+                "write_slots": graphs.write_slots,
                 "kv_in": kv_in,
                 "capture": graphs.capture,
             },

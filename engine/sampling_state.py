@@ -108,7 +108,7 @@ class SamplingState:
         bias_vals = [[0.0] * width for _ in ps]
         bans = [[-1] * ban_w for _ in ps]
         for i, p in enumerate(ps):
-            for j, (tok, val) in enumerate(p.logit_bias.items()):
+            for j, (tok, val) in enumerate(p.logit_bias):
                 bias_ids[i][j], bias_vals[i][j] = tok, val
             if p.min_tokens:
                 ids = sorted({*(() if p.ignore_eos else eos), *p.stop_token_ids})

@@ -11,17 +11,18 @@ import pytest
 from decode_helpers import Collected, assert_all_free, drive, engine_config, make_engine, submit
 
 from splitserve.decode_worker.config import capture_sizes, default_graph_sizes
+from splitserve.decode_worker.graph_runner import GREEDY, LOGPROBS, SAMPLE
 from splitserve.request.sampling_params import SamplingParams
 
 
 class _EagerGraph:
     """A stand-in CUDAGraph: replay runs the body at the captured (padded) size."""
 
-    def __init__(self, runner, size: int) -> None:
-        self.runner, self.size = runner, size
+    def __init__(self, runner, size: int, variant: int) -> None:
+        self.runner, self.key = runner, (size, variant)
 
     def replay(self) -> None:
-        self.runner._graph_logits[self.size] = self.runner._body(self.size)
+        self.runner._graph_logits[self.key] = self.runner._body(*self.key)
 
     def reset(self) -> None:
         pass
@@ -30,7 +31,7 @@ class _EagerGraph:
 def _fake_capture(engine, sizes) -> None:
     g = engine.graphs
     g.bufs.reset()
-    g._graphs = {n: _EagerGraph(g, n) for n in sizes}
+    g._graphs = {(n, v): _EagerGraph(g, n, v) for n in sizes for v in (GREEDY, SAMPLE, LOGPROBS)}
     g._pool = object()
     g._build_dispatch()
 

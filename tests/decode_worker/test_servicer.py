@@ -198,7 +198,7 @@ def test_failing_step_is_fatal_unavailable_and_not_serving(tiny_llama):
     async def main():
         async with serving(tiny_llama) as (worker, stub, channel):
 
-            def broken(n):
+            def broken(n, variant=0):
                 raise RuntimeError("injected device fault")
 
             worker.engine.graphs._body = broken
