@@ -14,6 +14,12 @@ Per batch size B (default 1, 8, 32, 64, 128, 256), every sequence holding --cont
     engine_step_ms   the serving loop (scheduler, overlap, stop checks) per step, wall clock
     hf_step_ms       transformers generate per new token (batch 1 and 64; static cache if it runs)
 
+With --sampling MODES (comma list, or "all"), it measures instead the engine step per sampling
+mode against greedy in the same run (decode_sampling.py; issue 30's decode_sampling.json):
+
+    python benchmarks/decode.py --model-dir /tmp/llama-3.2-1b --sampling all \
+        --batch-sizes 1,8,64,256 --out decode_sampling.json
+
 The model is the `llama-3.2-1b` shape preset (bf16, 1.2B parameters, random weights: speed
 does not depend on the values), written to --model-dir on first use.
 """
@@ -26,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from decode_sampling import MODES, sampling_results
 from decode_timing import copy_bandwidth, engine_time, kernel_times  # the step timings
 
 
@@ -54,6 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--device",
         default="cuda",
         help="cuda (the measurement) or cpu (a smoke test of the script)",
+    )
+    p.add_argument(
+        "--sampling",
+        default="",
+        help=f"measure these sampling modes against greedy instead ('all' = {','.join(MODES)})",
     )
     p.add_argument("--out", help="write the JSON result here")
     return p.parse_args(argv)
@@ -137,6 +149,18 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     engine.warm_up()
     log(f"captured graphs {engine.graphs.captured_sizes} in {time.perf_counter() - t0:.1f}s")
+    if args.sampling:
+        modes = MODES if args.sampling == "all" else tuple(args.sampling.split(","))
+        unknown = set(modes) - set(MODES)
+        if unknown:
+            print(f"decode benchmark: unknown sampling modes {sorted(unknown)}", file=sys.stderr)
+            return 2
+        results = sampling_results(
+            engine, sizes, ("greedy", *modes[modes[0] == "greedy" :]), args, log
+        )
+        return write_out(
+            args, torch, {"context": args.context, "steps": args.steps, "results": results}
+        )
     eager_runner = GraphRunner(engine.runner, max(sizes))
     bw = copy_bandwidth(torch, args.device, (2 << 30) if args.device == "cuda" else (64 << 20))
     log(f"device copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -179,9 +203,6 @@ def main(argv=None) -> int:
         log(str(peer))
         hf.append(peer)
     out = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "model": args.preset,
         "context": args.context,
         "steps": args.steps,
         "block_size": args.block_size,
@@ -190,6 +211,16 @@ def main(argv=None) -> int:
         "kv_bytes_per_token": kv_per_token,
         "results": results,
         "transformers": hf,
+    }
+    return write_out(args, torch, out)
+
+
+def write_out(args, torch, fields: dict) -> int:
+    out = {
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": args.preset,
+        **fields,
     }
     text = json.dumps(out, indent=2)
     if args.out:

@@ -35,12 +35,24 @@ def _engine(model, graphs: bool, **kw) -> DecodeEngine:
     return engine
 
 
-def _run(engine: DecodeEngine, n: int, seed: int) -> dict[str, list[int]]:
+MIXED = [
+    GREEDY,
+    SEEDED,
+    SamplingParams(seed=3, top_k=20, top_p=0.8, max_tokens=24, ignore_eos=True),
+    SamplingParams(
+        temperature=0, repetition_penalty=1.3, presence_penalty=0.4, max_tokens=24, ignore_eos=True
+    ),
+    SamplingParams(seed=4, logprobs=5, min_p=0.05, max_tokens=24, ignore_eos=True),
+    SamplingParams(seed=5, logit_bias={7: 5.0}, min_tokens=6, max_tokens=24),
+]
+
+
+def _run(engine: DecodeEngine, n: int, seed: int, mixed: bool = False) -> dict[str, list[int]]:
     rng = random.Random(seed)
     col = Collected()
     for i in range(n):
         prompt = [1] + [rng.randrange(3, 500) for _ in range(rng.randrange(3, 40))]
-        params = SEEDED if i == 1 else GREEDY
+        params = MIXED[i % len(MIXED)] if mixed else (SEEDED if i == 1 else GREEDY)
         submit(engine, col, f"g{i}", prompt, rng.randrange(3, 500), params, with_kv=i % 2 == 0)
     drive(engine, {})
     assert_all_free(engine)
@@ -81,6 +93,17 @@ def test_graph_replay_matches_eager_with_padding(graph_engine, eager_engine, bat
     assert _replays(graph_engine) > before + 20
     assert graph_engine.graphs.num_eager == eager_before  # every batch size had a graph
     assert eager_engine.graphs.num_replays == 0
+
+
+@pytest.mark.parametrize("batch", [6, 29])
+def test_mixed_sampling_rows_replay_like_eager_without_host_sync(graph_engine, eager_engine, batch):
+    """Greedy, seeded, filtered, penalised, logprobs, bias and min_tokens rows in one batch:
+    the captured step gives the eager step's tokens (same counter-based noise), and the host
+    never waits for a step it has just launched."""
+    syncs = graph_engine.sync_reads
+    got = _run(graph_engine, batch, seed=batch, mixed=True)
+    assert got == _run(eager_engine, batch, seed=batch, mixed=True)
+    assert graph_engine.sync_reads == syncs == 0
 
 
 def test_eager_fallback_above_the_largest_graph(tiny_llama, eager_engine):

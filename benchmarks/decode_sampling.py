@@ -1,0 +1,73 @@
+"""`decode.py --sampling`: engine ms per decode step for the sampling parameters users send,
+each mode divided by greedy measured in the same run (issue 30's table).
+
+Modes (every row of the batch in that mode; "mixed": a quarter each of the four non-greedy):
+
+    greedy          temperature 0
+    temp_top_p      temperature 0.7, top_p 0.9
+    seeded_top_k    seed per request, top_k 50, temperature 1
+    penalties       repetition 1.1, frequency 0.5, presence 0.5, temperature 1
+    logprobs5       temperature 1, logprobs 5
+    mixed           the four above, a quarter each
+"""
+
+from __future__ import annotations
+
+import time
+
+MODES = ("greedy", "temp_top_p", "seeded_top_k", "penalties", "logprobs5", "mixed")
+
+
+def mode_params(mode: str, i: int, max_tokens: int):
+    from splitserve.request.sampling_params import SamplingParams
+
+    base = {"max_tokens": max_tokens, "ignore_eos": True}
+    if mode == "mixed":
+        mode = MODES[1 + i % 4]
+    extra = {
+        "greedy": {"temperature": 0.0},
+        "temp_top_p": {"temperature": 0.7, "top_p": 0.9},
+        "seeded_top_k": {"seed": 1000 + i, "top_k": 50},
+        "penalties": {
+            "repetition_penalty": 1.1,
+            "frequency_penalty": 0.5,
+            "presence_penalty": 0.5,
+        },
+        "logprobs5": {"logprobs": 5},
+    }[mode]
+    return SamplingParams(**base, **extra)
+
+
+def engine_step_ms(engine, batch: int, mode: str, args) -> float:
+    """Wall ms per step of the serving loop, every request admitted with its KV present."""
+    from splitserve.decode_worker.sequence import DecodeInput
+
+    for i in range(batch):
+        got = engine.allocator.allocate(-(-args.context // engine.runner.block_size))
+        params = mode_params(mode, i, args.steps + 1)
+        engine.admit(
+            DecodeInput(f"{mode}{i}", [1] * args.context, 5, params),
+            list(got.block_ids),
+            lambda out: None,
+        )
+    engine.step()  # admission, slot fills, full prepare
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    assert engine.allocator.num_free == engine.allocator.num_usable
+    return (time.perf_counter() - t0) * 1e3 / max(steps, 1)
+
+
+def sampling_results(engine, sizes, modes, args, log) -> list[dict]:
+    rows = []
+    for b in sizes:
+        engine_step_ms(engine, b, "greedy", args)  # warm the loop at this size
+        greedy = engine_step_ms(engine, b, "greedy", args)
+        for mode in modes:
+            ms = greedy if mode == "greedy" else engine_step_ms(engine, b, mode, args)
+            row = {"batch": b, "mode": mode, "engine_step_ms": ms, "ratio_to_greedy": ms / greedy}
+            log(f"  batch={b} mode={mode} engine_step_ms={ms:.3f} ratio={ms / greedy:.3f}")
+            rows.append(row)
+    return rows
