@@ -19,71 +19,88 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels.triton_common import interpreting, pow2
+from splitserve.kernels.triton_common import interpreting, pow2, sm_count
 
 _NPIV = 16
 
 
 @triton.jit
 def _hash32(x):
-    m = tl.cast(0xFFFFFFFF, tl.int64)
+    """lowbias32 on uint32 (wraps like the twin's int64 arithmetic masked to 32 bits)."""
     x = x ^ (x >> 16)
-    x = (x * tl.cast(0x7FEB352D, tl.int64)) & m
+    x = x * 0x7FEB352D
     x = x ^ (x >> 15)
-    x = (x * tl.cast(0x846CA68B, tl.int64)) & m
+    x = x * 0x846CA68B
     return x ^ (x >> 16)
 
 
 @triton.jit
 def _key(z):
     """Order-preserving int64 key of float32 z."""
-    bits = z.to(tl.int32, bitcast=True)
+    bits = z.to(tl.float32).to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
 
 
 @triton.jit
-def _sample_kernel(
-    x_ptr, stride_x, V, slot_ptr, out_ptr,
-    temp_ptr, topk_ptr, topp_ptr, minp_ptr, seed_ptr, step_ptr,
+def _pen_max_kernel(
+    x_ptr, stride_x, V, slot_ptr, part_v_ptr, part_i_ptr, C, CHUNK,
     pen_ptr, rep_ptr, freq_ptr, pres_ptr, counts_ptr, seen_ptr, stride_c,
-    BLOCK: tl.constexpr, NPIV: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
+    """Chunk c of row r: penalties in place (rows that have them), the chunk's max and first
+    index of it into part_*[r, c]."""
     row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     xr = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK)
-    temp = tl.load(temp_ptr + slot)
     has_pen = tl.load(pen_ptr + slot)
     rep = tl.load(rep_ptr + slot)
     freq = tl.load(freq_ptr + slot)
     pres = tl.load(pres_ptr + slot)
-    # ---- pass 0: penalties in place, max and its first index
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int64)
-    for start in range(0, V, BLOCK):
+    lo = c * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for start in range(lo, hi, BLOCK):
         idx = start + offs
-        mask = idx < V
+        mask = idx < hi
         v = tl.load(xr + idx, mask=mask, other=float("-inf"))
         if has_pen != 0:
-            c = tl.load(counts_ptr + slot * stride_c + idx, mask=mask, other=0)
+            cnt = tl.load(counts_ptr + slot * stride_c + idx, mask=mask, other=0)
             s = tl.load(seen_ptr + slot * stride_c + idx, mask=mask, other=0)
-            seen = (s != 0) | (c > 0)
+            seen = (s != 0) | (cnt > 0)
             v = tl.where(seen, tl.where(v > 0, v / rep, v * rep), v)
-            v = v - freq * c.to(tl.float32)
-            v = v - pres * (c > 0).to(tl.float32)
+            v = v - freq * cnt.to(tl.float32)
+            v = v - pres * (cnt > 0).to(tl.float32)
             tl.store(xr + idx, v, mask=mask)
         better = v > best
         best_i = tl.where(better, idx.to(tl.int64), best_i)
         best = tl.where(better, v, best)
     m = tl.max(best, axis=0)
-    first = tl.min(tl.where(best == m, best_i, V), axis=0)
-    tl.debug_barrier()  # the penalised row is re-read by other threads below
+    tl.store(part_v_ptr + row * C + c, m)
+    tl.store(part_i_ptr + row * C + c, tl.min(tl.where(best == m, best_i, V), axis=0))
+
+
+@triton.jit
+def _threshold_kernel(
+    x_ptr, stride_x, V, slot_ptr, m_ptr, thr_ptr,
+    temp_ptr, topk_ptr, topp_ptr, minp_ptr,
+    BLOCK: tl.constexpr, NPIV: tl.constexpr,
+):  # fmt: skip
+    """thr[r]: the lowest kept key of row r (min-p, then top-k, then top-p by 16-ary search)."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    xr = x_ptr + row * stride_x
+    offs = tl.arange(0, BLOCK)
+    temp = tl.load(temp_ptr + slot)
+    m = tl.load(m_ptr + row)
+    min_p = tl.load(minp_ptr + slot)
+    floor = tl.where(min_p > 0, tl.log(tl.maximum(min_p, 1e-38)), float("-inf")).to(tl.float32)
+    thr = _key(floor)
     if temp > 0:
         top_k = tl.load(topk_ptr + slot)
         top_p = tl.load(topp_ptr + slot)
-        min_p = tl.load(minp_ptr + slot)
-        floor = tl.where(min_p > 0, tl.log(tl.maximum(min_p, 1e-38)), float("-inf"))
-        thr = _key(floor)
         j = tl.arange(0, NPIV).to(tl.int64)
         if (top_k > 0) & (top_k < V):
             lo = tl.cast(-2147483648, tl.int64)  # count(key >= lo) = V >= k
@@ -107,8 +124,7 @@ def _sample_kernel(
                 idx = start + offs
                 mask = idx < V
                 z = (tl.load(xr + idx, mask=mask, other=0.0) - m) / temp
-                kept = mask & (_key(z) >= thr)
-                total += tl.where(kept, tl.exp(z), 0.0)
+                total += tl.where(mask & (_key(z) >= thr), tl.exp(z), 0.0)
             target = top_p * tl.sum(total, axis=0)
             lo = thr - 1  # mass(key > lo) = total >= target
             hi = tl.cast(1, tl.int64)  # mass(key > 1) = 0 < target
@@ -126,43 +142,96 @@ def _sample_kernel(
                 hi = tl.min(tl.where(mass < target, piv, hi), axis=0)
                 lo = new_lo
             thr = tl.maximum(thr, hi)
-        # ---- the race: Gumbel-max over the kept tokens, noise keyed by (seed, step, token)
+    tl.store(thr_ptr + row, thr)
+
+
+@triton.jit
+def _race_kernel(
+    x_ptr, stride_x, V, slot_ptr, m_ptr, thr_ptr, part_v_ptr, part_i_ptr, C, CHUNK,
+    temp_ptr, seed_ptr, step_ptr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Chunk c of row r: the best kept z + Gumbel(seed, step, token) and its first index."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    temp = tl.load(temp_ptr + slot)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int64)
+    if temp > 0:
+        xr = x_ptr + row * stride_x
+        offs = tl.arange(0, BLOCK)
+        m = tl.load(m_ptr + row)
+        thr = tl.load(thr_ptr + row)
         seed = tl.load(seed_ptr + slot)
         step = tl.load(step_ptr + slot)
-        msk = tl.cast(0xFFFFFFFF, tl.int64)
-        b = _hash32((seed & msk) ^ _hash32(((seed >> 32) & msk) ^ 0x243F6A88))
-        k1 = _hash32((step & msk) ^ b ^ tl.cast(0x85A308D3, tl.int64))
+        seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+        seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        b = _hash32(seed_lo ^ _hash32(seed_hi ^ 0x243F6A88))
+        k1 = _hash32((step & 0xFFFFFFFF).to(tl.uint32) ^ b ^ 0x85A308D3)
         k2 = _hash32(k1 ^ 0x13198A2E)
-        best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.zeros([BLOCK], tl.int64)
-        for start in range(0, V, BLOCK):
+        lo = c * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        for start in range(lo, hi, BLOCK):
             idx = start + offs
-            mask = idx < V
+            mask = idx < hi
             z = (tl.load(xr + idx, mask=mask, other=0.0) - m) / temp
-            h = _hash32(_hash32((idx.to(tl.int64) + k1) & msk) ^ k2)
+            h = _hash32(_hash32(idx.to(tl.uint32) + k1) ^ k2)
             u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             score = tl.where(mask & (_key(z) >= thr), z - tl.log(-tl.log(u)), float("-inf"))
             better = score > best
             best_i = tl.where(better, idx.to(tl.int64), best_i)
             best = tl.where(better, score, best)
-        top = tl.max(best, axis=0)
-        first = tl.min(tl.where(best == top, best_i, V), axis=0)
-    tl.store(out_ptr + row, first)
+    top = tl.max(best, axis=0)
+    tl.store(part_v_ptr + row * C + c, top)
+    tl.store(part_i_ptr + row * C + c, tl.min(tl.where(best == top, best_i, V), axis=0))
+
+
+def _chunks(n: int, vocab: int, block: int, device: torch.device) -> tuple[int, int]:
+    """Programs per row: enough to fill the GPU at small batches, each a whole number of
+    blocks (the split depends only on n and V, so a row's result does not change with it: the
+    first index of the maximum is the same however the row is cut)."""
+    want = max(1, -(-4 * sm_count(device) // n))
+    c = max(1, min(want, vocab // (4 * block)))
+    chunk = -(-vocab // c)
+    chunk = -(-chunk // block) * block
+    return -(-vocab // chunk), chunk
+
+
+def _reduce(part_v: torch.Tensor, part_i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row max over chunks and the first index of it (chunks are in token order)."""
+    which = part_v.argmax(dim=1, keepdim=True)
+    return part_v.gather(1, which).squeeze(1), part_i.gather(1, which).squeeze(1)
 
 
 def sample_rows(x: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, state) -> None:
     """out[r] = token of row r of the fp32 logits x [n, V] (penalties applied to x in place),
     with the parameters of state slot slots[r]; `state` holds the per-slot tensors
-    (temperature, top_k, top_p, min_p, seed, step, has_pen, rep, freq, pres, counts,
-    prompt_seen), see decode_worker/sampling_state.py."""
+    (decode_worker/sampling_state.py)."""
     n, vocab = x.shape
     if n == 0:
         return
     block = min(pow2(vocab), 64 if interpreting() else 1024)
+    c, chunk = _chunks(n, vocab, block, x.device)
     s = state
-    _sample_kernel[(n,)](
-        x, x.stride(0), vocab, slots, out,
-        s.temperature, s.top_k, s.top_p, s.min_p, s.seed, s.step,
+    part_v = torch.empty(n, c, dtype=torch.float32, device=x.device)
+    part_i = torch.empty(n, c, dtype=torch.int64, device=x.device)
+    _pen_max_kernel[(n, c)](
+        x, x.stride(0), vocab, slots, part_v, part_i, c, chunk,
         s.has_pen, s.rep, s.freq, s.pres, s.counts, s.prompt_seen, s.counts.stride(0),
-        BLOCK=block, NPIV=_NPIV, num_warps=8,
+        BLOCK=block, num_warps=4,
     )  # fmt: skip
+    m, first = _reduce(part_v, part_i)
+    thr = torch.empty(n, dtype=torch.int64, device=x.device)
+    _threshold_kernel[(n,)](
+        x, x.stride(0), vocab, slots, m, thr, s.temperature, s.top_k, s.top_p, s.min_p,
+        BLOCK=min(block, 256), NPIV=_NPIV, num_warps=4,
+    )  # fmt: skip
+    _race_kernel[(n, c)](
+        x, x.stride(0), vocab, slots, m, thr, part_v, part_i, c, chunk,
+        s.temperature, s.seed, s.step,
+        BLOCK=block, num_warps=4,
+    )  # fmt: skip
+    _, raced = _reduce(part_v, part_i)
+    random = s.temperature.index_select(0, slots) > 0
+    out.copy_(torch.where(random, raced, first))
