@@ -15,8 +15,9 @@ One step of n real lanes (`launch`):
 Sampling is part of the step (engine/sampling_state.py): every row reads its parameters from a
 state slot on the device, filled once when its sequence first runs (`_assign_slots`), so one
 replay serves any mix of greedy, random, seeded, penalised and logprobs rows and the host only
-reads tokens back. A batch of plain greedy rows replays the GREEDY graph (argmax only); any
-other row makes it SAMPLE, LOGPROBS when a row reports logprobs. Each captured size has all three.
+reads tokens back. A batch of plain greedy rows replays the GREEDY graph (argmax only); other
+rows pick a variant by flags (SAMPLE, + LOGPROBS, + FILTER: see VARIANTS); each captured size
+has all five.
 
 So in the steady loop (same rows as the last step, greedy) the host issues one graph launch,
 one D2H copy and one event record per step (+ one small copy and one kernel when a sequence
@@ -49,11 +50,20 @@ from splitserve.decode_worker.step_buffers import DecodeBuffers, StagingSlot
 from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, TokenLogprobs, to_token_logprobs
-from splitserve.engine.sampling_state import LogprobBuffers, RowInit, SamplingState, sample_step
+from splitserve.engine.sampling_state import (
+    LogprobBuffers,
+    RowInit,
+    SamplingState,
+    has_filters,
+    sample_step,
+)
 from splitserve.request.block_allocator import NULL_BLOCK
 from splitserve.request.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
-GREEDY, SAMPLE, LOGPROBS = 0, 1, 2  # graph variants
+# graph variants, as flags: SAMPLE (any row not plain greedy), LOGPROBS (a row reports them),
+# FILTER (a random row has top-k / top-p: the threshold searches run); GREEDY is argmax only
+GREEDY, SAMPLE, LOGPROBS, FILTER = 0, 1, 2, 4
+VARIANTS = (SAMPLE | LOGPROBS | FILTER, SAMPLE | FILTER, SAMPLE | LOGPROBS, SAMPLE, GREEDY)
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +139,9 @@ class GraphRunner:
         if variant == GREEDY:
             b.sampled[:n].copy_(logits.argmax(dim=-1))
         else:
-            lp = self._lp if variant == LOGPROBS else None
-            sample_step(logits, b.slots[:n], b.live[:n], self.sampling, b.sampled, lp)
+            lp = self._lp if variant & LOGPROBS else None
+            filters = bool(variant & FILTER)
+            sample_step(logits, b.slots[:n], b.live[:n], self.sampling, b.sampled, lp, filters)
         r.tp.broadcast_(b.sampled[:n])  # rank 0's choice everywhere (a no-op without TP)
         b.advance(n)
         return logits
@@ -158,14 +169,14 @@ class GraphRunner:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compile / autotune every shape before any capture
             for n in sizes:
-                for variant in (GREEDY, SAMPLE, LOGPROBS):
+                for variant in VARIANTS:
                     for _ in range(warmup_steps):
                         self._body(n, variant)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         self._pool = torch.cuda.graph_pool_handle()
         for n in sizes:  # largest first: smaller graphs reuse its pool memory
-            for variant in (LOGPROBS, SAMPLE, GREEDY):
+            for variant in VARIANTS:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):
                     logits = self._body(n, variant)
@@ -271,13 +282,15 @@ class GraphRunner:
             prep = ("patch", [(self._rows[s.uid], col, blk) for s, col, blk in new_blocks])
         variant = GREEDY
         if any(not s.params.is_plain_greedy for s in seqs):
-            variant = LOGPROBS if any(s.params.logprobs is not None for s in seqs) else SAMPLE
+            variant = SAMPLE
+            variant |= LOGPROBS if any(s.params.logprobs is not None for s in seqs) else 0
+            variant |= FILTER if any(has_filters(s.params) for s in seqs) else 0
         if self.runner.mirror is not None:
             self.runner.mirror(("graph_step", n, graph_size, prep, variant))
         slot = self.bufs.ring.acquire()
         self.run_step(slot, n, graph_size, prep, variant)
         slot.out[:n].copy_(self.bufs.sampled[:n], non_blocking=True)
-        if variant == LOGPROBS:
+        if variant & LOGPROBS:
             slot.lp[:n].copy_(self._lp_pack[:n], non_blocking=True)
             slot.lp_ids[:n].copy_(self._lp_ids[:n], non_blocking=True)
         slot.record()
@@ -309,7 +322,7 @@ class GraphRunner:
         handle.slot.wait()
         n = len(handle.seqs)
         tokens = handle.slot.out_np[:n].tolist()
-        if handle.variant != LOGPROBS:
+        if not handle.variant & LOGPROBS:
             return tokens, [None] * n
         lp = handle.slot.lp[:n]
         host = LogprobBuffers(lp[:, 0], lp[:, 1:], handle.slot.lp_ids[:n])

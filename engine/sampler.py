@@ -25,7 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.sampling_state import LogprobBuffers, RowInit, SamplingState, sample_step
+from splitserve.engine.sampling_state import (
+    LogprobBuffers,
+    RowInit,
+    SamplingState,
+    has_filters,
+    sample_step,
+)
 from splitserve.request.sampling_params import SamplingParams
 
 
@@ -83,7 +89,8 @@ class Sampler:
         want = any(s.params.logprobs is not None for s in seqs)
         lp = LogprobBuffers.empty(n, vocab, dev) if want else None
         slots = torch.arange(n, device=dev)
-        sample_step(logits.float(), slots, torch.ones_like(slots), state, out, lp)
+        filters = any(has_filters(s.params) for s in seqs)
+        sample_step(logits.float(), slots, torch.ones_like(slots), state, out, lp, filters)
         return SampleOutput(out.tolist(), to_token_logprobs(out, lp, [s.params for s in seqs]))
 
 

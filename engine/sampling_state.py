@@ -28,6 +28,11 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "rep", "freq", "pres")
 _INT_FIELDS = ("top_k", "has_pen", "seed", "step", "min_tokens")
 
 
+def has_filters(p: SamplingParams) -> bool:
+    """A random row with top-k or top-p: its step needs the threshold searches."""
+    return not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0)
+
+
 @dataclass(frozen=True, slots=True)
 class RowInit:
     """What a slot is filled from: the request, its tokens so far and its resolved seed."""
@@ -167,9 +172,11 @@ def sample_step(
     state: SamplingState,
     out: torch.Tensor,
     logprobs: LogprobBuffers | None = None,
+    filters: bool = True,
 ) -> None:
     """out[:n] = the tokens of fp32 logits [n, V] whose rows use state slots `slots` [n];
-    `live` [n] (int64, 0 for padding lanes) advances the slots' steps and counts."""
+    `live` [n] (int64, 0 for padding lanes) advances the slots' steps and counts.
+    filters=False promises that no row has top-k / top-p (the GPU skips their searches)."""
     n = logits.shape[0]
     x = logits.clone()
     ban_on = state.step.index_select(0, slots) < state.min_tokens.index_select(0, slots)
@@ -184,7 +191,7 @@ def sample_step(
     if use_triton(x):
         from splitserve.kernels.triton_sampling import sample_rows
 
-        sample_rows(x, slots, tokens, state)
+        sample_rows(x, slots, tokens, state, filters)
     else:
         g = lambda t: t.index_select(0, slots)  # noqa: E731
         pen = g(state.has_pen).bool().unsqueeze(1)

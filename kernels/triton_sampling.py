@@ -21,8 +21,6 @@ import triton.language as tl
 
 from splitserve.kernels.triton_common import interpreting, pow2, sm_count
 
-_NPIV = 16
-
 
 @triton.jit
 def _hash32(x):
@@ -82,67 +80,181 @@ def _pen_max_kernel(
     tl.store(part_i_ptr + row * C + c, tl.min(tl.where(best == m, best_i, V), axis=0))
 
 
+_INT_MIN = -2147483648
+
+
 @triton.jit
-def _threshold_kernel(
-    x_ptr, stride_x, V, slot_ptr, m_ptr, thr_ptr,
-    temp_ptr, topk_ptr, topp_ptr, minp_ptr,
-    BLOCK: tl.constexpr, NPIV: tl.constexpr,
+def _search_init_kernel(
+    m_ptr, thr_ptr, lo_ptr, hi_ptr, slot_ptr, V, temp_ptr, topk_ptr, minp_ptr
 ):  # fmt: skip
-    """thr[r]: the lowest kept key of row r (min-p, then top-k, then top-p by 16-ary search)."""
+    """thr = the min-p floor's key; the top-k search's bracket (inactive: hi = lo + 1)."""
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + row).to(tl.int64)
-    xr = x_ptr + row * stride_x
-    offs = tl.arange(0, BLOCK)
     temp = tl.load(temp_ptr + slot)
-    m = tl.load(m_ptr + row)
+    top_k = tl.load(topk_ptr + slot)
     min_p = tl.load(minp_ptr + slot)
     floor = tl.where(min_p > 0, tl.log(tl.maximum(min_p, 1e-38)), float("-inf")).to(tl.float32)
-    thr = _key(floor)
+    tl.store(thr_ptr + row, _key(floor))
+    active = (temp > 0) & (top_k > 0) & (top_k < V)
+    tl.store(lo_ptr + row, tl.cast(-2147483648, tl.int64))  # count(key >= lo) = V >= k
+    tl.store(hi_ptr + row, tl.where(active, 1, -2147483647).to(tl.int64))  # z <= +0: key 0
+
+
+@triton.jit
+def _search_prep_kernel(
+    x_ptr, stride_x, V, slot_ptr, m_ptr, key_ptr, e_ptr, C, CHUNK, temp_ptr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Chunk c of row r: key(z) and exp(z) of z = (x - max) / T, once, for the search passes."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    temp = tl.load(temp_ptr + slot)
     if temp > 0:
-        top_k = tl.load(topk_ptr + slot)
-        top_p = tl.load(topp_ptr + slot)
-        j = tl.arange(0, NPIV).to(tl.int64)
-        if (top_k > 0) & (top_k < V):
-            lo = tl.cast(-2147483648, tl.int64)  # count(key >= lo) = V >= k
-            hi = tl.cast(1, tl.int64)  # z <= +0 (key 0): count(key >= 1) = 0 < k
-            while hi - lo > 1:
-                piv = lo + ((hi - lo) * j) // NPIV
-                cnt = tl.zeros([NPIV], tl.int32)
-                for start in range(0, V, BLOCK):
-                    idx = start + offs
-                    mask = idx < V
-                    v = tl.load(xr + idx, mask=mask, other=0.0)
-                    k = tl.where(mask, _key((v - m) / temp), -2147483649)
-                    cnt += tl.sum((k[:, None] >= piv[None, :]).to(tl.int32), axis=0)
-                new_lo = tl.max(tl.where(cnt >= top_k, piv, lo), axis=0)
-                hi = tl.min(tl.where(cnt < top_k, piv, hi), axis=0)
-                lo = new_lo
+        xr = x_ptr + row * stride_x
+        offs = tl.arange(0, BLOCK)
+        m = tl.load(m_ptr + row)
+        start0 = c * CHUNK
+        end = tl.minimum(start0 + CHUNK, V)
+        for start in range(start0, end, BLOCK):
+            idx = start + offs
+            mask = idx < end
+            z = (tl.load(xr + idx, mask=mask, other=0.0) - m) / temp
+            tl.store(key_ptr + row * V + idx, _key(z).to(tl.int32), mask=mask)
+            tl.store(e_ptr + row * V + idx, tl.exp(z), mask=mask)
+
+
+@triton.jit
+def _search_part_kernel(
+    key_ptr, e_ptr, V, slot_ptr, thr_ptr, lo_ptr, hi_ptr, part_ptr, C, CHUNK, temp_ptr,
+    MODE: tl.constexpr, BLOCK: tl.constexpr, NPIV: tl.constexpr,
+):  # fmt: skip
+    """Chunk c of row r, into part[r, c, :]: MODE 0 count(key >= pivot_j) (top-k), MODE 1
+    mass(key > pivot_j) over key >= thr (top-p), MODE 2 the kept mass over key >= max(thr,
+    lo) in column 0 (after top-k). Pivots split [lo, hi) in NPIV; a settled row does nothing."""
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    temp = tl.load(temp_ptr + slot)
+    lo = tl.load(lo_ptr + row)
+    hi = tl.load(hi_ptr + row)
+    go = temp > 0
+    if MODE != 2:
+        go = go & (hi - lo > 1)
+    if go:
+        # loads are [BLOCK, 1] so the compare with the [1, NPIV] pivots broadcasts in registers
+        offs = tl.arange(0, BLOCK)[:, None]
+        j = tl.arange(0, NPIV)[None, :]
+        thr = tl.load(thr_ptr + row)
+        if MODE == 2:
             thr = tl.maximum(thr, lo)
-        if top_p < 1.0:
-            total = tl.zeros([BLOCK], tl.float32)
-            for start in range(0, V, BLOCK):
-                idx = start + offs
-                mask = idx < V
-                z = (tl.load(xr + idx, mask=mask, other=0.0) - m) / temp
-                total += tl.where(mask & (_key(z) >= thr), tl.exp(z), 0.0)
-            target = top_p * tl.sum(total, axis=0)
-            lo = thr - 1  # mass(key > lo) = total >= target
-            hi = tl.cast(1, tl.int64)  # mass(key > 1) = 0 < target
-            while hi - lo > 1:
-                piv = lo + ((hi - lo) * j) // NPIV
-                mass = tl.zeros([NPIV], tl.float32)
-                for start in range(0, V, BLOCK):
-                    idx = start + offs
-                    mask = idx < V
-                    z = (tl.load(xr + idx, mask=mask, other=0.0) - m) / temp
-                    k = _key(z)
-                    e = tl.where(mask & (k >= thr), tl.exp(z), 0.0)
-                    mass += tl.sum(tl.where(k[:, None] > piv[None, :], e[:, None], 0.0), axis=0)
-                new_lo = tl.max(tl.where(mass >= target, piv, lo), axis=0)
-                hi = tl.min(tl.where(mass < target, piv, hi), axis=0)
-                lo = new_lo
-            thr = tl.maximum(thr, hi)
-    tl.store(thr_ptr + row, thr)
+        piv = lo + ((hi - lo) * j.to(tl.int64)) // NPIV
+        acc = tl.zeros([BLOCK, NPIV], tl.float32)
+        start0 = c * CHUNK
+        end = tl.minimum(start0 + CHUNK, V)
+        for start in range(start0, end, BLOCK):
+            idx = start + offs
+            mask = idx < end
+            k = tl.load(key_ptr + row * V + idx, mask=mask, other=0).to(tl.int64)
+            k = tl.where(mask, k, -2147483649)
+            if MODE == 0:
+                acc += (k >= piv).to(tl.float32)
+            else:
+                e = tl.load(e_ptr + row * V + idx, mask=mask & (k >= thr), other=0.0)
+                if MODE == 1:
+                    acc += tl.where(k > piv, e, 0.0)
+                else:
+                    acc += tl.where(j == 0, e, 0.0)
+        tl.store(part_ptr + (row * C + c) * NPIV + tl.arange(0, NPIV), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _search_step_kernel(
+    part_ptr, C, thr_ptr, lo_ptr, hi_ptr, target_ptr, slot_ptr, temp_ptr, topk_ptr, topp_ptr,
+    MODE: tl.constexpr, CP: tl.constexpr, NPIV: tl.constexpr,
+):  # fmt: skip
+    """Sums the chunks' parts of row r and narrows its bracket (MODE 0 top-k, MODE 1 top-p), or
+    (MODE 2) settles top-k into thr and opens the top-p bracket with its target mass."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    temp = tl.load(temp_ptr + slot)
+    lo = tl.load(lo_ptr + row)
+    hi = tl.load(hi_ptr + row)
+    go = temp > 0
+    if MODE != 2:
+        go = go & (hi - lo > 1)
+    if go:
+        cs = tl.arange(0, CP)
+        j = tl.arange(0, NPIV)
+        parts = tl.load(
+            part_ptr + (row * C + cs[:, None]) * NPIV + j[None, :], mask=cs[:, None] < C, other=0.0
+        )
+        tot = tl.sum(parts, axis=0)
+        piv = lo + ((hi - lo) * j.to(tl.int64)) // NPIV
+        if MODE == 0:
+            top_k = tl.load(topk_ptr + slot).to(tl.float32)
+            ok = tot >= top_k
+        elif MODE == 1:
+            ok = tot >= tl.load(target_ptr + row)
+        if MODE != 2:
+            new_lo = tl.max(tl.where(ok, piv, lo), axis=0)
+            hi = tl.min(tl.where(ok, hi, piv), axis=0)
+            lo = new_lo
+            tl.store(lo_ptr + row, lo)
+            tl.store(hi_ptr + row, hi)
+            if (MODE == 1) & (hi - lo <= 1):
+                tl.store(thr_ptr + row, tl.maximum(tl.load(thr_ptr + row), hi))
+        else:
+            thr = tl.maximum(tl.load(thr_ptr + row), lo)
+            tl.store(thr_ptr + row, thr)
+            top_p = tl.load(topp_ptr + slot)
+            total = tl.sum(tl.where(j == 0, tot, 0.0), axis=0)
+            tl.store(target_ptr + row, top_p * total)
+            tl.store(lo_ptr + row, thr - 1)  # mass(key > lo) = total >= target
+            tl.store(hi_ptr + row, tl.where(top_p < 1.0, 1, thr))  # inactive: hi = lo + 1
+
+
+def _thresholds(x, slots, m, c, chunk, block, state, filters: bool) -> torch.Tensor:
+    """thr [n]: each row's lowest kept key (min-p, then top-k, then top-p), by bracket searches
+    whose passes split each row over c programs; the launches are fixed (graph capture), a
+    settled row's programs return at once."""
+    n, vocab = x.shape
+    s, dev = state, x.device
+    npiv = 16
+    iters = -(-33 // (npiv.bit_length() - 1))
+    thr = torch.empty(n, dtype=torch.int64, device=dev)
+    lo, hi = torch.empty_like(thr), torch.empty_like(thr)
+    target = torch.zeros(n, dtype=torch.float32, device=dev)
+    part = torch.empty(n, c, npiv, dtype=torch.float32, device=dev)
+    _search_init_kernel[(n,)](m, thr, lo, hi, slots, vocab, s.temperature, s.top_k, s.min_p)
+    blk = min(block, 256)
+    if not filters:  # no row has top-k / top-p: the min-p floor is the threshold
+        return thr
+
+    keys = torch.empty(n, vocab, dtype=torch.int32, device=dev)
+    e = torch.empty(n, vocab, dtype=torch.float32, device=dev)
+    _search_prep_kernel[(n, c)](
+        x, x.stride(0), vocab, slots, m, keys, e, c, chunk, s.temperature,
+        BLOCK=block, num_warps=4,
+    )  # fmt: skip
+
+    def part_pass(mode: int) -> None:
+        _search_part_kernel[(n, c)](
+            keys, e, vocab, slots, thr, lo, hi, part, c, chunk, s.temperature,
+            MODE=mode, BLOCK=blk, NPIV=npiv, num_warps=4,
+        )  # fmt: skip
+
+    def step(mode: int) -> None:
+        _search_step_kernel[(n,)](
+            part, c, thr, lo, hi, target, slots, s.temperature, s.top_k, s.top_p,
+            MODE=mode, CP=pow2(c), NPIV=npiv, num_warps=4,
+        )  # fmt: skip
+
+    for mode, rounds in ((0, iters), (2, 1), (1, iters)):
+        for _ in range(rounds):
+            part_pass(mode)
+            step(mode)
+    return thr
 
 
 @triton.jit
@@ -204,10 +316,13 @@ def _reduce(part_v: torch.Tensor, part_i: torch.Tensor) -> tuple[torch.Tensor, t
     return part_v.gather(1, which).squeeze(1), part_i.gather(1, which).squeeze(1)
 
 
-def sample_rows(x: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, state) -> None:
+def sample_rows(
+    x: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, state, filters: bool = True
+) -> None:
     """out[r] = token of row r of the fp32 logits x [n, V] (penalties applied to x in place),
     with the parameters of state slot slots[r]; `state` holds the per-slot tensors
-    (decode_worker/sampling_state.py)."""
+    (engine/sampling_state.py). filters=False: no row has top-k / top-p (their searches
+    are not launched)."""
     n, vocab = x.shape
     if n == 0:
         return
@@ -222,11 +337,7 @@ def sample_rows(x: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, state) 
         BLOCK=block, num_warps=4,
     )  # fmt: skip
     m, first = _reduce(part_v, part_i)
-    thr = torch.empty(n, dtype=torch.int64, device=x.device)
-    _threshold_kernel[(n,)](
-        x, x.stride(0), vocab, slots, m, thr, s.temperature, s.top_k, s.top_p, s.min_p,
-        BLOCK=min(block, 256), NPIV=_NPIV, num_warps=4,
-    )  # fmt: skip
+    thr = _thresholds(x, slots, m, c, chunk, block, s, filters)
     _race_kernel[(n, c)](
         x, x.stride(0), vocab, slots, m, thr, part_v, part_i, c, chunk,
         s.temperature, s.seed, s.step,

@@ -45,13 +45,16 @@ class SamplingParams(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     stop: tuple[Annotated[str, Field(min_length=1)], ...] = ()
-    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field((), max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field(
+        (), max_length=MAX_STOP_TOKEN_IDS
+    )
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     min_tokens: int = Field(0, ge=0)
-    logit_bias: dict[Annotated[int, Field(ge=0)], float] = Field(
-        default_factory=dict, max_length=MAX_LOGIT_BIAS
+    # {token id: bias} on input; kept as sorted (id, bias) pairs so the params stay hashable
+    logit_bias: tuple[tuple[Annotated[int, Field(ge=0)], float], ...] = Field(
+        (), max_length=MAX_LOGIT_BIAS
     )
 
     @field_validator("stop", mode="before")
@@ -67,12 +70,21 @@ class SamplingParams(BaseModel):
             raise ValueError(f"must be 0 or -1 (disabled) or at least 1, got {v}")
         return v
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_pairs(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            return tuple(sorted(v.items(), key=lambda kv: int(kv[0])))
+        return v
+
     @field_validator("logit_bias")
     @classmethod
-    def _bias_range(cls, v: dict[int, float]) -> dict[int, float]:
-        bad = {t: b for t, b in v.items() if not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE}
+    def _bias_range(cls, v: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+        bad = {t: b for t, b in v if not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE}
         if bad:
-            raise ValueError(f"biases must be in [-100, 100], got {bad}")
+            raise ValueError(f"biases must be finite and in [-100, 100], got {bad}")
+        if len({t for t, _ in v}) != len(v):
+            raise ValueError("a token id appears twice in logit_bias")
         return v
 
     @model_validator(mode="after")
@@ -111,7 +123,7 @@ class SamplingParams(BaseModel):
 def validate_against_vocab(params: SamplingParams, vocab_size: int) -> None:
     """Refuse token ids the model cannot produce (a stop token that could never match is
     almost certainly a tokenizer / model mix-up, so it is an error rather than ignored)."""
-    bad_bias = sorted(t for t in params.logit_bias if t >= vocab_size)
+    bad_bias = sorted(t for t, _ in params.logit_bias if t >= vocab_size)
     if bad_bias:
         raise ValueError(
             f"logit_bias names token ids {bad_bias[:8]} outside the model's vocabulary "

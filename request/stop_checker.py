@@ -10,6 +10,10 @@ Rules, in vLLM's order, checked after each generated token:
    match wins, and at one position the string listed first
 4. `max_tokens` generated, or prompt + output reaching `max_model_len` -> "length"
 
+Before `min_tokens` tokens were generated, 1 to 3 end nothing (vLLM): the sampler bans eos and
+`stop_token_ids` on the device until then, and a stop string that ends there is ordinary text.
+A stop string counts only when it ends in a token from `min_tokens` on (it may start earlier).
+
 Streaming: a stop string can arrive split over several tokens ("</" then "end>"), so the
 tail of the text that could still become a stop string is held back. A stop string can
 therefore never start inside text already streamed, and only the held tail plus the new
@@ -35,6 +39,7 @@ class StopParams(Protocol):
     stop_token_ids: Sequence[int]
     include_stop_str_in_output: bool
     ignore_eos: bool
+    min_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,7 @@ class StopChecker:
         self._stop_token_ids = frozenset(params.stop_token_ids or ())
         self._include_stop = params.include_stop_str_in_output
         self._eos = frozenset(()) if params.ignore_eos else frozenset(eos_token_ids)
+        self._min_tokens = params.min_tokens
         self._max_model_len = max_model_len
         self._prompt_len = prompt_len
         self._held = ""  # tail of the output that may be the start of a stop string
@@ -81,14 +87,17 @@ class StopChecker:
         if self.finished:
             raise RuntimeError(f"sequence already finished ({self.finish_reason}); no more tokens")
         self.num_generated += 1
+        # vLLM's min_tokens: no stop condition (eos, stop ids, stop strings) ends the request
+        # before that many tokens; max_tokens / max_model_len still do.
+        may_stop = self.num_generated >= self._min_tokens
 
-        if token_id in self._eos or token_id in self._stop_token_ids:
+        if may_stop and (token_id in self._eos or token_id in self._stop_token_ids):
             reason = None if token_id in self._eos else token_id
             tail = text_delta if self._include_stop else ""
             return self._finish(self._held + tail, "stop", reason)
 
         text = self._held + text_delta
-        match = self._find_stop(text)
+        match = self._find_stop(text, len(self._held)) if may_stop else None
         if match is not None:
             index, stop = match
             end = index + len(stop) if self._include_stop else index
@@ -114,11 +123,13 @@ class StopChecker:
         self.finish_reason = reason
         return StopResult(text, reason, stop_reason)
 
-    def _find_stop(self, text: str) -> tuple[int, str] | None:
-        """Earliest stop string in text; at equal positions the one listed first."""
+    def _find_stop(self, text: str, held: int) -> tuple[int, str] | None:
+        """Earliest stop string in text that ends past its first `held` characters (the held
+        tail, where only a stop string skipped before min_tokens can lie whole); at equal
+        positions the one listed first."""
         best: tuple[int, str] | None = None
         for stop in self._stop:
-            index = text.find(stop)
+            index = text.find(stop, max(0, held - len(stop) + 1))
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
         return best

@@ -8,6 +8,7 @@ still gets a real HTTP status, and ends with an error event or the usage chunk, 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -49,7 +50,12 @@ class EventStream:
         return None
 
     async def send(self, body: dict[str, Any]) -> None:
-        await self.resp.write(b"data: " + json_bytes(body) + b"\n\n")
+        try:
+            await self.resp.write(b"data: " + json_bytes(body) + b"\n\n")
+        except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError is one
+            # the client went away mid-stream: end the request as a client cancel does (the
+            # generation cancels its worker calls and releases its lease), no traceback
+            raise asyncio.CancelledError("the HTTP client disconnected") from exc
 
     async def start(self) -> None:
         self.resp = web.StreamResponse(

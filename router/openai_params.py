@@ -1,9 +1,10 @@
 """The request fields both OpenAI endpoints take, and their conversion to SamplingParams.
 
-Sampling (temperature, top_p, seed, penalties, stop), streaming options, and vLLM's extensions
-(top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, ...) are declared once here for
-CompletionRequest and ChatCompletionRequest (openai_protocol.py). Only JSON types, unsupported
-features and integers the proto cannot hold are checked; ranges are the gRPC path's own.
+Sampling (temperature, top_p, seed, penalties, stop, logit_bias), streaming options, and vLLM's
+extensions (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...) are
+declared once here for CompletionRequest and ChatCompletionRequest (openai_protocol.py). Only
+JSON types, unsupported features and integers the proto cannot hold (logit_bias keys) are
+checked; ranges are the gRPC path's own.
 """
 
 from __future__ import annotations
@@ -54,17 +55,16 @@ class CommonParams(StrictModel):
     frequency_penalty: float | None = None
     n: int | None = None
     user: str | None = None  # an end-user id for the client's own bookkeeping; not used
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # {token id as a string: bias in [-100, 100]}
     # extensions, with vLLM's names
     top_k: int | None = Field(None, ge=-1, le=U32)
     min_p: float | None = None
     repetition_penalty: float | None = None
+    min_tokens: int | None = Field(None, ge=0, le=U32)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-
-    _no_logit_bias = unsupported("logit_bias", "no per-token logit bias")
 
     @field_validator("n")
     @classmethod
@@ -86,6 +86,18 @@ class CommonParams(StrictModel):
         ):
             return v
         raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        # JSON object keys are strings; OpenAI's are token ids. Ranges: the gRPC path's own.
+        for key in v or ():
+            if not (key.isascii() and key.isdigit() and int(key) <= U32):
+                raise ValueError(
+                    f"logit_bias key {key!r} is not a token id; use token ids as keys, "
+                    'e.g. {"50256": -100}'
+                )
+        return v
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -110,6 +122,8 @@ class CommonParams(StrictModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             stop=[self.stop] if isinstance(self.stop, str) else (self.stop or []),
             stop_token_ids=self.stop_token_ids or [],
+            min_tokens=self.min_tokens or 0,
+            logit_bias={int(k): b for k, b in (self.logit_bias or {}).items()},
         )
         for name in (
             "temperature",

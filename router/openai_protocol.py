@@ -1,13 +1,14 @@
 """The OpenAI request bodies (completions, chat completions) -> the router's GenerateRequest.
 
 Only what a GenerateRequest cannot say is checked here: JSON types, unknown parameters, the
-features this server does not have (n > 1, best_of > 1, echo, suffix, logit_bias, tools,
+features this server does not have (n > 1, best_of > 1, echo, suffix, tools,
 response_format other than text, batched prompts), and integers the proto cannot hold
-(negative ids, seeds, ...). Every range check (temperature, top_p, penalties, logprobs, max_tokens,
-prompt length and vocabulary) is the gRPC path's own (intake.py / service/proto_convert.py);
-`error_from_request_error` (openai_errors.py) renames its `sampling.X` / `text` /
-`token_ids.ids` into the names the client sent. Every refusal is a 400 naming the parameter,
-never a silent ignore. The fields both endpoints take are CommonParams (openai_params.py).
+(negative ids, seeds, logit_bias keys, ...). Every range check (temperature, top_p, penalties,
+logprobs, max_tokens, min_tokens, logit_bias, prompt length and vocabulary) is the gRPC path's
+own (intake.py / service/proto_convert.py); `error_from_request_error` (openai_errors.py)
+renames its `sampling.X` / `text` / `token_ids.ids` into the names the client sent. Every
+refusal is a 400 naming the parameter, never a silent ignore. The fields both endpoints take
+are CommonParams (openai_params.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,14 @@ from pydantic import ValidationError
 
 from splitserve.protos import generate_pb2
 from splitserve.request.errors import RequestError
-from splitserve.request.sampling_params import MAX_LOGPROBS, SamplingParams, validate_against_vocab
+from splitserve.request.sampling_params import (
+    LOGIT_BIAS_RANGE,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+    validate_against_vocab,
+)
 
 if (
     TYPE_CHECKING
@@ -35,6 +42,9 @@ _HINTS = {
     "frequency_penalty": "use a value in [-2, 2]; 0 turns it off",
     "stop": "drop empty stop strings",
     "logprobs": f"ask for at most {MAX_LOGPROBS} alternatives, or leave it unset",
+    "stop_token_ids": f"send at most {MAX_STOP_TOKEN_IDS} stop token ids",
+    "min_tokens": "use at most max_tokens; 0 turns it off",
+    "logit_bias": f"send at most {MAX_LOGIT_BIAS} entries, each bias in [-100, 100]",
 }
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
 _PLAIN = (
@@ -44,6 +54,7 @@ _PLAIN = (
     "frequency_penalty",
     "include_stop_str_in_output",
     "ignore_eos",
+    "min_tokens",
 )
 
 _FINISH = {
@@ -84,15 +95,19 @@ def sampling_params_from_proto(
     """proto SamplingParams -> engine SamplingParams. Unset max_tokens means "up to
     max_model_len", as generate.proto documents (not the engine's default of 16)."""
     msg = msg if msg is not None else generate_pb2.SamplingParams()
-    if msg.min_tokens:
-        raise RequestError.invalid(
-            f"{field}.min_tokens is not supported by this server yet; leave it 0"
-        )
     values: dict = {name: getattr(msg, name) for name in _PLAIN}
     values |= {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
     values.setdefault("max_tokens", max(1, max_model_len - prompt_len))
     values["stop"] = tuple(msg.stop)
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    values["logit_bias"] = _logit_bias(msg, field)
+    if 1 <= values["max_tokens"] < values["min_tokens"]:  # (max_tokens 0: pydantic names it)
+        limit = "max_tokens" if msg.HasField("max_tokens") else "what fits in max_model_len"
+        raise RequestError.invalid(
+            f"{field}.min_tokens = {values['min_tokens']} is more than the "
+            f"{values['max_tokens']} tokens the request may generate ({limit}); "
+            "lower min_tokens or raise max_tokens"
+        )
     for name in (
         "temperature",
         "top_p",
@@ -109,7 +124,11 @@ def sampling_params_from_proto(
         params = SamplingParams(**values)
     except ValidationError as exc:
         err = exc.errors()[0]
-        name = str(err["loc"][0]) if err["loc"] else ""
+        if not err["loc"]:  # a check across fields names them in its message
+            raise RequestError.invalid(
+                f"{field}: {err['msg'].removeprefix('Value error, ')}"
+            ) from None
+        name = str(err["loc"][0])
         where = ".".join(str(p) for p in (field, *err["loc"]))
         hint = f"; {_HINTS[name]}" if name in _HINTS else ""
         raise RequestError.invalid(f"{where} = {err.get('input')!r}: {err['msg']}{hint}") from None
@@ -118,6 +137,26 @@ def sampling_params_from_proto(
     except ValueError as exc:
         raise RequestError.invalid(f"{field}.{exc}") from None
     return params
+
+
+def _logit_bias(msg: generate_pb2.SamplingParams, field: str) -> dict[int, float]:
+    """The map, checked with plain messages (pydantic would print the whole table)."""
+    bias = dict(msg.logit_bias)
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError.invalid(
+            f"{field}.logit_bias has {len(bias)} entries; send at most {MAX_LOGIT_BIAS}"
+        )
+    for token, value in sorted(bias.items()):
+        if not math.isfinite(value):
+            raise RequestError.invalid(
+                f"{field}.logit_bias[{token}] is {value}; use a finite bias in [-100, 100]"
+            )
+        if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            raise RequestError.invalid(
+                f"{field}.logit_bias[{token}] = {value:g} is outside [-100, 100]; use a bias in "
+                "[-100, 100] (-100 all but bans the token, 100 all but forces it)"
+            )
+    return bias
 
 
 def validate_request(

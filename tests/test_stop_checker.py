@@ -23,6 +23,7 @@ class Params:
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 def checker(max_model_len=1000, prompt_len=5, **kw) -> StopChecker:
@@ -129,12 +130,40 @@ def test_bad_limits_are_refused(kw):
         checker(**kw)
 
 
-def reference(deltas, stops, include):
-    """Non-streaming reference: after each delta, look for a stop string in the whole text."""
+def test_min_tokens_suppresses_eos_stop_ids_and_stop_strings():
+    """vLLM: before min_tokens tokens, eos / stop ids / stop strings are ordinary tokens."""
+    kw = dict(min_tokens=3, stop_token_ids=(7,), stop=("x",))
+    for finisher, reason in ((EOS, None), (7, 7), (TEXT_TOKEN, "x")):
+        pieces, result = feed(checker(**kw), ["a", "x", "x", "tail"], [EOS, 7, finisher, 1])
+        assert pieces == ["a", "x", ""], finisher  # the earlier eos, 7 and "x" went out as text
+        assert (result.finish_reason, result.stop_reason) == ("stop", reason), finisher
+    # a stop string may start before min_tokens and end at it; one that ended before never counts
+    _, result = feed(checker(min_tokens=2, stop=("ab",)), ["a", "b"])
+    assert (result.text, result.stop_reason) == ("", "ab")
+    pieces, result = feed(checker(min_tokens=2, max_tokens=2, stop=("abc", "b")), ["ab", "x"])
+    assert "".join(pieces) == "abx" and result.finish_reason == "length"
+
+
+def test_min_tokens_leaves_the_length_limits():
+    tokens = [EOS, EOS, TEXT_TOKEN, TEXT_TOKEN]
+    pieces, result = feed(checker(min_tokens=3, max_tokens=3), ["a", "b", "c", "d"], tokens)
+    assert pieces == ["a", "b", "c"] and result.finish_reason == "length"
+    chk = checker(min_tokens=5, max_model_len=8, prompt_len=6)
+    pieces, result = feed(chk, ["a", "b", "c"], [EOS] * 3)
+    assert pieces == ["a", "b"] and result.finish_reason == "length"
+
+
+def reference(deltas, stops, include, min_tokens=0):
+    """Non-streaming reference: after each delta from the min_tokens-th on, look for a stop
+    string in the whole text that ends past the text of the first min_tokens - 1 deltas."""
     text = ""
-    for delta in deltas:
+    floor = len("".join(deltas[: max(0, min_tokens - 1)]))
+    for n, delta in enumerate(deltas, 1):
         text += delta
-        hits = [(text.find(s), i, s) for i, s in enumerate(stops) if s in text]
+        if n < min_tokens:
+            continue
+        found = [(text.find(s, max(0, floor - len(s) + 1)), i, s) for i, s in enumerate(stops)]
+        hits = [h for h in found if h[0] != -1]
         if hits:
             index, _, stop = min(hits)
             return text[: index + len(stop) if include else index], stop
@@ -151,9 +180,15 @@ def test_random_streams_match_the_reference():
             "".join(rng.choices("ab<>", k=rng.randint(0, 3))) for _ in range(rng.randint(1, 12))
         ]
         include = rng.random() < 0.5
-        chk = checker(stop=stops, include_stop_str_in_output=include, max_tokens=len(deltas))
+        min_tokens = rng.choice([0, 0, rng.randint(1, len(deltas))])
+        chk = checker(
+            stop=stops,
+            include_stop_str_in_output=include,
+            max_tokens=len(deltas),
+            min_tokens=min_tokens,
+        )
         pieces, result = feed(chk, deltas)
-        text, stop = reference(deltas, stops, include)
+        text, stop = reference(deltas, stops, include, min_tokens)
         assert "".join(pieces) == text, (stops, deltas, include)
         assert result.stop_reason == stop and result.finish_reason == ("stop" if stop else "length")
 

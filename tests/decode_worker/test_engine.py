@@ -142,6 +142,34 @@ def test_stop_token_string_and_first_token_finish(tiny_llama, oracle):
     assert_all_free(engine)
 
 
+def test_min_tokens_and_logit_bias_end_to_end(tiny_llama, oracle):
+    """EOS biased +100 comes right after min_tokens tokens (banned before); a +100 bias on one
+    token at temperature 1 makes every token that one. Offline and decode engine agree."""
+    engine = make_engine(tiny_llama)
+    eos = engine.eos[0]
+    [p] = _prompts(1, seed=21)
+    forced = 77
+    cases = {
+        f"min{k}": SamplingParams(max_tokens=12, min_tokens=k, logit_bias={eos: 100}, seed=k)
+        for k in (1, 4, 9)
+    }
+    cases["bias"] = SamplingParams(max_tokens=10, temperature=1.0, logit_bias={forced: 100})
+    col, want = Collected(), {}
+    for rid, sp in cases.items():
+        want[rid] = ref = oracle(p, sp)
+        submit(engine, col, rid, p, ref.token_ids[0], sp, with_kv=True)
+    drive(engine, {})
+    for k in (1, 4, 9):
+        ref = want[f"min{k}"]
+        assert len(ref.token_ids) == k + 1 and ref.token_ids[-1] == eos, ref.token_ids
+        assert eos not in ref.token_ids[:k] and ref.finish_reason == "stop"
+    assert want["bias"].token_ids == [forced] * 10 and want["bias"].finish_reason == "length"
+    for rid, ref in want.items():
+        assert col.tokens[rid] == ref.token_ids[1:], rid
+        assert col.final[rid].finish_reason == ref.finish_reason, rid
+    assert_all_free(engine)
+
+
 def test_engine_loop_reserve_admit_and_release_blocks(tiny_llama, oracle):
     """The KV-transfer seam through the engine thread: reserve blocks, fill them (here a
     local prefill stands in for the pull), submit with them; unused reservations go back."""

@@ -11,7 +11,7 @@ import pytest
 from decode_helpers import Collected, assert_all_free, drive, engine_config, make_engine, submit
 
 from splitserve.decode_worker.config import capture_sizes, default_graph_sizes
-from splitserve.decode_worker.graph_runner import GREEDY, LOGPROBS, SAMPLE
+from splitserve.decode_worker.graph_runner import VARIANTS
 from splitserve.request.sampling_params import SamplingParams
 
 
@@ -31,7 +31,7 @@ class _EagerGraph:
 def _fake_capture(engine, sizes) -> None:
     g = engine.graphs
     g.bufs.reset()
-    g._graphs = {(n, v): _EagerGraph(g, n, v) for n in sizes for v in (GREEDY, SAMPLE, LOGPROBS)}
+    g._graphs = {(n, v): _EagerGraph(g, n, v) for n in sizes for v in VARIANTS}
     g._pool = object()
     g._build_dispatch()
 

@@ -153,6 +153,9 @@ VALID = dict(  # sampling values the router accepts
     frequency_penalty=f32(min_value=-2, max_value=2),
     stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2),
     logprobs=st.integers(0, 20),
+    logit_bias=st.dictionaries(
+        st.integers(0, VOCAB - 1), f32(min_value=-100, max_value=100), max_size=3
+    ),
 )
 BAD = dict(  # one out-of-range value per field
     max_tokens=st.just(0),
@@ -165,7 +168,16 @@ BAD = dict(  # one out-of-range value per field
     stop_token_ids=st.lists(st.integers(VOCAB, 2**32 - 1), min_size=1, max_size=2),
     logprobs=st.integers(21, 2**32 - 1),
     stop=st.just([""]),
-    min_tokens=st.integers(1, 5),
+    min_tokens=st.integers(5, 2**32 - 1),  # above every max_tokens drawn here (at most 4)
+    logit_bias=st.dictionaries(  # an id past the vocabulary, or a bias outside [-100, 100]
+        st.integers(VOCAB, 2**32 - 1), f32(min_value=-100, max_value=100), min_size=1, max_size=2
+    )
+    | st.dictionaries(
+        st.integers(0, VOCAB - 1),
+        f32(min_value=100 + EPS) | f32(max_value=-100 - EPS) | NAN_INF,
+        min_size=1,
+        max_size=2,
+    ),
 )
 
 
@@ -182,6 +194,8 @@ def one_bad_field(draw) -> tuple[generate_pb2.GenerateRequest, str | None]:
     elif bad == "length":
         prompt = prompt * (MAX_MODEL_LEN // len(prompt) + 1)
     sampling.setdefault("max_tokens", 4)
+    if bad != "min_tokens" and draw(st.booleans()):  # valid: at most max_tokens
+        sampling["min_tokens"] = draw(st.integers(0, sampling["max_tokens"]))
     req = generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=prompt),
         sampling=generate_pb2.SamplingParams(**sampling),
@@ -200,8 +214,10 @@ def test_one_out_of_range_field_is_invalid_argument_naming_it(router, cluster, o
             code, chunks, details = _send(channel, ledger, req.SerializeToString())
             if bad is None:  # served within its bounds, ended with a reason
                 assert code == grpc.StatusCode.OK, details
-                assert 1 <= sum(len(c.token_ids) for c in chunks) <= req.sampling.max_tokens
+                n = sum(len(c.token_ids) for c in chunks)
+                assert 1 <= n <= req.sampling.max_tokens
                 assert chunks[-1].finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED
+                assert n >= req.sampling.min_tokens  # no stop before min_tokens
             else:
                 assert code == grpc.StatusCode.INVALID_ARGUMENT and bad in details, (bad, details)
 
@@ -249,6 +265,22 @@ STATED = [  # (request, the status, a word its message must hold)
         _req(sampling=_sp(stop_token_ids=[VOCAB + 7])),
         grpc.StatusCode.INVALID_ARGUMENT,
         "stop_token_ids",
+    ),
+    (_req(sampling=_sp(min_tokens=3)), grpc.StatusCode.INVALID_ARGUMENT, "min_tokens"),
+    (
+        _req(sampling=_sp(logit_bias={VOCAB: 1.0})),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "logit_bias",
+    ),
+    (
+        _req(sampling=_sp(logit_bias={5: 101.0})),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "[-100, 100]",
+    ),
+    (
+        _req(sampling=_sp(logit_bias={t: 1.0 for t in range(301)})),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "at most 300",
     ),
     (_req(request_id="r" * 300), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     (_req(request_id="bad\nid"), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),

@@ -37,7 +37,12 @@ COMPLETIONS = [
     (dict(best_of=3), "best_of"),
     (dict(echo=True), "echo"),
     (dict(suffix="tail"), "suffix"),
-    (dict(logit_bias={"5": 10}), "logit_bias"),
+    (dict(logit_bias={"five": 10}), "logit_bias"),
+    (dict(logit_bias={"-5": 10}), "logit_bias"),
+    (dict(logit_bias={"5": 101}), "logit_bias"),
+    (dict(logit_bias={"5": 1e39}), "logit_bias"),  # inf as float32
+    (dict(logit_bias={"99999": 1}), "logit_bias"),
+    (dict(logit_bias={str(t): 1 for t in range(301)}), "logit_bias"),
     (dict(stream_options={"include_usage": True}), "stream_options"),
     (dict(prompt=["one", "two"]), "prompt"),
     (dict(prompt=[1, 2, 99999]), "prompt"),
@@ -47,6 +52,8 @@ COMPLETIONS = [
     (dict(extra_body={"min_p": 1.5}), "min_p"),
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     (dict(extra_body={"stop_token_ids": [100000]}), "stop_token_ids"),
+    (dict(extra_body={"min_tokens": 3}), "min_tokens"),  # max_tokens is 2
+    (dict(extra_body={"min_tokens": -1}), "min_tokens"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate"),
     (dict(extra_body={"temperature": "hot"}), "temperature"),
 ]
@@ -57,6 +64,9 @@ CHAT = [
     (dict(top_logprobs=2), "top_logprobs"),
     (dict(temperature=1e39), "temperature"),  # inf as float32, the wire type
     (dict(n=3), "n"),
+    (dict(logit_bias={"5": -100.5}), "logit_bias"),
+    (dict(extra_body={"min_tokens": 3}), "min_tokens"),  # max_completion_tokens is 2
+    (dict(max_completion_tokens=None, extra_body={"min_tokens": 10**6}), "min_tokens"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
     (dict(tool_choice="required"), "tool_choice"),
     (dict(response_format={"type": "json_object"}), "response_format"),
@@ -103,6 +113,32 @@ def test_refused_parameter_is_a_400_naming_it(stack, client, endpoint, kw, param
     assert err.body["param"] == param and param in err.body["message"], err.body
     assert err.body["type"] == "invalid_request_error" and err.body["code"], err.body
     _still_serving(client)
+
+
+def test_logit_bias_and_min_tokens_are_served(stack, client, oracle):
+    """No longer refused: a +100 bias on one token makes every token that one; EOS biased +100
+    ends the request right after min_tokens tokens; the HTTP text equals the offline engine's."""
+    from splitserve.request.sampling_params import SamplingParams
+
+    prompt, forced = [1, 44, 45, 46], 77
+    eos = oracle.tokenizer.eos_token_id
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=1, logit_bias={str(forced): 100}
+    )
+    ref = oracle(prompt, SamplingParams(max_tokens=5, logit_bias={forced: 100}))
+    assert ref.token_ids == [forced] * 5
+    assert out.choices[0].text == ref.text and out.usage.completion_tokens == 5
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=MSGS,
+        max_completion_tokens=12,
+        seed=3,
+        logit_bias={str(eos): 100},
+        extra_body={"min_tokens": 4},
+    )
+    assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "stop"
+    _still_serving(client)
+    stack.assert_free()
 
 
 def test_unknown_model_is_a_404_and_bad_bodies_are_400s(stack, client):

@@ -12,6 +12,7 @@ from prefill_helpers import prefill_request, release, serving, worker_config
 
 from splitserve.protos import generate_pb2, worker_pb2
 from splitserve.request.errors import RequestError
+from splitserve.request.tokenizer import Tokenizer
 from splitserve.service.proto_convert import (
     finish_reason_to_proto,
     sampling_params_from_proto,
@@ -38,7 +39,25 @@ BAD = [
     ("top_p above 1", [1, 2], SP(top_p=1.5), "sampling.top_p"),
     ("stop token past vocab", [1, 2], SP(stop_token_ids=[600]), "stop_token_ids [600] are outside"),
     ("too many logprobs", [1, 2], SP(logprobs=50), "sampling.logprobs"),
-    ("min_tokens", [1, 2], SP(min_tokens=3), "min_tokens is not supported"),
+    (
+        "min_tokens above max_tokens",
+        [1, 2],
+        SP(max_tokens=2, min_tokens=3),
+        "sampling.min_tokens = 3 is more than the 2 tokens",
+    ),
+    (
+        "logit_bias id past vocab",
+        [1, 2],
+        SP(logit_bias={512: 1.0}),
+        "sampling.logit_bias names token ids [512] outside the model's vocabulary (size 512)",
+    ),
+    (
+        "logit_bias 101",
+        [1, 2],
+        SP(logit_bias={5: 101.0}),
+        "sampling.logit_bias[5] = 101 is outside [-100, 100]",
+    ),
+    ("logit_bias nan", [1, 2], SP(logit_bias={5: math.nan}), "sampling.logit_bias[5] is nan"),
 ]
 
 
@@ -77,6 +96,18 @@ def test_bad_requests_are_invalid_argument_and_worker_keeps_serving(tiny_llama):
                 "kv"
             )
             await release(stub, await stub.Prefill(prefill_request("good2", [1, 2, 3])))
+            # min_tokens and logit_bias are served: EOS forced by its bias, but banned until
+            # min_tokens tokens were generated, so the first token is EOS only with min_tokens 0
+            eos = Tokenizer.from_dir(tiny_llama).eos_token_id
+            for min_tokens in (0, 1):
+                sp = SP(max_tokens=4, min_tokens=min_tokens, logit_bias={eos: 100.0})
+                got = await stub.Prefill(prefill_request(f"min{min_tokens}", [1, 2, 3], sp))
+                if min_tokens == 0:
+                    assert got.first_token_id == eos, got
+                    assert got.finish_reason == generate_pb2.FINISH_REASON_STOP, got
+                else:
+                    assert got.first_token_id != eos and got.HasField("kv"), got
+                    await release(stub, got)
 
     asyncio.run(body())
 
@@ -123,3 +154,24 @@ def test_sampling_conversion_defaults_and_messages():
         stop_reason_to_proto("###").stop_str == "###" and stop_reason_to_proto(7).stop_token_id == 7
     )
     assert stop_reason_to_proto(None) is None
+
+
+def test_min_tokens_and_logit_bias_conversion():
+    p = sampling_params_from_proto(
+        SP(max_tokens=5, min_tokens=5, logit_bias={9: -100.0, 3: 2.5}),
+        prompt_len=1,
+        max_model_len=100,
+        vocab_size=512,
+    )
+    assert (p.min_tokens, p.logit_bias) == (5, ((3, 2.5), (9, -100.0)))
+    cases = [
+        (SP(min_tokens=99), "sampling.min_tokens = 99 is more than the 90 tokens"),
+        (SP(logit_bias={5: -100.5}), "sampling.logit_bias[5] = -100.5 is outside [-100, 100]"),
+        (SP(logit_bias={5: math.inf}), "sampling.logit_bias[5] is inf"),
+        (SP(logit_bias=dict.fromkeys(range(301), 1.0)), "has 301 entries; send at most 300"),
+    ]
+    for msg, needle in cases:
+        with pytest.raises(RequestError) as err:
+            sampling_params_from_proto(msg, prompt_len=10, max_model_len=100, vocab_size=512)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in err.value.message, err.value.message
