@@ -81,15 +81,21 @@ def test_abort_frees_blocks_within_one_step(tiny_llama, oracle):
 
 
 def test_mixed_sampling_batch_matches_isolated(tiny_llama, oracle):
-    """Seeded random, logprobs and penalised rows go through the host sampler next to
-    plain greedy rows; each equals its isolated generation."""
+    """Seeded random, logprobs, penalised, biased and min_tokens rows are sampled on the device
+    in one step next to plain greedy rows (fp32 here); each equals its isolated generation
+    (token 0 sampled there too: the prefill -> decode hand-over), the host never waits for a
+    step it has just launched, and another seed gives other tokens."""
     engine = make_engine(tiny_llama)
-    prompts = _prompts(4, seed=11)
+    prompts = _prompts(8, seed=11)
     params = [
         SamplingParams(temperature=0, max_tokens=14),
         SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=14),
         SamplingParams(temperature=0, max_tokens=10, logprobs=2),
         SamplingParams(temperature=1.0, top_k=20, seed=99, repetition_penalty=1.3, max_tokens=12),
+        SamplingParams(min_p=0.1, seed=5, frequency_penalty=0.7, presence_penalty=-0.5),
+        SamplingParams(temperature=1.5, logit_bias={9: 4.0, 17: -50.0}, seed=6, max_tokens=11),
+        SamplingParams(temperature=0.6, min_tokens=8, max_tokens=9, seed=7, logprobs=3),
+        SamplingParams(top_k=3, top_p=0.5, seed=8, max_tokens=13),
     ]
     col, want = Collected(), {}
     for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -103,6 +109,9 @@ def test_mixed_sampling_batch_matches_isolated(tiny_llama, oracle):
     assert all(len(lp.top) == 2 for lp in lps)
     for got, ref in zip(lps, want["m2"].logprobs[1:]):
         assert got.logprob == pytest.approx(ref.logprob, abs=1e-4)
+    assert engine.sync_reads == 0
+    other = oracle(prompts[1], params[1].model_copy(update={"seed": 4321}))
+    assert other.token_ids != want["m1"].token_ids
     assert_all_free(engine)
 
 
