@@ -90,7 +90,8 @@ class Sampler:
         lp = LogprobBuffers.empty(n, vocab, dev) if want else None
         slots = torch.arange(n, device=dev)
         filters = any(has_filters(s.params) for s in seqs)
-        sample_step(logits.float(), slots, torch.ones_like(slots), state, out, lp, filters)
+        x = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
+        sample_step(x, slots, torch.ones_like(slots), state, out, lp, filters)
         return SampleOutput(out.tolist(), to_token_logprobs(out, lp, [s.params for s in seqs]))
 
 

@@ -174,11 +174,12 @@ def sample_step(
     logprobs: LogprobBuffers | None = None,
     filters: bool = True,
 ) -> None:
-    """out[:n] = the tokens of fp32 logits [n, V] whose rows use state slots `slots` [n];
+    """out[:n] = the tokens of fp32 logits [n, V] whose rows use state slots `slots` [n]
+    (`logits` is overwritten with the processed values unless logprobs are asked for);
     `live` [n] (int64, 0 for padding lanes) advances the slots' steps and counts.
     filters=False promises that no row has top-k / top-p (the GPU skips their searches)."""
     n = logits.shape[0]
-    x = logits.clone()
+    x = logits.clone() if logprobs is not None else logits  # processed in place: raw kept if asked
     ban_on = state.step.index_select(0, slots) < state.min_tokens.index_select(0, slots)
     sm.add_bias_and_bans(
         x,

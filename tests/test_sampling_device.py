@@ -165,7 +165,7 @@ def test_state_steps_counts_and_min_tokens_lift():
     slots, live = torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
     picks = []
     for _ in range(3):
-        sample_step(logits, slots, live, state, out)
+        sample_step(logits.clone(), slots, live, state, out)  # processed in place
         picks.append(out.item())
     assert picks[:2] != [0, 0] and 0 not in picks[:2] and picks[2] == 0
     assert state.step.tolist() == [3]
