@@ -138,26 +138,5 @@ def raw_logprobs(
     under the RAW logits (before bias, penalties and temperature), as vLLM reports them."""
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     sampled = logits.gather(1, tokens.unsqueeze(1)) - lse
-    vals, ids = topk_two_stage(logits, min(top_n, logits.shape[1]))
+    vals, ids = logits.topk(min(top_n, logits.shape[1]), dim=-1)
     return sampled.squeeze(1), vals - lse, ids
-
-
-def topk_two_stage(
-    x: torch.Tensor, k: int, segments: int = 32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x.topk(k) over the last dim (values descending), as the top k of each of `segments`
-    slices and then of those candidates: at a few rows of a large vocabulary one topk per
-    row runs on one block, this spreads the work over the GPU."""
-    n, vocab = x.shape
-    width = vocab // segments
-    if width < 4 * k:
-        return x.topk(k, dim=-1)
-    head = segments * width
-    seg_v, seg_i = x[:, :head].view(n, segments, width).topk(k, dim=-1)
-    offsets = torch.arange(0, head, width, device=x.device).view(1, segments, 1)
-    cand_v, cand_i = seg_v.reshape(n, -1), (seg_i + offsets).reshape(n, -1)
-    if head < vocab:
-        tail_v, tail_i = x[:, head:].topk(min(k, vocab - head), dim=-1)
-        cand_v, cand_i = torch.cat([cand_v, tail_v], 1), torch.cat([cand_i, tail_i + head], 1)
-    vals, which = cand_v.topk(k, dim=-1)
-    return vals, cand_i.gather(1, which)

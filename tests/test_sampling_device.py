@@ -200,13 +200,3 @@ def test_cuda_kernel_distribution_and_twin(name):
     counts = torch.bincount(torch.tensor(tokens), minlength=len(raw)).tolist()
     chi = sum((c - q * n) ** 2 / (q * n) for c, q in zip(counts, probs) if q > 0)
     assert chi < 40 and all(c == 0 for c, q in zip(counts, probs) if q == 0)
-
-
-@pytest.mark.parametrize(("rows", "vocab", "k"), [(3, 5000, 20), (1, 4099, 7), (2, 50, 20)])
-def test_two_stage_topk_equals_topk(rows, vocab, k):
-    from splitserve.engine.sampling_math import topk_two_stage
-
-    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))
-    vals, ids = topk_two_stage(x, k)
-    want = x.topk(k, dim=-1).values
-    assert torch.equal(vals, want) and torch.equal(x.gather(1, ids), vals)
