@@ -106,7 +106,9 @@ def to_token_logprobs(
         return out
     n = len(params)
     ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-    sampled, top, top_ids = lp.sampled[:n].tolist(), lp.top[:n].tolist(), lp.top_ids[:n].tolist()
+    width = max(p.logprobs or 0 for p in params)  # host lists only as wide as asked
+    sampled = lp.sampled[:n].tolist()
+    top, top_ids = lp.top[:n, :width].tolist(), lp.top_ids[:n, :width].tolist()
     for i, p in enumerate(params):
         if p.logprobs is not None:
             best = list(zip(top_ids[i][: p.logprobs], top[i][: p.logprobs]))
