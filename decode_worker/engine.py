@@ -15,7 +15,8 @@ Single-threaded (the engine loop thread, or a test, calls it). One step:
 
 Every row is sampled on the device inside the step (graph_runner.py), greedy or not, so no
 token leaves the device before it is fed to the next step and the host never waits for a
-step it has just launched (`sync_reads` counts the reads that did: 0 with overlap on).
+step it has just launched (`sync_reads` counts the reads that did: 0 with overlap on, one per
+step with `overlap` off).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class DecodeEngine:
         self.eos = tuple(self.runner.model_config.eos_token_ids)
         self.sampler = Sampler(cfg.engine.seed, self.eos)
         self.graphs = GraphRunner(self.runner, sc.max_batch_size, self.sampler)
-        self.sync_reads = 0  # steps read right after their launch (overlap off)
+        self.sync_reads = 0  # steps read in the engine step that launched them (host waited)
+        self._launched: StepHandle | None = None
         self.vocab_size = self.runner.model_config.vocab_size
         self._inflight: StepHandle | None = None
         self.load = LoadSnapshot(
@@ -166,6 +168,7 @@ class DecodeEngine:
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> None:
         t0 = time.perf_counter()
+        self._launched = None
         prev, self._inflight = self._inflight, None
         if prev is not None and not self.cfg.overlap:
             self._complete(prev)
@@ -180,6 +183,7 @@ class DecodeEngine:
             seqs = [s for s in batch.seqs if not s.finished]  # a sampled first token may end one
             if seqs:  # (rows changed whenever something was recomputed: new rows were admitted)
                 handle = self.graphs.launch(seqs, batch.changed, batch.new_blocks)
+                self._launched = handle
                 (
                     self.metrics.graph_replays if handle.graph_size else self.metrics.eager_steps
                 ).inc()
@@ -192,7 +196,6 @@ class DecodeEngine:
             self._complete(prev)
         if handle is not None:
             if not self.cfg.overlap:
-                self.sync_reads += 1
                 self._complete(handle)
             else:
                 self._inflight = handle
@@ -211,6 +214,8 @@ class DecodeEngine:
                 self._accept(seq, tok, lp, now)
 
     def _complete(self, handle: StepHandle) -> None:
+        if handle is self._launched:  # read before the next step was launched: a host wait
+            self.sync_reads += 1
         tokens, logprobs = self.graphs.read(handle)
         now = time.monotonic()
         for seq, tok, lp in zip(handle.seqs, tokens, logprobs):

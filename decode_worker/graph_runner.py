@@ -100,7 +100,9 @@ class GraphRunner:
             MAX_STOP_TOKEN_IDS + len(eos),
             runner.device,
         )
+        self.sampling.frozen_slot = max_batch_size
         self._eos = eos
+        self.variant_steps = [0] * 8  # steps launched per variant (flags), for tests and metrics
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
         self._slot_of: dict[int, int] = {}  # seq.uid -> state slot
         self.bufs = DecodeBuffers(
@@ -237,7 +239,9 @@ class GraphRunner:
             step = len(s.output_token_ids) + s.in_flight
             seed = self.sampler.seed_for(s.params)
             new_slots.append(slot)
-            rows.append(RowInit(s.params, s.prompt_token_ids, s.output_token_ids, seed, step))
+            # copies: a TP mirror pickles the command later, the lists keep growing
+            prompt, out = list(s.prompt_token_ids), list(s.output_token_ids)
+            rows.append(RowInit(s.params, prompt, out, seed, step))
         if new_slots:
             self.write_slots(new_slots, rows)
         greedy = self.bufs.greedy_slot
@@ -291,6 +295,7 @@ class GraphRunner:
         if self.runner.mirror is not None:
             self.runner.mirror(("graph_step", n, graph_size, prep, variant))
         slot = self.bufs.ring.acquire()
+        self.variant_steps[variant] += 1
         self.run_step(slot, n, graph_size, prep, variant)
         slot.out[:n].copy_(self.bufs.sampled[:n], non_blocking=True)
         if variant & LOGPROBS:

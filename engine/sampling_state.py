@@ -54,6 +54,7 @@ class SamplingState:
     ) -> None:
         f32, i32, i64 = torch.float32, torch.int32, torch.int64
         self.num_slots, self.vocab, self.device = slots, vocab, device
+        self.frozen_slot = -1  # a slot the step never advances (the decode worker's greedy slot)
         z = lambda dt, *shape: torch.zeros(*shape, dtype=dt, device=device)  # noqa: E731
         self.temperature, self.top_p, self.min_p = z(f32, slots), z(f32, slots), z(f32, slots)
         self.rep, self.freq, self.pres = z(f32, slots), z(f32, slots), z(f32, slots)
@@ -97,7 +98,8 @@ class SamplingState:
             "pres": [p.presence_penalty for p in ps],
         }
         ints = {
-            "top_k": [p.top_k if p.top_k > 0 else 0 for p in ps],
+            # 0 = off; any k >= V keeps everything (and an int32 cannot hold every uint32 k)
+            "top_k": [p.top_k if 0 < p.top_k < self.vocab else 0 for p in ps],
             "has_pen": [int(p.needs_penalties) for p in ps],
             "seed": [_as_int64(r.seed) for r in rows],
             "step": [r.step for r in rows],
@@ -199,7 +201,7 @@ def sample_step(
         penalised = sm.apply_penalties(
             x, g(state.counts), g(state.prompt_seen), g(state.rep), g(state.freq), g(state.pres)
         )
-        x = torch.where(pen, penalised, x)
+        x.copy_(torch.where(pen, penalised, x))  # in place, as the kernel does
         tokens.copy_(
             sm.sample_rows_torch(
                 x,
@@ -216,5 +218,7 @@ def sample_step(
         logprobs.sampled[:n].copy_(sampled)
         logprobs.top[:n].copy_(top)
         logprobs.top_ids[:n].copy_(ids)
+    if state.frozen_slot >= 0:  # greedy rows and padding lanes leave the greedy slot as it is
+        live = live * (slots != state.frozen_slot)
     state.step.index_add_(0, slots, live)
     state.counts.index_put_((slots, tokens), live.to(torch.int32), accumulate=True)

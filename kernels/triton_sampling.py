@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels.triton_common import interpreting, pow2, sm_count
+from splitserve.kernels.triton_common import interpreting, pow2
 
 
 @triton.jit
@@ -299,12 +299,11 @@ def _race_kernel(
     tl.store(part_i_ptr + row * C + c, tl.min(tl.where(best == top, best_i, V), axis=0))
 
 
-def _chunks(n: int, vocab: int, block: int, device: torch.device) -> tuple[int, int]:
-    """Programs per row: enough to fill the GPU at small batches, each a whole number of
-    blocks (the split depends only on n and V, so a row's result does not change with it: the
-    first index of the maximum is the same however the row is cut)."""
-    want = max(1, -(-4 * sm_count(device) // n))
-    c = max(1, min(want, vocab // (4 * block)))
+def _chunks(vocab: int, block: int) -> tuple[int, int]:
+    """Programs per row (each a whole number of blocks, about 4 blocks each): a function of the
+    vocabulary only, never of the batch, so the float sums of the top-p search add up in the
+    same order whatever a row's batch and a seeded row's token does not depend on it."""
+    c = max(1, vocab // (4 * block))
     chunk = -(-vocab // c)
     chunk = -(-chunk // block) * block
     return -(-vocab // chunk), chunk
@@ -327,7 +326,7 @@ def sample_rows(
     if n == 0:
         return
     block = min(pow2(vocab), 64 if interpreting() else 1024)
-    c, chunk = _chunks(n, vocab, block, x.device)
+    c, chunk = _chunks(vocab, block)
     s = state
     part_v = torch.empty(n, c, dtype=torch.float32, device=x.device)
     part_i = torch.empty(n, c, dtype=torch.int64, device=x.device)

@@ -305,3 +305,12 @@ def test_seeded_same_on_cuda_as_on_cpu():
         Sampler().sample(logits[3:4].cuda().half(), [seqs[3]]).token_ids[0]
         == Sampler().sample(logits[3:4].half(), [seqs[3]]).token_ids[0]
     )
+
+
+def test_top_k_beyond_int32_is_no_filter():
+    """top_k is a uint32 on the wire: any k >= the vocabulary keeps everything (and must not
+    overflow the int32 the device keeps it in)."""
+    logits = rand_logits(3, 64, seed=12)
+    huge = [info(SP(top_k=2**32 - 1, seed=s)) for s in range(3)]
+    off = [info(SP(top_k=0, seed=s)) for s in range(3)]
+    assert Sampler().sample(logits, huge).token_ids == Sampler().sample(logits, off).token_ids

@@ -17,7 +17,9 @@ from splitserve.request.sampling_params import SamplingParams as SP
 EOS = (0,)
 
 
-def run(logits, params, prompt=(1, 2, 3), outputs=None, triton=False, seeds=None, steps=None):
+def run(
+    logits, params, prompt=(1, 2, 3), outputs=None, triton=False, seeds=None, steps=None, x=None
+):
     n, vocab = logits.shape
     outputs = outputs or [[4, 5]] * n
     rows = [
@@ -32,10 +34,11 @@ def run(logits, params, prompt=(1, 2, 3), outputs=None, triton=False, seeds=None
     ]
     state = SamplingState.from_rows(rows, vocab, EOS, logits.device)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
-    lp = LogprobBuffers.empty(n, vocab, logits.device)
+    lp = None if x is not None else LogprobBuffers.empty(n, vocab, logits.device)
     slots = torch.arange(n, device=logits.device)
+    x = logits.clone() if x is None else x  # without logprobs, x ends up processed in place
     with force_triton(triton):
-        sample_step(logits.clone(), slots, torch.ones_like(slots), state, out, lp)
+        sample_step(x, slots, torch.ones_like(slots), state, out, lp)
     return out.tolist(), state, lp
 
 
@@ -84,9 +87,9 @@ def reference_processed(x: list[float], p: SP, prompt, output, step) -> list[flo
 
 @pytest.mark.parametrize("triton", [False, True])
 def test_processed_logits_equal_plain_reference(triton):
-    """Greedy rows pick the argmax of the processed logits: with a row whose processed logits
-    have a unique maximum per candidate, the pick tells the processing is exact; the in-place
-    penalised row of the kernel is compared value by value too."""
+    """The processed logits (bias, min_tokens bans, penalties; left in place by the step when
+    no logprobs are asked) equal the plain reference value by value, and the greedy pick is
+    their argmax."""
     rng = random.Random(5)
     vocab = 40
     for _ in range(12):
@@ -106,8 +109,10 @@ def test_processed_logits_equal_plain_reference(triton):
         x = torch.randn(vocab, generator=torch.Generator().manual_seed(rng.randrange(99))) * 4
         want = reference_processed(x.tolist(), p, prompt, out, len(out))
         best = max(range(vocab), key=lambda t: (want[t], -t))
-        got, _, _ = run(x.unsqueeze(0), [p], prompt, [out], triton=triton)
+        processed = x.unsqueeze(0).clone()
+        got, _, _ = run(x.unsqueeze(0), [p], prompt, [out], triton=triton, x=processed)
         assert got == [best]
+        assert processed[0].tolist() == pytest.approx(want, rel=1e-5, abs=1e-5)
 
 
 def exact_distribution(raw: list[float], p: SP) -> list[float]:

@@ -9,6 +9,7 @@ import random
 import pytest
 from decode_helpers import Collected, assert_all_free, drive, make_engine, submit
 
+from splitserve.decode_worker.graph_runner import GREEDY
 from splitserve.request.sampling_params import SamplingParams
 
 
@@ -54,6 +55,39 @@ def test_preemption_under_tiny_pool_keeps_tokens(tiny_llama, oracle):
     assert engine.scheduler.num_preemptions > 0
     for rid, ref in want.items():
         assert col.tokens[rid] == ref.token_ids[1:], rid
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_sampled_rows_under_preemption_keep_their_tokens_and_slots(tiny_llama, oracle, overlap):
+    """Seeded, penalised and logprobs rows preempted and re-admitted (their sampling-state slot
+    given back and filled again from their tokens) still give their isolated tokens; every
+    slot is free or held by a running sequence at the end; the host waits for a step it has
+    just launched only with overlap off; an all-greedy batch only ever replays GREEDY."""
+    engine = make_engine(tiny_llama, num_blocks=31, max_batch_size=4, overlap=overlap)
+    prompts = _prompts(6, seed=17, lo=6, hi=14)
+    col, want = Collected(), {}
+    for i, p in enumerate(prompts):
+        params = SamplingParams(
+            seed=i, top_k=30, repetition_penalty=1.2, frequency_penalty=0.3, max_tokens=30,
+            ignore_eos=True, logprobs=1 if i % 2 else None,
+        )  # fmt: skip
+        want[f"s{i}"] = ref = oracle(p, params)
+        submit(engine, col, f"s{i}", p, ref.token_ids[0], params, with_kv=i < 3)
+    drive(engine, {})
+    assert engine.scheduler.num_preemptions > 0
+    for rid, ref in want.items():
+        assert col.tokens[rid] == ref.token_ids[1:], rid
+    g = engine.graphs
+    assert len(g._free_slots) + len(g._slot_of) == engine.max_batch_size
+    assert (engine.sync_reads == 0) if overlap else (engine.sync_reads > 20)
+    assert_all_free(engine)
+    before = list(g.variant_steps)
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    for i, p in enumerate(prompts[:3]):
+        submit(engine, col, f"g{i}", p, oracle(p, greedy).token_ids[0], greedy, with_kv=True)
+    drive(engine, {})
+    assert [a - b for a, b in zip(g.variant_steps, before)][1:] == [0] * 7
     assert_all_free(engine)
 
 
@@ -109,7 +143,8 @@ def test_mixed_sampling_batch_matches_isolated(tiny_llama, oracle):
     assert all(len(lp.top) == 2 for lp in lps)
     for got, ref in zip(lps, want["m2"].logprobs[1:]):
         assert got.logprob == pytest.approx(ref.logprob, abs=1e-4)
-    assert engine.sync_reads == 0
+    assert engine.sync_reads == 0 and engine.graphs.variant_steps[GREEDY] == 0
+    assert sum(engine.graphs.variant_steps) > 10
     other = oracle(prompts[1], params[1].model_copy(update={"seed": 4321}))
     assert other.token_ids != want["m1"].token_ids
     assert_all_free(engine)

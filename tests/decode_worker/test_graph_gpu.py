@@ -100,10 +100,11 @@ def test_mixed_sampling_rows_replay_like_eager_without_host_sync(graph_engine, e
     """Greedy, seeded, filtered, penalised, logprobs, bias and min_tokens rows in one batch:
     the captured step gives the eager step's tokens (same counter-based noise), and the host
     never waits for a step it has just launched."""
-    syncs = graph_engine.sync_reads
+    syncs, replays = graph_engine.sync_reads, _replays(graph_engine)
     got = _run(graph_engine, batch, seed=batch, mixed=True)
     assert got == _run(eager_engine, batch, seed=batch, mixed=True)
     assert graph_engine.sync_reads == syncs == 0
+    assert _replays(graph_engine) > replays + 20
 
 
 def test_eager_fallback_above_the_largest_graph(tiny_llama, eager_engine):

@@ -107,7 +107,7 @@ def test_handover_between_tp_sizes_equals_tp1(
 
 def test_tp2_decode_worker_alone_equals_tp1(tiny_llama, tmp_path):
     """Colocated requests (the prompt computed by the decode worker: the mirrored prefill path)
-    and host-sampled rows (temperature, seed: the mirrored token writes) give TP1's tokens."""
+    and sampled rows (temperature, seed: the mirrored sampling-state slot fills) give TP1's tokens."""
     sampled = generate_pb2.SamplingParams(
         temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True
     )
