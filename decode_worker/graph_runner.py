@@ -13,7 +13,7 @@ One step of n real lanes (`launch`):
     device ─D2H─▶ pinned slot: sampled[:n] (+ logprobs); event recorded   (read later, `read`)
 
 Sampling is part of the step (engine/sampling_state.py): every row reads its parameters from a
-state slot on the device, filled once when its sequence first runs (`_assign_slots`), so one
+state slot on the device, filled once when its sequence first runs (sampling_slots.py), so one
 replay serves any mix of greedy, random, seeded, penalised and logprobs rows and the host only
 reads tokens back. A batch of plain greedy rows replays the GREEDY graph (argmax only); other
 rows pick a variant by flags (SAMPLE, + LOGPROBS, + FILTER: see VARIANTS); each captured size
@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.decode_worker.sampling_slots import SamplingSlots
 from splitserve.decode_worker.sequence import DecodeSequence
 from splitserve.decode_worker.step_buffers import DecodeBuffers, StagingSlot
 from splitserve.engine.attention_metadata import AttentionMetadata
@@ -56,12 +57,11 @@ from splitserve.engine.sampler import Sampler, TokenLogprobs, to_token_logprobs
 from splitserve.engine.sampling_state import (
     LogprobBuffers,
     RowInit,
-    SamplingState,
     has_filters,
     sample_step,
 )
 from splitserve.request.block_allocator import NULL_BLOCK
-from splitserve.request.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from splitserve.request.sampling_params import MAX_LOGPROBS
 
 # graph variants, as flags: SAMPLE (any row not plain greedy), LOGPROBS (a row reports them),
 # FILTER (a random row has top-k / top-p: the threshold searches run); GREEDY is argmax only
@@ -92,25 +92,17 @@ class GraphRunner:
         eos = tuple(mc.eos_token_ids)
         self.sampler = sampler or Sampler(None, eos)
         lp_width = min(MAX_LOGPROBS, mc.vocab_size)
-        # slots 0..max_bs-1 for sequences, slot max_bs stays plain greedy (greedy rows, padding)
-        self.sampling = SamplingState(
-            max_batch_size + 1,
-            mc.vocab_size,
-            MAX_LOGIT_BIAS,
-            MAX_STOP_TOKEN_IDS + len(eos),
-            runner.device,
+        self.slots = SamplingSlots(
+            max_batch_size, mc.vocab_size, eos, runner.device, self.sampler, runner
         )
-        self.sampling.frozen_slot = max_batch_size
-        self._eos = eos
+        self.sampling = self.slots.state
         self.variant_steps = [0] * 8  # steps launched per variant (flags), for tests and metrics
-        self._free_slots = list(range(max_batch_size - 1, -1, -1))
-        self._slot_of: dict[int, int] = {}  # seq.uid -> state slot
         self.bufs = DecodeBuffers(
             max_batch_size,
             runner.max_blocks_per_seq,
             runner.block_size,
             runner.device,
-            greedy_slot=max_batch_size,
+            greedy_slot=self.slots.greedy_slot,
             lp_width=lp_width,
         )
         self._lp_pack = torch.zeros(max_batch_size, 1 + lp_width, device=runner.device)
@@ -214,8 +206,7 @@ class GraphRunner:
         self._pool = None
         self.dispatch = [0] * (self.max_batch_size + 1)
         self._rows = {}
-        self._slot_of = {}
-        self._free_slots = list(range(self.max_batch_size - 1, -1, -1))
+        self.slots.clear()
 
     def __del__(self) -> None:
         try:
@@ -223,35 +214,10 @@ class GraphRunner:
         except Exception:  # interpreter shutdown: CUDA may already be gone
             pass
 
-    # ---- sampling-state slots ------------------------------------------------------------------
-    def _assign_slots(self, seqs: Sequence[DecodeSequence]) -> list[int]:
-        """The state slot of each row: sequences that left the batch give theirs back (a
-        sequence is in every step until it finishes or is preempted), new non-greedy ones get
-        one, filled from their parameters and tokens (stream-ordered after the step in flight)."""
-        here = {s.uid for s in seqs}
-        for uid in [u for u in self._slot_of if u not in here]:
-            self._free_slots.append(self._slot_of.pop(uid))
-        new_slots, rows = [], []
-        for s in seqs:
-            if s.params.is_plain_greedy or s.uid in self._slot_of:
-                continue
-            slot = self._slot_of[s.uid] = self._free_slots.pop()
-            step = len(s.output_token_ids) + s.in_flight
-            seed = self.sampler.seed_for(s.params)
-            new_slots.append(slot)
-            # copies: a TP mirror pickles the command later, the lists keep growing
-            prompt, out = list(s.prompt_token_ids), list(s.output_token_ids)
-            rows.append(RowInit(s.params, prompt, out, seed, step))
-        if new_slots:
-            self.write_slots(new_slots, rows)
-        greedy = self.bufs.greedy_slot
-        return [self._slot_of.get(s.uid, greedy) for s in seqs]
-
     @torch.inference_mode()
     def write_slots(self, slots: list[int], rows: list[RowInit]) -> None:
-        if self.runner.mirror is not None:
-            self.runner.mirror(("write_slots", slots, rows))
-        self.sampling.write(slots, rows, self._eos)
+        """A follower's side of rank 0's slot fills."""
+        self.slots.write(slots, rows)
 
     # ---- one step --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -282,7 +248,7 @@ class GraphRunner:
                 [s.next_position for s in seqs],
                 [s.output_token_ids[-1] if s.in_flight == 0 else 0 for s in seqs],
                 [self._rows.get(s.uid, -1) if s.in_flight else -1 for s in seqs],
-                self._assign_slots(seqs),
+                self.slots.assign(seqs),
             )
             self._rows = {s.uid: i for i, s in enumerate(seqs)}
         elif new_blocks:

@@ -79,7 +79,7 @@ def test_sampled_rows_under_preemption_keep_their_tokens_and_slots(tiny_llama, o
     for rid, ref in want.items():
         assert col.tokens[rid] == ref.token_ids[1:], rid
     g = engine.graphs
-    assert len(g._free_slots) + len(g._slot_of) == engine.max_batch_size
+    assert len(g.slots.free) + len(g.slots.owner) == engine.max_batch_size
     assert (engine.sync_reads == 0) if overlap else (engine.sync_reads > 20)
     assert_all_free(engine)
     before = list(g.variant_steps)
