@@ -187,13 +187,16 @@ class RankSet:
         """Stops the followers (after the commands already published) and leaves the group;
         idempotent."""
         from splitserve.engine.parallel import destroy_tp
+        from splitserve.engine.tp_follower import STOP_GRACE_S
 
         self.stopping.set()
         if self.publisher is not None:
             self.publisher.close(timeout)
+        deadline = time.monotonic() + min(timeout, STOP_GRACE_S + 4)  # inside the exit deadline
         for p in self.procs:
-            p.join(timeout)
-            if p.is_alive():
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():  # past its own stop grace: its teardown hangs
+                log.warning("tensor-parallel rank %s did not exit after stop; killing it", p.name)
                 p.kill()
                 p.join(5)
         destroy_tp(self.runner.tp)

@@ -66,7 +66,13 @@ def _exit_soon(seconds: float) -> None:
     """After ("stop",) the follower's own teardown (its UCX listener, the process group) gets
     `seconds`; one that hangs must not keep rank 0 waiting to join it (seen on a loaded 2-core
     machine: rank 0 past its stop deadline, exit 3)."""
+    import faulthandler
+
     from splitserve.service.service_process import exit_now
+
+    # a teardown stuck in C with the GIL held starves the timer thread below; faulthandler's
+    # watchdog is a C thread: it dumps the stacks and exits (status 1) without the GIL
+    faulthandler.dump_traceback_later(seconds + 2, exit=True)
 
     def expire() -> None:
         time.sleep(seconds)

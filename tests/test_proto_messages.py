@@ -40,6 +40,13 @@ def _fill(msg, variant: int = 0):
         oneof = field.containing_oneof
         if oneof is not None and oneof.fields[variant % len(oneof.fields)] is not field:
             continue  # another member of this oneof is the one set
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            key, val = (
+                field.message_type.fields_by_name["key"],
+                field.message_type.fields_by_name["value"],
+            )
+            getattr(msg, field.name)[_SCALARS[key.type]] = _SCALARS[val.type]  # scalar maps only
+            continue
         if field.type == FD.TYPE_MESSAGE:
             if field.is_repeated:
                 for _ in range(2):
@@ -64,7 +71,9 @@ def _set_count(msg) -> int:
     n = 0
     for field, value in msg.ListFields():
         n += 1
-        if field.type == FD.TYPE_MESSAGE:
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            n += len(value)  # scalar map: its entries
+        elif field.type == FD.TYPE_MESSAGE:
             n += sum(_set_count(v) for v in (value if field.is_repeated else [value]))
     return n
 

@@ -138,6 +138,18 @@ def test_killed_prefill_worker_is_evicted_and_returns_when_healthy(
     assert load.prefix_cache.num_cached_blocks > 0  # round robin gave it one of the two requests
 
 
+async def _health_once_not_serving(stub, within_s: float = 10.0):
+    """The router's health status, waited for until NOT_SERVING (the eviction updates it from a
+    task of the router's loop, a moment after the failed stream's error went out)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        status = (await stub.Check(health_pb2.HealthCheckRequest())).status
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING or loop.time() > deadline:
+            return status
+        await asyncio.sleep(0.05)
+
+
 def test_decode_worker_death_mid_stream_is_unavailable_after_the_tokens_sent(
     cluster, oracle, procs, tiny_llama
 ):
@@ -157,9 +169,7 @@ def test_decode_worker_death_mid_stream_is_unavailable_after_the_tokens_sent(
             except grpc.aio.AioRpcError as e:
                 err = e
             async with grpc.aio.insecure_channel(r.address) as ch:
-                status = (
-                    await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest())
-                ).status
+                status = await _health_once_not_serving(health_pb2_grpc.HealthStub(ch))
             await assert_workers_free([cluster.prefill])
             return got, err or await call.code(), status
 
