@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import queue
 import threading
 import time
@@ -53,8 +54,13 @@ def spawn_followers(size: int, init_method: str, target: Callable, *args) -> lis
 
 
 def _dead(procs: list[mp.Process]) -> tuple[int, mp.Process] | None:
-    """The first follower (rank, process) that has exited, if any."""
-    return next(((r, p) for r, p in enumerate(procs, 1) if not p.is_alive()), None)
+    """The first follower (rank, process) that has exited, if any. Its sentinel (a pipe the
+    child holds) says so even when its exit status was reaped by someone else, where
+    `is_alive()` (waitpid) would report it alive forever."""
+    if not procs:
+        return None
+    ended = set(mp_connection.wait([p.sentinel for p in procs], timeout=0))
+    return next(((r, p) for r, p in enumerate(procs, 1) if p.sentinel in ended), None)
 
 
 def _until(done: Callable[[], bool], procs: list[mp.Process], timeout_s: float, what: str) -> None:
