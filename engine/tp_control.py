@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import os
 import queue
 import threading
 import time
@@ -54,13 +55,26 @@ def spawn_followers(size: int, init_method: str, target: Callable, *args) -> lis
 
 
 def _dead(procs: list[mp.Process]) -> tuple[int, mp.Process] | None:
-    """The first follower (rank, process) that has exited, if any. Its sentinel (a pipe the
-    child holds) says so even when its exit status was reaped by someone else, where
-    `is_alive()` (waitpid) would report it alive forever."""
+    """The first follower (rank, process) that has exited, if any. `is_alive()` (waitpid, which
+    also sets the exit code) alone reports a child reaped by someone else as alive forever, and
+    the sentinel alone stays open while a grandchild holds the pipe: a follower is dead when
+    any of the three signals says so (a pid that no longer exists is the third)."""
     if not procs:
         return None
     ended = set(mp_connection.wait([p.sentinel for p in procs], timeout=0))
-    return next(((r, p) for r, p in enumerate(procs, 1) if p.sentinel in ended), None)
+    return next(((r, p) for r, p in enumerate(procs, 1) if _ended(p, ended)), None)
+
+
+def _ended(p: mp.Process, sentinels_ready: set) -> bool:
+    if not p.is_alive() or p.sentinel in sentinels_ready:
+        return True
+    try:
+        os.kill(p.pid, 0)
+    except ProcessLookupError:  # reaped elsewhere: no zombie left to wait for
+        return True
+    except PermissionError:
+        pass
+    return False
 
 
 def _until(done: Callable[[], bool], procs: list[mp.Process], timeout_s: float, what: str) -> None:
