@@ -10,6 +10,7 @@ exit_after_rank_loss(): the other followers are killed, the process exits 1 (its
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import logging
 import os
 import threading
@@ -42,6 +43,10 @@ def exit_after_rank_loss(ranks, log: logging.Logger) -> NoReturn:
     backstop = threading.Timer(EXIT_BACKSTOP_S, os._exit, args=(1,))
     backstop.daemon = True
     backstop.start()
+    # and one that needs no GIL (a thread stuck in C holding it starves the timer above; fresh
+    # CI saw a worker log the line below and still run 20 s later): faulthandler's C watchdog
+    # dumps the stacks and exits 1
+    faulthandler.dump_traceback_later(EXIT_BACKSTOP_S + 1, exit=True)
     if ranks is not None:
         ranks.kill()
     log.error("exiting with status 1 after losing a tensor-parallel rank; restart the worker")
