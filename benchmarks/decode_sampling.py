@@ -13,7 +13,7 @@ Modes (every row of the batch in that mode; "mixed": a quarter each of the four 
 
 from __future__ import annotations
 
-import time
+from decode_timing import engine_time
 
 MODES = ("greedy", "temp_top_p", "seeded_top_k", "penalties", "logprobs5", "mixed")
 
@@ -39,25 +39,8 @@ def mode_params(mode: str, i: int, max_tokens: int):
 
 
 def engine_step_ms(engine, batch: int, mode: str, args) -> float:
-    """Wall ms per step of the serving loop, every request admitted with its KV present."""
-    from splitserve.decode_worker.sequence import DecodeInput
-
-    for i in range(batch):
-        got = engine.allocator.allocate(-(-args.context // engine.runner.block_size))
-        params = mode_params(mode, i, args.steps + 1)
-        engine.admit(
-            DecodeInput(f"{mode}{i}", [1] * args.context, 5, params),
-            list(got.block_ids),
-            lambda out: None,
-        )
-    engine.step()  # admission, slot fills, full prepare
-    t0 = time.perf_counter()
-    steps = 0
-    while engine.has_work:
-        engine.step()
-        steps += 1
-    assert engine.allocator.num_free == engine.allocator.num_usable
-    return (time.perf_counter() - t0) * 1e3 / max(steps, 1)
+    """Wall ms per step of the serving loop, every request in `mode`."""
+    return engine_time(engine, batch, args, lambda i: mode_params(mode, i, args.steps + 1), mode)
 
 
 def sampling_results(engine, sizes, modes, args, log) -> list[dict]:

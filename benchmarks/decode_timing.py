@@ -90,20 +90,22 @@ def kernel_times(torch, engine, eager_runner, batch: int, args) -> dict:
     return out
 
 
-def engine_time(engine, batch: int, args) -> float:
-    """Wall ms per step of the serving loop (admit with KV present, greedy, fixed length)."""
+def engine_time(engine, batch: int, args, params_of=None, prefix: str = "e") -> float:
+    """Wall ms per step of the serving loop (admit with KV present, fixed length); request i
+    samples with params_of(i) (default greedy)."""
     from splitserve.decode_worker.sequence import DecodeInput
     from splitserve.request.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
     for i in range(batch):
         got = engine.allocator.allocate(-(-args.context // engine.runner.block_size))
+        params = greedy if params_of is None else params_of(i)
         engine.admit(
-            DecodeInput(f"e{i}", [1] * args.context, 5, params),
+            DecodeInput(f"{prefix}{i}", [1] * args.context, 5, params),
             list(got.block_ids),
             lambda out: None,
         )
-    engine.step()  # admission + full prepare
+    engine.step()  # admission (slot fills) + full prepare
     t0 = time.perf_counter()
     steps = 0
     while engine.has_work:
