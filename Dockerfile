@@ -41,4 +41,6 @@ RUN pip install ".[${UCX_EXTRA}]" && splitserve --help > /dev/null
 # 94xx metrics
 EXPOSE 50051 8000 50061 50062 50071 9451 9461 9471
 ENTRYPOINT ["splitserve"]
-CMD ["serve", "--host", "0.0.0.0"]
+# beyond loopback the router needs an API key: one is generated into this file on first start
+# (read it with `docker exec <container> cat /run/splitserve/api-keys`; docs/security.md)
+CMD ["serve", "--host", "0.0.0.0", "--api-keys-file", "/run/splitserve/api-keys"]

@@ -57,7 +57,6 @@ def fake_sequences(engine, batch: int, context: int, room: int):
                 params,
                 stop,
                 lambda out: None,
-                None,
                 [5],
                 list(got.block_ids),
             )

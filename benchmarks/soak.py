@@ -29,12 +29,12 @@ from pathlib import Path
 os.environ.setdefault(
     "GRPC_VERBOSITY", "ERROR"
 )  # before grpc loads: no fork-handler notes per restart
-import grpc  # noqa: E402
 from soak_checks import LEASE_TTL_S, SoakFailure, leaks, rss_mb, wait_health  # noqa: E402
 from soak_requests import Ledger, one_request  # noqa: E402
 
 from splitserve.cli.launcher import Launcher, StartError  # noqa: E402
 from splitserve.protos import generate_pb2_grpc  # noqa: E402
+from splitserve.service.tls import open_channel  # noqa: E402
 
 WORKER_FLAGS = [
     "--device",
@@ -128,7 +128,7 @@ async def drive(args, launcher: Launcher, router, workers, vocab: int) -> dict:
     ]  # decode, prefill, router, ...
     kills: list[dict] = []
     rss0 = {c.name: rss_mb(c.pid) for c in (router, *workers)}
-    async with grpc.aio.insecure_channel(router.address) as ch:
+    async with open_channel(router.address, router.tls) as ch:
         stub = generate_pb2_grpc.GenerateServiceStub(ch)
         sem, tasks, t0 = asyncio.Semaphore(args.concurrency), [], time.monotonic()
 
@@ -212,7 +212,10 @@ def main(argv=None) -> int:
             )
         vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         log_dir = Path(args.log_dir) if args.log_dir else Path(tmp) / "logs"
-        launcher = Launcher(log_dir, on_event=lambda m: print(f"  {m}", flush=True))
+        # a keyless loopback router: GetServerInfo shows worker addresses (soak_checks.py reads
+        # them) and Abort finds the soak's requests; keys in the caller's environment would not
+        no_keys = {"SPLITSERVE_API_KEYS": "", "SPLITSERVE_ADMIN_KEYS": ""}
+        launcher = Launcher(log_dir, on_event=lambda m: print(f"  {m}", flush=True), env=no_keys)
         flags = ["--model", model, *WORKER_FLAGS]
         role_flags = {
             "prefill-worker": [*flags, "--lease-ttl-s", str(LEASE_TTL_S)],

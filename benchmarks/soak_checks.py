@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.service.tls import open_channel
 
 # a killed router leaves the leases of its in-flight requests to expire on the prefill workers
 # (nothing else can release them): short, so the end-of-run check can wait them out
@@ -52,7 +53,7 @@ async def leaks(children) -> dict[str, dict]:
             if c.subcommand == "prefill-worker"
             else worker_pb2_grpc.DecodeWorkerStub
         )
-        async with grpc.aio.insecure_channel(c.address) as ch:
+        async with open_channel(c.address, c.tls) as ch:
             for _ in range(
                 int((LEASE_TTL_S + 10) * 10)
             ):  # releases are asynchronous, orphaned leases expire

@@ -10,8 +10,9 @@ process at --request-rate (inf: all at once), at most --max-concurrency in fligh
 gives request and token throughput, TTFT / TPOT / ITL / E2E latency (mean, median, p90, p99)
 and goodput under --slo. `--backend openai` sends the same requests as streamed /v1/completions
 to an OpenAI-compatible HTTP API (`--base-url`, default $OPENAI_BASE_URL, else
-http://127.0.0.1:8000/v1: `splitserve serve`'s), timed the same way. Also runnable alone:
-`python -m splitserve.cli.bench_cmd ...`.
+http://127.0.0.1:8000/v1: `splitserve serve`'s), timed the same way. A router with API keys
+(docs/security.md) takes `--api-key` (default $SPLITSERVE_API_KEY; openai: else $OPENAI_API_KEY).
+Also runnable alone: `python -m splitserve.cli.bench_cmd ...`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import os
 import sys
 
 from splitserve.cli import client
+from splitserve.cli.api_key import add_api_key_argument, api_key_from_args
 from splitserve.cli.bench.workload import parse_slo
+from splitserve.service.tls_flags import add_client_tls_arguments, client_tls_from_args
 
 
 def register(sub) -> None:
@@ -103,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--plot", metavar="FILE.png", help="plot the latency CDFs (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_api_key_argument(p, openai=True)
+    add_client_tls_arguments(p)  # gRPC channel; --backend openai: whom https:// trusts
 
 
 def _announce(cfg, model: str, workers: dict[str, int]) -> None:
@@ -115,15 +120,18 @@ def _announce(cfg, model: str, workers: dict[str, int]) -> None:
     )
 
 
-async def _run_grpc(cfg, progress) -> tuple[dict, list, float]:
-    import grpc
-
+async def _run_grpc(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
+    from splitserve.cli.api_key import grpc_interceptors
     from splitserve.cli.bench import runner
     from splitserve.cli.bench.workload import arrival_offsets, make_prompts
     from splitserve.protos import generate_pb2_grpc
     from splitserve.service.grpc_service import channel_options
+    from splitserve.service.tls import open_channel
 
-    async with grpc.aio.insecure_channel(cfg.address, options=channel_options()) as channel:
+    # the key goes with every call on the channel (GetServerInfo, Generate)
+    async with open_channel(
+        cfg.address, tls, channel_options(), interceptors=grpc_interceptors(api_key)
+    ) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         info = await runner.server_info(stub, cfg.address)
         prompts = make_prompts(cfg, info.vocab_size)
@@ -148,11 +156,13 @@ async def _run_grpc(cfg, progress) -> tuple[dict, list, float]:
     return server, results, duration
 
 
-async def _run_openai(cfg, progress) -> tuple[dict, list, float]:
+async def _run_openai(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
     from splitserve.cli.bench import openai_runner, runner
     from splitserve.cli.bench.workload import arrival_offsets, make_prompts
+    from splitserve.service.tls import client_ssl_context
 
-    api = await openai_runner.OpenAIClient.connect(cfg.address)
+    ssl_context = client_ssl_context(tls) if tls is not None else None
+    api = await openai_runner.OpenAIClient.connect(cfg.address, ssl_context, api_key)
     try:
         if api.vocab_size is None and cfg.dataset is None:
             raise runner.BenchError(
@@ -211,7 +221,9 @@ async def _bench(args: argparse.Namespace) -> int:
         )
 
     run = _run_openai if cfg.backend == "openai" else _run_grpc
-    server, results, duration = await run(cfg, progress)
+    # the key stays out of cfg: cfg goes into --json-out
+    api_key = api_key_from_args(args, openai=cfg.backend == "openai")
+    server, results, duration = await run(cfg, progress, client_tls_from_args(args), api_key)
     model_name = server["model_name"]
     summary = metrics.summarize(results, duration, cfg.slo)
     report.print_summary(sys.stdout, summary, cfg, model_name)

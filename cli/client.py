@@ -3,7 +3,10 @@ sampling flags -> SamplingParams, one streamed Generate call, text or JSON on th
 
     add_sampling_arguments(parser)            --max-tokens --temperature --top-p --top-k --seed
                                               --stop (repeatable) --logprobs N --ignore-eos
-    result = stream_to(out, address, prompt, args)    streams the text (or JSON) as it comes
+    result = stream_to(out, address, prompt, args, tls=None, api_key=None)
+                                              streams the text (or JSON) as it comes; TLS to the
+                                              router with `tls` (service/tls.py), `api_key` sent
+                                              as `authorization: Bearer` (cli/api_key.py)
     rpc_error_line(err)                       'UNAVAILABLE: <details>' (one line)
 
 Errors are `GenerateError`s carrying one line with the gRPC status and message.
@@ -17,9 +20,14 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import grpc
+
+from splitserve.cli.api_key import API_KEY_ENV, grpc_metadata
+
+if TYPE_CHECKING:
+    from splitserve.service.tls import TlsClientConfig
 
 DEFAULT_PORT = 50051  # `splitserve serve`'s router port
 ADDRESS_ENV = "SPLITSERVE_ADDRESS"
@@ -101,8 +109,13 @@ def rpc_error_line(err: grpc.RpcError, address: str = "") -> str:
     details = (err.details() if hasattr(err, "details") else str(err)) or ""
     details = " ".join(details.split())
     line = f"{code.name if code else 'ERROR'}: {details}"
-    if code == grpc.StatusCode.UNAVAILABLE and address and "connect" in details.lower():
+    lower = details.lower()
+    if code == grpc.StatusCode.UNAVAILABLE and ("ssl" in lower or "handshake" in lower):
+        line += " (TLS: check --tls-ca-file, and that both ends use TLS)"
+    elif code == grpc.StatusCode.UNAVAILABLE and address and "connect" in lower:
         line += f" (is `splitserve serve` running at {address}? set --address or {ADDRESS_ENV})"
+    elif code == grpc.StatusCode.UNAUTHENTICATED:
+        line += f" (pass --api-key or set ${API_KEY_ENV})"
     return line
 
 
@@ -178,17 +191,29 @@ def make_request(prompt: str | list[int], sampling, request_id: str = ""):
     )
 
 
-def generate(address: str, request, timeout: float | None, on_chunk=None) -> Result:
-    """One Generate call; `on_chunk(result, chunk_dict)` after each chunk. GenerateError on failure."""
+def generate(
+    address: str,
+    request,
+    timeout: float | None,
+    on_chunk=None,
+    tls: TlsClientConfig | None = None,
+    api_key: str | None = None,
+) -> Result:
+    """One Generate call; `on_chunk(result, chunk_dict)` after each chunk. GenerateError on failure.
+    `tls`: TLS to the router (service/tls.py); None: plaintext. `api_key`: the router's API key
+    (None: none sent)."""
     from splitserve.protos import generate_pb2_grpc
     from splitserve.service.grpc_service import channel_options
+    from splitserve.service.tls import open_channel
 
     result = Result()
     t0 = time.monotonic()
-    with grpc.insecure_channel(address, options=channel_options()) as channel:
+    with open_channel(address, tls, channel_options(), aio=False) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         try:
-            for chunk in stub.Generate(request, timeout=timeout, wait_for_ready=False):
+            for chunk in stub.Generate(
+                request, timeout=timeout, wait_for_ready=False, metadata=grpc_metadata(api_key)
+            ):
                 if result.ttft_s is None and (chunk.token_ids or chunk.text):
                     result.ttft_s = time.monotonic() - t0
                 d = result.add(chunk)
@@ -206,6 +231,8 @@ def stream_to(
     prompt: str | list[int],
     args: argparse.Namespace,
     err: TextIO | None = None,
+    tls: TlsClientConfig | None = None,
+    api_key: str | None = None,
 ) -> Result:
     """Runs the call and prints: streamed text (default), JSON lines per chunk (--json-chunks)
     or one JSON object (--json). A summary goes to `err` in text mode."""
@@ -221,7 +248,12 @@ def stream_to(
             out.flush()
 
     result = generate(
-        address, make_request(prompt, sampling_from_args(args)), args.timeout, on_chunk
+        address,
+        make_request(prompt, sampling_from_args(args)),
+        args.timeout,
+        on_chunk,
+        tls,
+        api_key,
     )
     if mode == "json":
         out.write(json.dumps(result.as_json()) + "\n")

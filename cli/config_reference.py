@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -31,16 +32,32 @@ def _type_name(annotation) -> str:
     return text.replace("typing.", "").replace("NoneType", "None")
 
 
-def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
+def _optional_section(annotation) -> type[BaseModel] | None:
+    """M for a field typed `M | None` with M a model (a section that is off when unset)."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], BaseModel):
+        return args[0]
+    return None
+
+
+def _rows(model: type[BaseModel], prefix: str = "", within: str = "") -> list[str]:
+    """One row per key; an optional section (`server.tls`) gets its own row, then its keys',
+    whose "required" holds only when the section is set."""
     rows = []
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
         ann = field.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows += _rows(ann, key + ".")
+            rows += _rows(ann, key + ".", within)
+            continue
+        section = _optional_section(ann)
+        if section is not None:
+            desc = (field.description or "").replace("|", "\\|")
+            rows.append(f"| `{key}` | `{section.__name__} | None` | `None` |  | {desc} |")
+            rows += _rows(section, key + ".", key)
             continue
         default = (
-            "required"
+            (f"required when `{within}` is set" if within else "required")
             if field.is_required()
             else f"`{field.get_default(call_default_factory=True)!r}`"
         )

@@ -3,6 +3,9 @@
     splitserve serve &                        # router on 127.0.0.1:50051
     splitserve generate "Hello" --max-tokens 32
     splitserve generate "Hello" --json        # one JSON object: text, token_ids, finish_reason, usage
+    splitserve generate "Hello" --address router.example:50051 --tls-ca-file ca.pem   # docs/tls.md
+    SPLITSERVE_API_KEY=KEY splitserve generate "Hello" --address router.example:50051
+                                              # a router with API keys (docs/security.md)
 
 The address comes from --address, else $SPLITSERVE_ADDRESS, else 127.0.0.1:50051 (the
 default of `splitserve serve`). Errors print one line with the gRPC status and message.
@@ -15,6 +18,8 @@ import argparse
 import sys
 
 from splitserve.cli import client
+from splitserve.cli.api_key import add_api_key_argument, api_key_from_args
+from splitserve.service.tls_flags import add_client_tls_arguments, client_tls_from_args
 
 
 def register(sub) -> None:
@@ -34,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--token-ids", action="store_true", help="PROMPT is comma-separated token ids, not text"
     )
+    add_api_key_argument(p)
     client.add_sampling_arguments(p)
+    add_client_tls_arguments(p)
 
 
 def parse_prompt(args: argparse.Namespace) -> str | list[int]:
@@ -50,8 +57,11 @@ def parse_prompt(args: argparse.Namespace) -> str | list[int]:
 
 def run(args: argparse.Namespace) -> int:
     address = args.address or client.default_address()
+    tls = client_tls_from_args(args)
     try:
-        client.stream_to(sys.stdout, address, parse_prompt(args), args)
+        client.stream_to(
+            sys.stdout, address, parse_prompt(args), args, tls=tls, api_key=api_key_from_args(args)
+        )
     except client.GenerateError as exc:
         print(f"splitserve generate: error: {exc}", file=sys.stderr)
         return 1

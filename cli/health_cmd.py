@@ -3,6 +3,7 @@
 For container health checks (grpc_health_probe is not needed):
 
     splitserve health 127.0.0.1:50051 --service splitserve.v1.GenerateService
+    splitserve health 127.0.0.1:50051 --tls-ca-file /run/tls/ca.pem   # a TLS port (docs/tls.md)
 
 Prints `SERVING` (exit 0), or one line saying what it got instead (exit 1).
 Also runnable alone: `python -m splitserve.cli.health_cmd HOST:PORT`.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from splitserve.service.tls_flags import add_client_tls_arguments, client_tls_from_args
 
 
 def register(sub) -> None:
@@ -32,13 +35,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--timeout", type=float, default=3.0, help="seconds to wait for the answer (default 3)"
     )
+    add_client_tls_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(args.address) as channel:
+    from splitserve.service.tls import open_channel
+
+    with open_channel(args.address, client_tls_from_args(args), aio=False) as channel:
         try:
             status = (
                 health_pb2_grpc.HealthStub(channel)

@@ -1,6 +1,6 @@
 """Child service processes of `splitserve serve`: start, wait until healthy, watch, stop.
 
-    Launcher(log_dir)
+    Launcher(log_dir, tls=None)                tls: TLS of the children's health checks
       .add(name, subcommand, args, service)    `splitserve <subcommand> --host H --port P args`
       .start_all()                             every child at once; output -> log_dir/<name>.log
       .wait_healthy(timeout, stop_event)       grpc.health.v1 SERVING for each child's service;
@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2
 from splitserve.cli.launcher_child import Child
 from splitserve.service.net import free_port
 from splitserve.service.service_process import PARENT_ENV
+from splitserve.service.tls import TlsClientConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PORT_TAKEN = "cannot listen on"  # GrpcServer's message when the port is in use
@@ -78,8 +79,10 @@ class Launcher:
         log_dir: str | Path,
         on_event: Callable[[str], None] | None = None,
         env: dict[str, str] | None = None,
+        tls: TlsClientConfig | None = None,
     ) -> None:
         self.log_dir = Path(log_dir)
+        self.tls = tls
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: list[Child] = []
         self._say = on_event or (lambda msg: None)
@@ -109,6 +112,7 @@ class Launcher:
             fixed_port=port or None,
             depends_on=depends_on,
             log_path=self.log_dir / f"{name}.log",
+            tls=self.tls,
         )
         child.port = port or free_port(host)
         self.children.append(child)

@@ -2,7 +2,8 @@
 listens, its process, its grpc.health.v1 status and the tail of its log file.
 
     Child(name, subcommand, args, service, host)   args: without --host/--port, or a callable
-                                                   that sees the other children's addresses
+                                                   that sees the other children's addresses;
+                                                   health checked over TLS with `tls`
     log_tail(path, lines, since)                   the last non-empty log lines, on one line
 """
 
@@ -17,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.service.net import local_dial_host
+from splitserve.service.tls import TlsClientConfig, open_channel
 
 PORT_RETRIES = 3
 TAIL_LINES = 3
@@ -51,6 +53,7 @@ class Child:
     healthy: bool = False
     started: float = 0.0
     retries: int = PORT_RETRIES
+    tls: TlsClientConfig | None = None  # how its health is checked; None: plaintext
     _log_start: int = 0
     _log_file: object = field(default=None, repr=False)
     _channel: grpc.Channel | None = field(default=None, repr=False)
@@ -72,7 +75,7 @@ class Child:
 
     def health(self, timeout: float = 1.0) -> int | None:
         if self._channel is None:
-            self._channel = grpc.insecure_channel(self.address)
+            self._channel = open_channel(self.address, self.tls, aio=False)
         try:
             return (
                 health_pb2_grpc.HealthStub(self._channel)

@@ -13,6 +13,7 @@ from splitserve.cli import (
     decode_worker_cmd,
     generate_cmd,
     health_cmd,
+    keygen_cmd,
     make_model_cmd,
     prefill_worker_cmd,
     router_cmd,
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         decode_worker_cmd,
         router_cmd,
         health_cmd,
+        keygen_cmd,
     ):
         module.register(sub)
     return parser

@@ -14,6 +14,7 @@ import sys
 
 from splitserve.cli.arg_types import port
 from splitserve.service.service_process import run_service_process
+from splitserve.service.tls_flags import SERVER_TLS_OVERRIDES, add_server_tls_arguments
 
 # flag dest -> dotted config field
 _OVERRIDES = {
@@ -33,6 +34,16 @@ _OVERRIDES = {
     "prefill_policy": "routing.prefill_policy",
     "decode_policy": "routing.decode_policy",
     "poll_interval_s": "registry.poll_interval_s",
+    **SERVER_TLS_OVERRIDES,  # --tls-cert-file ... -> server.tls.* (also the HTTP front's)
+    "workers_tls_ca_file": "workers_tls.ca_file",
+    "workers_tls_cert_file": "workers_tls.cert_file",
+    "workers_tls_key_file": "workers_tls.key_file",
+    "api_keys_file": "auth.api_keys_file",
+    "admin_keys_file": "auth.admin_keys_file",
+    "cluster_secret_file": "auth.cluster_secret_file",
+    "require_api_key": "auth.require_api_key",
+    "control_host": "control.host",
+    "control_port": "control.port",
 }
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 
@@ -126,7 +137,56 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--poll-interval-s", type=float, help="seconds between health/load probes of each worker"
     )
+    add_access_arguments(p)
+    add_tls_arguments(p)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def add_tls_arguments(p: argparse.ArgumentParser) -> None:
+    """The router's own certificate (server.tls) and its TLS to the workers (workers_tls)."""
+    add_server_tls_arguments(p)
+    g = p.add_argument_group("TLS to the workers (docs/tls.md; or workers_tls in --config)")
+    g.add_argument(
+        "--workers-tls-ca-file", metavar="PEM", help="call workers over TLS, trusting this CA"
+    )
+    g.add_argument(
+        "--workers-tls-cert-file",
+        metavar="PEM",
+        help="present this certificate to workers that require mutual TLS",
+    )
+    g.add_argument("--workers-tls-key-file", metavar="PEM", help="its private key")
+
+
+def add_access_arguments(p: argparse.ArgumentParser) -> None:
+    """Keys, the cluster secret and the control listener (docs/security.md)."""
+    p.add_argument(
+        "--api-keys-file",
+        metavar="FILE",
+        help="API keys, one per line (also $SPLITSERVE_API_KEYS); required off loopback",
+    )
+    p.add_argument(
+        "--admin-keys-file",
+        metavar="FILE",
+        help="admin keys (also $SPLITSERVE_ADMIN_KEYS): see worker addresses, abort any request",
+    )
+    p.add_argument(
+        "--cluster-secret-file",
+        metavar="FILE",
+        help="secret workers present to register (also $SPLITSERVE_CLUSTER_SECRET)",
+    )
+    p.add_argument(
+        "--no-api-key",
+        dest="require_api_key",
+        action="store_const",
+        const=False,
+        help="serve without API keys even beyond loopback (anyone who reaches the port may call)",
+    )
+    p.add_argument("--control-host", help="address of the private control listener")
+    p.add_argument(
+        "--control-port",
+        type=port,
+        help="serve RouterControl (worker registration) on this port only, not the public one",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

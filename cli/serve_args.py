@@ -3,6 +3,7 @@
     add_arguments(parser)     every `serve` flag
     resolve_model(model)      --model as a checkpoint folder (default: the embedded tiny model)
     check_args(args)          (prefill workers, decode workers); the router's port is free
+    client_tls(args)          the TLS `serve` and the router dial with (None: plaintext)
     check_http_port(args)     the router's OpenAI HTTP port (0: a free one), None for none
 
 Each check raises ValueError with one line saying what to change.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 from pathlib import Path
 
 from splitserve.cli import client
@@ -114,7 +116,57 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prompt", help="answer this prompt once everything is healthy, print it, shut down"
     )
+    g = p.add_argument_group(
+        "TLS (docs/tls.md): every service serves TLS with one certificate, which must name the "
+        "--host (127.0.0.1 on loopback) in its subjectAltName"
+    )
+    g.add_argument("--tls-cert-file", metavar="PEM", help="certificate chain of every service")
+    g.add_argument("--tls-key-file", metavar="PEM", help="its private key")
+    g.add_argument(
+        "--tls-ca-file",
+        metavar="PEM",
+        help="the CA that signed it: the router and `serve` itself trust it",
+    )
+    a = p.add_argument_group(
+        "API keys (docs/security.md): needed when --host is beyond loopback; `serve` itself uses "
+        "the first key of --api-keys-file for --prompt"
+    )
+    a.add_argument(
+        "--api-keys-file",
+        metavar="FILE",
+        help="the router's API keys, one per line; a missing file is created with one random key "
+        "(as `splitserve keygen`)",
+    )
+    a.add_argument("--admin-keys-file", metavar="FILE", help="the router's admin keys")
+    a.add_argument(
+        "--no-api-key",
+        action="store_true",
+        help="serve without keys even beyond loopback (anyone who reaches the port may call)",
+    )
     client.add_sampling_arguments(p, max_tokens=32)
+
+
+def access_args(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """The router's key flags, and the key `serve` sends itself (the first of --api-keys-file,
+    created when missing; else $SPLITSERVE_API_KEY)."""
+    from splitserve.cli.api_key import api_key_from_args
+    from splitserve.cli.keygen_cmd import write_new_key
+
+    flags: list[str] = []
+    key = api_key_from_args(args)
+    if args.api_keys_file:
+        path = Path(args.api_keys_file).resolve()
+        if write_new_key(path):
+            print(f"splitserve serve: wrote a new API key to {path}", file=sys.stderr)
+        flags += ["--api-keys-file", str(path)]
+        from splitserve.service.credentials import load_keys
+
+        key = (load_keys(str(path), None) or (key,))[0]
+    if args.admin_keys_file:
+        flags += ["--admin-keys-file", str(Path(args.admin_keys_file).resolve())]
+    if args.no_api_key:
+        flags.append("--no-api-key")
+    return flags, key
 
 
 def resolve_model(model: str | None) -> Path:
@@ -157,6 +209,22 @@ def check_args(args: argparse.Namespace) -> tuple[int, int]:
                     "`splitserve serve` may run there: pass --port 0 for a free port"
                 ) from None
     return num_prefill, args.num_decode
+
+
+def client_tls(args: argparse.Namespace):
+    """TlsClientConfig trusting --tls-ca-file when the services serve TLS, else None; the three
+    TLS flags go together (ValueError)."""
+    given = [args.tls_cert_file, args.tls_key_file, args.tls_ca_file]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError(
+            "--tls-cert-file, --tls-key-file and --tls-ca-file go together (the services dial "
+            "each other, so they must trust the CA that signed the certificate)"
+        )
+    from splitserve.service.tls import TlsClientConfig
+
+    return TlsClientConfig(ca_file=args.tls_ca_file)
 
 
 def check_http_port(args: argparse.Namespace) -> int | None:

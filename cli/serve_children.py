@@ -3,7 +3,8 @@ router as a launcher child with its argv, on the devices serve_placement.py give
 
     build(launcher, args, model, num_prefill, num_decode, http_port, placement)
                               adds the workers, then the router (its --prefill/--decode
-                              addresses are read at each launch)
+                              addresses are read at each launch); with --tls-cert-file every
+                              child serves TLS and the router trusts --tls-ca-file
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ def build(
     num_decode: int,
     http_port: int | None = None,
     placement: tuple[list[list[str]], list[list[str]]] | None = None,
+    access: list[str] | None = None,
 ) -> None:
-    """`placement`: serve_placement.worker_flags (computed here when None)."""
+    """`placement`: serve_placement.worker_flags (computed here when None); `access`: the
+    router's key flags (serve_args.access_args)."""
     prefill_at, decode_at = placement or worker_flags(args, num_prefill, num_decode)
     common = ["--model", str(model), "--log-level", args.log_level]
     engine = [*common]
@@ -49,11 +52,17 @@ def build(
         return ["--metrics-port", str(free_port(args.host))] if args.metrics else []
 
     grace = ["--drain-grace-s", str(args.drain_grace_s)]
+    tls: list[str] = []  # every service serves TLS with the one certificate (serve_args.client_tls)
+    if args.tls_cert_file:
+        tls = [
+            *("--tls-cert-file", str(Path(args.tls_cert_file).resolve())),
+            *("--tls-key-file", str(Path(args.tls_key_file).resolve())),
+        ]
     prefill = [
         launcher.add(
             f"prefill-{i}",
             "prefill-worker",
-            [*engine, *prefill_at[i], *grace, *metrics()],
+            [*engine, *prefill_at[i], *grace, *tls, *metrics()],
             SERVICES["prefill-worker"],
             host=args.host,
         )
@@ -63,13 +72,15 @@ def build(
         launcher.add(
             f"decode-{i}",
             "decode-worker",
-            [*engine, *decode_at[i], *grace, *metrics()],
+            [*engine, *decode_at[i], *grace, *tls, *metrics()],
             SERVICES["decode-worker"],
             host=args.host,
         )
         for i in range(num_decode)
     ]
-    router_extra = [*common, *grace, *metrics()]
+    router_extra = [*common, *grace, *tls, *(access or []), *metrics()]
+    if tls:  # the router dials its workers over TLS, trusting the CA that signed their certificate
+        router_extra += ["--workers-tls-ca-file", str(Path(args.tls_ca_file).resolve())]
     if args.max_model_len is not None:
         router_extra += ["--max-model-len", str(args.max_model_len)]
     if args.colocated:

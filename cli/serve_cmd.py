@@ -4,6 +4,8 @@
     splitserve serve --model DIR --num-decode 2 --device cuda
     splitserve serve --prompt "Hello"         # start, answer one prompt, print it, shut down
     splitserve serve --colocated              # one decode worker that also prefills (no KV hand-off)
+    splitserve serve --tls-cert-file cert.pem --tls-key-file key.pem --tls-ca-file ca.pem
+                                              # every service over TLS (docs/tls.md)
     splitserve serve --device cuda --prefill-tensor-parallel-size 2 --decode-tensor-parallel-size 1
                                               # prefill on cuda:0-1, decode on cuda:2 (serve_placement.py)
 
@@ -31,7 +33,14 @@ from pathlib import Path
 
 from splitserve.cli import client
 from splitserve.cli.launcher import Launcher, StartError
-from splitserve.cli.serve_args import add_arguments, check_args, check_http_port, resolve_model
+from splitserve.cli.serve_args import (
+    access_args,
+    add_arguments,
+    check_args,
+    check_http_port,
+    client_tls,
+    resolve_model,
+)
 from splitserve.cli.serve_children import build
 from splitserve.cli.serve_placement import worker_flags
 from splitserve.service.net import free_port, local_dial_host
@@ -90,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         args, num_prefill, num_decode
     )  # too few GPUs: refused before anything starts
     http_port = check_http_port(args)
+    tls = client_tls(args)
+    access, api_key = access_args(args)
     if http_port == 0:
         http_port = free_port(args.host)
     model = resolve_model(args.model)
@@ -98,9 +109,9 @@ def run(args: argparse.Namespace) -> int:
         Path(tempfile.mkdtemp(prefix="splitserve-serve-")) if auto_logs else Path(args.log_dir)
     )
     launcher = Launcher(
-        log_dir, on_event=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)
+        log_dir, on_event=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True), tls=tls
     )
-    build(launcher, args, model, num_prefill, num_decode, http_port, placement)
+    build(launcher, args, model, num_prefill, num_decode, http_port, placement, access)
     router = launcher.children[-1]
     what = "colocated" if args.colocated else f"{num_prefill} prefill"
     print(
@@ -131,27 +142,38 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
             interrupt[0] = True
-            client.stream_to(sys.stdout, router.address, args.prompt, args)
+            client.stream_to(
+                sys.stdout, router.address, args.prompt, args, tls=tls, api_key=api_key
+            )
             interrupt[0] = False
         else:
+            scheme = "https" if tls is not None else "http"
             http = (
-                f"http://{display_host(args.host)}:{http_port}/v1"
+                f"{scheme}://{display_host(args.host)}:{http_port}/v1"
                 if http_port is not None
                 else None
             )
+            # how a client trusts the services' certificate (docs/tls.md)
+            ca = f" --tls-ca-file {args.tls_ca_file}" if tls is not None else ""
+            cacert = f" --cacert {args.tls_ca_file}" if tls is not None else ""
+            if args.api_keys_file:  # the key stays in its file, out of the terminal's history
+                ca += f' --api-key "$(head -1 {args.api_keys_file})"'
+                cacert += f' -H "Authorization: Bearer $(head -1 {args.api_keys_file})"'
             print(
                 f"ready: router on {router.address} ({what}, {num_decode} decode, model {model.name})"
                 + (f"; OpenAI API on {http}" if http else ""),
                 flush=True,
             )
             print(
-                f'  try: splitserve generate "Hello" --address {router.address}   (Ctrl-C stops everything)',
+                f'  try: splitserve generate "Hello" --address {router.address}{ca}   '
+                "(Ctrl-C stops everything)",
                 file=sys.stderr,
                 flush=True,
             )
             if http:
                 print(
-                    f'       curl {http}/completions -d \'{{"prompt": "Hello", "max_tokens": 16}}\'',
+                    f"       curl{cacert} {http}/completions "
+                    + '-d \'{"prompt": "Hello", "max_tokens": 16}\'',
                     file=sys.stderr,
                     flush=True,
                 )

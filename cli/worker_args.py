@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from splitserve.cli.arg_types import port
+from splitserve.service.tls_flags import SERVER_TLS_OVERRIDES, add_server_tls_arguments
 
 # flag dest -> dotted config field, for the flags below
 SHARED_OVERRIDES = {
@@ -30,6 +31,7 @@ SHARED_OVERRIDES = {
     "metrics_port": "server.metrics_port",
     "drain_grace_s": "server.drain_grace_s",
     "drain_announce_s": "server.drain_announce_s",
+    **SERVER_TLS_OVERRIDES,  # --tls-cert-file ... -> server.tls.*
 }
 
 
@@ -83,6 +85,7 @@ def add_shared_arguments(p: argparse.ArgumentParser, config_name: str) -> None:
         metavar="S",
         help="health NOT_SERVING while work waits and no engine step finished for S seconds",
     )
+    add_server_tls_arguments(p)
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 
@@ -99,6 +102,7 @@ def run_worker_command(
 ) -> int:
     """Config from --config + flags (`overrides`: this command's own flag -> field), logging,
     then the worker until SIGTERM (`serve(cfg)`: a coroutine function)."""
+    from splitserve.kvtransfer.ucx_runtime import use_notifier_thread
     from splitserve.service.service_process import run_service_process
 
     if not args.model and not args.config:
@@ -109,4 +113,5 @@ def run_worker_command(
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    use_notifier_thread()  # one event loop for the process's life: no idle polling of UCX
     return run_service_process(lambda: serve(cfg))

@@ -1,5 +1,8 @@
 """The decode engine: scheduler + graph runner + sampler + stop checks, one `step()` at a time.
 
+Stop checks here are eos, stop token ids and length; stop strings are text work, matched by the
+servicer on the event loop (stop_strings.py), never on this thread.
+
 Single-threaded (the engine loop thread, or a test, calls it). One step:
 
     1. (overlap off only) the still-unread step is finished first
@@ -35,7 +38,6 @@ from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink,
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
-from splitserve.request.detokenizer import IncrementalDetokenizer
 from splitserve.request.errors import RequestError
 from splitserve.request.stop_checker import StopChecker
 
@@ -97,15 +99,16 @@ class DecodeEngine:
         self, inp: DecodeInput, sink: Sink
     ) -> tuple[DecodeSequence, StepOutput | None]:
         """`inp` was validated at this worker's trust boundary (servicer.py: prompt, vocabulary,
-        sampling, stop strings only with a tokenizer); the engine builds on it unchecked."""
+        sampling); the engine builds on it unchecked. `inp.params.stop` is not matched here."""
         prompt = list(inp.prompt_token_ids)
         first_ids = () if inp.first_token_id is None else (inp.first_token_id,)
-        stop = StopChecker(inp.params, self.eos, self.runner.max_model_len, len(prompt))
-        detok = IncrementalDetokenizer(self.tokenizer, prompt) if inp.params.stop else None
-        seq = DecodeSequence(inp.request_id, prompt, inp.params, stop, sink, detok, list(first_ids))
+        stop = StopChecker(
+            inp.params, self.eos, self.runner.max_model_len, len(prompt), match_stop_strings=False
+        )
+        seq = DecodeSequence(inp.request_id, prompt, inp.params, stop, sink, list(first_ids))
         if inp.first_token_id is None:  # colocated: admission computes the prompt, samples out[0]
             return seq, None
-        first = stop.update(inp.first_token_id, detok.add(inp.first_token_id) if detok else "")
+        first = stop.update(inp.first_token_id, "")
         done = (
             StepOutput(inp.request_id, (), (), first.finish_reason, first.stop_reason)
             if first.finished
@@ -227,8 +230,7 @@ class DecodeEngine:
         self, seq: DecodeSequence, token: int, logprob: TokenLogprobs | None, now: float
     ) -> None:
         seq.output_token_ids.append(token)
-        delta = seq.detokenizer.add(token) if seq.detokenizer is not None else ""
-        result = seq.stop.update(token, delta)
+        result = seq.stop.update(token, "")  # no text: stop strings are the servicer's
         if len(seq.output_token_ids) > 1:  # a first token sampled here ends no inter-token gap
             self.metrics.itl_seconds.observe(now - seq.last_token_time)
         seq.last_token_time = now

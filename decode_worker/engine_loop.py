@@ -137,11 +137,13 @@ class EngineLoop:
             fut.set_exception(RuntimeError("the decode engine is not running"))
         return fut
 
-    def abort(self, request_id: str) -> Future[bool]:
+    def abort(self, request_id: str, reason: str = "abort") -> Future[bool]:
+        """Ends a request between steps; `reason` "stop" when the servicer matched a stop
+        string (stop_strings.py), so the metrics count it as stopped, not aborted."""
         fut: Future[bool] = Future()
 
         def cmd() -> None:
-            found = self.engine.abort(request_id)
+            found = self.engine.abort(request_id, reason)
             if fut.set_running_or_notify_cancel():
                 fut.set_result(found)
 

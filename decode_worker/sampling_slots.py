@@ -56,7 +56,7 @@ class SamplingSlots:
                 continue
             slot = self.owner[s.uid] = self.free.pop()
             step = len(s.output_token_ids) + s.in_flight
-            # copies: a TP mirror pickles the command later, the lists keep growing
+            # copies: the sequence's lists keep growing after this call
             prompt, out = list(s.prompt_token_ids), list(s.output_token_ids)
             new_slots.append(slot)
             rows.append(RowInit(s.params, prompt, out, self._sampler.seed_for(s.params), step))

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from splitserve.decode_worker.sequence import DecodeSequence, Status
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.errors import RequestError
+from splitserve.request.retry_hint import QueueDrainRate
 
 
 @dataclass
@@ -72,6 +73,7 @@ class DecodeScheduler:
         self._admitted = 0
         self._last_rows: tuple[int, ...] = ()
         self.num_preemptions = 0
+        self.drain = QueueDrainRate()  # for the retry hint of a full queue
 
     # ---- sizes -------------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -82,6 +84,17 @@ class DecodeScheduler:
         P for a sequence whose first token its admission samples)."""
         return self.blocks_for(seq.admit_position + 1) - len(seq.block_ids)
 
+    def check_fits(self, prompt_len: int, max_tokens: int) -> None:
+        """RESOURCE_EXHAUSTED, without a retry hint (waiting cannot help), for a request whose
+        prompt + max_tokens need more blocks than the whole pool. Reads only constants, so the
+        servicer may call it from the event loop before pulling any KV."""
+        worst = min(prompt_len + max_tokens, self.max_model_len)
+        if self.blocks_for(worst) > self.allocator.num_usable:
+            raise RequestError.exhausted(
+                f"prompt + max_tokens need up to {self.blocks_for(worst)} KV blocks but this worker's pool "
+                f"holds {self.allocator.num_usable}; lower max_tokens or raise cache.num_blocks"
+            )
+
     # ---- entry points ----------------------------------------------------------------------
     def _check_new(self, seq: DecodeSequence) -> None:
         if seq.request_id in self.by_id:
@@ -89,16 +102,12 @@ class DecodeScheduler:
                 f"request_id {seq.request_id!r} is already in flight on this worker; "
                 "use a unique id per request"
             )
-        if len(self.waiting) >= self.max_queue_len:
+        self.check_fits(seq.prompt_len, seq.params.max_tokens)
+        if len(self.waiting) >= self.max_queue_len:  # a hint: it fits once the queue drains
             raise RequestError.exhausted(
                 f"decode queue is full ({self.max_queue_len} waiting); retry later "
-                "or on another decode worker"
-            )
-        worst = min(seq.prompt_len + seq.params.max_tokens, self.max_model_len)
-        if self.blocks_for(worst) > self.allocator.num_usable:
-            raise RequestError.exhausted(
-                f"prompt + max_tokens need up to {self.blocks_for(worst)} KV blocks but this worker's pool "
-                f"holds {self.allocator.num_usable}; lower max_tokens or raise cache.num_blocks"
+                "or on another decode worker",
+                retry_after_s=self.drain.retry_after_s(len(self.waiting)),
             )
 
     def add(self, seq: DecodeSequence) -> None:
@@ -184,6 +193,7 @@ class DecodeScheduler:
             if got is None:
                 break
             self.waiting.popleft()
+            self.drain.admitted()
             seq.block_ids.extend(got.block_ids)
             seq.status = Status.RUNNING
             self._admitted += 1

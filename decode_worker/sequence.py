@@ -8,8 +8,9 @@ Token accounting (P = prompt length, out = output_token_ids, first_token_id = ou
 With overlap, a step's tokens reach the host one step late, so `in_flight` counts the
 launched steps whose token has not been read yet; the next step's index is
 `len(out) - 1 + in_flight`. Length limits (max_tokens, max_model_len) are decided from that
-count before launching, so a sequence never runs a step past them; only eos / stop tokens /
-stop strings are found after the fact (one wasted lane-step at most).
+count before launching, so a sequence never runs a step past them; only eos / stop tokens are
+found after the fact (one wasted lane-step at most). Stop strings are matched off the engine
+thread (stop_strings.py), whose match aborts the sequence a step or two later.
 
 Colocated (no prefill happened, `first_token_id` None): the sequence starts with empty `out`.
 Its admission computes the whole prompt (the recompute path: positions 0..P-1) and samples
@@ -75,7 +76,6 @@ class DecodeSequence:
     params: SamplingParams
     stop: StopChecker
     sink: Sink
-    detokenizer: object | None = None  # IncrementalDetokenizer when stop strings are set
     output_token_ids: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

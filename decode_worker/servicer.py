@@ -7,7 +7,8 @@ delivered pull releases the prefill lease) and it joins the batch with the first
 the host. A request without a handle, or whose pull failed under the `recompute` policy, is
 served by recomputing the prompt locally. A request without `first_token_id` (colocated mode:
 no prefill happened) has its prompt computed here and its first token sampled and streamed
-by this worker.
+by this worker. Stop strings are matched here, on the event loop, never on the engine thread
+(stop_strings.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import grpc
 from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.decode_worker.kv_pull import KvPuller
 from splitserve.decode_worker.sequence import DecodeInput, StepOutput
+from splitserve.decode_worker.stop_strings import StopStringFilter
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
 from splitserve.kvtransfer.shards import shard_sources
 from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
@@ -32,6 +34,7 @@ from splitserve.service.proto_convert import (
     stop_reason_to_proto,
     validate_request,
 )
+from splitserve.service.request_ids import check_request_id
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +115,13 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             inp = self._validate(request, loop)
         except RequestError as err:
             await err.abort(context)
+        stops = (
+            StopStringFilter(
+                loop.engine.tokenizer, inp.prompt_token_ids, inp.params, inp.first_token_id
+            )
+            if inp.params.stop
+            else None
+        )
         block_ids = None
         transfer_s = 0.0
         recomputed = False
@@ -153,6 +163,10 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     not queue.empty() and not outs[-1].finished
                 ):  # the client fell behind: one chunk for all
                     outs.append(queue.get_nowait())  # (fail_all's error may come before a step's)
+                if stops is not None:
+                    outs = stops.apply(outs)
+                    if stops.stopped is not None:  # the engine still runs it: end it there too
+                        loop.abort(request.request_id, reason="stop")
                 done = outs[-1].finished
                 if done and outs[-1].error is not None:
                     err = outs[-1].error
@@ -171,8 +185,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _validate(self, request: worker_pb2.DecodeRequest, loop: EngineLoop) -> DecodeInput:
         engine = loop.engine
-        if not request.request_id:
-            raise RequestError.invalid("request_id is empty; give every request a unique id")
+        check_request_id(request.request_id)
         params = validate_request(
             request.prompt_token_ids,
             request.sampling if request.HasField("sampling") else None,
@@ -197,6 +210,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     "worker returned with the handle (omit both for colocated decoding)"
                 )
             self._check_handle(request.kv, len(request.prompt_token_ids), engine)
+        # too big for the whole pool: RESOURCE_EXHAUSTED (no retry hint) before any KV is pulled
+        engine.scheduler.check_fits(len(request.prompt_token_ids), params.max_tokens)
         return DecodeInput(request.request_id, list(request.prompt_token_ids), first, params)
 
     @staticmethod

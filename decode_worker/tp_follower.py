@@ -79,14 +79,15 @@ class TPKvInstaller:
 
 
 @follower_process
-def decode_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
-    """Entry of follower rank `rank` of a decode worker (`cfg`: its DecodeWorkerConfig)."""
+def decode_follower_main(rank: int, size: int, launch, cfg) -> None:
+    """Entry of follower rank `rank` of a decode worker (`launch`: tp_channel.FollowerLaunch,
+    `cfg`: its DecodeWorkerConfig)."""
     from splitserve.decode_worker.graph_runner import GraphRunner
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.parallel import destroy_tp
     from splitserve.engine.tp_follower import follow, join_as_follower
 
-    tp = join_as_follower(rank, size, init_method, cfg.engine)
+    tp = join_as_follower(rank, size, launch, cfg.engine)
     graphs = None
     try:
         runner = ModelRunner(cfg.engine, tp)

@@ -4,7 +4,8 @@
     ───────────────────────────────          ─────────────────────
     device_group: all_reduce after o_proj / down, broadcast of the sampled tokens
                   (NCCL on CUDA: capturable in CUDA graphs; gloo on CPU: eager only)
-    cpu_group:    gloo, the step commands rank 0 publishes (tp_control.py)
+    cpu_group:    gloo, the step commands rank 0 publishes (tp_control.py), signed with
+                  `control_key` (tp_channel.py)
 
 Each rank holds heads [rank*H/tp, (rank+1)*H/tp) of q and of KV and the same slice of the MLP
 columns; norms are replicated. Embedding and lm_head are vocab-parallel (as vLLM's): rank r
@@ -16,7 +17,7 @@ has the same full logits; rank 0's sampled tokens are broadcast so no rank can d
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
@@ -36,6 +37,8 @@ class TPGroup:
     size: int = 1
     device_group: Any = None
     cpu_group: Any = None
+    # authenticates rank 0's commands on cpu_group (tp_channel.py); fresh per launch
+    control_key: bytes = field(default=b"", repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -93,10 +96,16 @@ def joined_key(rank: int) -> str:
 
 
 def init_tp(
-    rank: int, size: int, init_method: str, device: torch.device, store: dist.Store | None = None
+    rank: int,
+    size: int,
+    init_method: str,
+    device: torch.device,
+    store: dist.Store | None = None,
+    control_key: bytes = b"",
 ) -> TPGroup:
     """Joins the worker's process group (blocks until every rank has joined); rank 0 passes the
-    store of `rendezvous_store`, followers connect to `init_method`."""
+    store of `rendezvous_store`, followers connect to `init_method`. `control_key`: the launch's
+    key of the control messages (tp_channel.py)."""
     if size == 1:
         return SINGLE
     if store is None:
@@ -108,7 +117,7 @@ def init_tp(
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, **kwargs)
     device_group = dist.group.WORLD
     cpu_group = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return TPGroup(rank, size, device_group, cpu_group)
+    return TPGroup(rank, size, device_group, cpu_group, control_key)
 
 
 def check_devices(device: torch.device, size: int) -> None:

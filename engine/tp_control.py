@@ -3,17 +3,21 @@ follower's side of start-up and of the command loop is tp_follower.py).
 
     rank 0 (gRPC, scheduler, sampler)                    follower rank r (no server)
     ─────────────────────────────────                    ───────────────────────────
-    rendezvous store, spawn_followers() ── mp "spawn" ──▶ follower entry: check in, init_tp,
+    control key (new per launch), rendezvous store
+    spawn_followers(launch: key, store address) ────────▶ follower entry: check in, init_tp,
     join_group(): every follower checked in, then join      build runner
-    runner.mirror = publisher.publish                     loop: cmd = receive(tp)
+    runner.mirror = publisher.publish                     loop: cmd = receive(control)
       runner.prefill(chunks) ─▶ ("prefill", chunks) ─┐          ("prefill", chunks)  -> runner.prefill
       runner.zero_kv()       ─▶ ("zero_kv",)        ├─gloo─▶   ("zero_kv",)         -> runner.zero_kv
       graph runner / leases  ─▶ (their commands)    │          other commands       -> handlers[name]
       close()                ─▶ ("stop",)          ─┘          ("stop",)            -> return
 
-Commands travel in publish order over the gloo `cpu_group` (broadcast_object_list) from one
-sender thread, so rank 0's callers never wait for a follower; every rank therefore issues the
-model's collectives (device_group) in the same order. Followers die with rank 0: a parent
+Commands are encoded as typed payloads when published (tp_messages.py: a command the format
+cannot carry fails its caller), then travel in publish order over the gloo `cpu_group`, numbered
+and HMAC-signed with the launch's key (tp_channel.py; no pickle), from one sender thread, so rank
+0's callers never wait for a follower; every rank therefore issues the model's collectives
+(device_group) in the same order. A follower refuses a message that fails a check (one log line,
+exit CONTROL_REFUSED_EXIT), which rank 0 sees as a lost rank. Followers die with rank 0: a parent
 watchdog (the parent pid changes) and a dead control connection both end them. Rank 0 learns
 of a dead follower at once while starting (start_ranks fails) and while serving
 (RankSet.watch; the worker then fails its requests and exits: tp_lifecycle.py).
@@ -30,22 +34,23 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch.distributed as dist
-
 from splitserve.engine.parallel import TPGroup
+from splitserve.engine.tp_channel import ControlSender, FollowerLaunch, new_control_key
 from splitserve.engine.tp_follower import runner_follower_main
+from splitserve.engine.tp_messages import KIND, encode_command
 
 log = logging.getLogger(__name__)
 
 
-def spawn_followers(size: int, init_method: str, target: Callable, *args) -> list[mp.Process]:
-    """Starts ranks 1..size-1 as `target(rank, size, init_method, *args)` (picklable args)."""
+def spawn_followers(size: int, launch: FollowerLaunch, target: Callable, *args) -> list[mp.Process]:
+    """Starts ranks 1..size-1 as `target(rank, size, launch, *args)` (picklable args: they go down
+    the spawn pipe, the one channel that carries the control key)."""
     ctx = mp.get_context("spawn")
     procs = []
     for rank in range(1, size):
         p = ctx.Process(
             target=target,
-            args=(rank, size, init_method, *args),
+            args=(rank, size, launch, *args),
             daemon=True,
             name=f"splitserve-tp-rank{rank}",
         )
@@ -96,7 +101,7 @@ def _until(done: Callable[[], bool], procs: list[mp.Process], timeout_s: float, 
         time.sleep(0.05)
 
 
-def join_group(store, procs: list[mp.Process], device) -> TPGroup:
+def join_group(store, procs: list[mp.Process], device, control_key: bytes) -> TPGroup:
     """Rank 0's side of start-up: waits for every follower to check in, then joins the group in a
     helper thread while watching the followers, so a follower dying in between (say, in NCCL's
     communicator set-up, which need not honour the store's timeout) fails rank 0 at once too."""
@@ -109,7 +114,7 @@ def join_group(store, procs: list[mp.Process], device) -> TPGroup:
 
     def join() -> None:
         try:
-            box["tp"] = init_tp(0, size, "", device, store=store)
+            box["tp"] = init_tp(0, size, "", device, store=store, control_key=control_key)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             box["error"] = exc
 
@@ -143,10 +148,12 @@ def watch_followers(
 
 
 class ControlPublisher:
-    """Rank 0's end of the command stream: `publish` queues, one thread broadcasts in order."""
+    """Rank 0's end of the command stream: `publish` encodes and queues, one thread sends in
+    order."""
 
     def __init__(self, tp: TPGroup) -> None:
         self.tp = tp
+        self.sender = ControlSender(tp)
         self.failed: BaseException | None = None
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="tp-publish", daemon=True)
@@ -157,24 +164,25 @@ class ControlPublisher:
             raise RuntimeError(
                 f"tensor-parallel followers are gone ({self.failed!r}); the worker stops serving"
             )
-        self._queue.put(cmd)
+        # encoded here: a snapshot of the caller's lists, and a bad command fails its caller
+        self._queue.put(encode_command(cmd))
 
     def _run(self) -> None:
         while True:
-            cmd = self._queue.get()
+            kind, payload = self._queue.get()
             try:
-                dist.broadcast_object_list([cmd], src=0, group=self.tp.cpu_group)
+                self.sender.send(kind, payload)
             except Exception as exc:  # a follower died: the next collective fails on rank 0 as well
                 log.error("tensor-parallel control stream broken: %r", exc)
                 self.failed = exc
                 return
-            if cmd[0] == "stop":
+            if kind == KIND["stop"]:
                 return
 
     def close(self, timeout: float = 10.0) -> None:
         """Tells the followers to stop (after every queued command); idempotent."""
         if self._thread.is_alive() and self.failed is None:
-            self._queue.put(("stop",))
+            self._queue.put(encode_command(("stop",)))
             self._thread.join(timeout)
 
 
@@ -222,14 +230,22 @@ class RankSet:
         destroy_tp(self.runner.tp)
 
 
-def start_ranks(engine_cfg, follower: Callable = runner_follower_main, *follower_args) -> RankSet:
-    """Rank 0's runner here, the followers spawned as `follower(rank, size, init_method,
+def start_ranks(
+    engine_cfg,
+    follower: Callable = runner_follower_main,
+    *follower_args,
+    secret: bytes | None = None,
+) -> RankSet:
+    """Rank 0's runner here, the followers spawned as `follower(rank, size, launch,
     *follower_args)` (default: a bare runner follower for `engine_cfg`); at
     tensor_parallel_size 1 just a runner. Fails at once (one line) when the model does not split
-    or the GPUs are too few, and as soon as a follower exits during start-up."""
+    or the GPUs are too few, and as soon as a follower exits during start-up. The control key is
+    new per launch, derived from `secret` (default: the deployment's `cluster_secret()`) when
+    there is one (tp_channel.py)."""
     from splitserve.config.hf_config import load_model_config
     from splitserve.engine.model_runner import ModelRunner, resolve_device
     from splitserve.engine.parallel import SINGLE, check_devices, rank_device, rendezvous_store
+    from splitserve.service.credentials import cluster_secret
 
     size = engine_cfg.parallel.tensor_parallel_size
     device = resolve_device(engine_cfg.device)
@@ -237,10 +253,12 @@ def start_ranks(engine_cfg, follower: Callable = runner_follower_main, *follower
     check_devices(device, size)
     if size == 1:
         return RankSet(ModelRunner(engine_cfg, SINGLE))
+    key = new_control_key(secret if secret is not None else cluster_secret())
     store, init_method = rendezvous_store(size)
-    procs = spawn_followers(size, init_method, follower, *(follower_args or (engine_cfg,)))
+    launch = FollowerLaunch(init_method, key)
+    procs = spawn_followers(size, launch, follower, *(follower_args or (engine_cfg,)))
     try:
-        tp = join_group(store, procs, rank_device(device, 0))
+        tp = join_group(store, procs, rank_device(device, 0), key)
         runner = ModelRunner(engine_cfg, tp)
     except BaseException:
         for p in procs:

@@ -1,10 +1,13 @@
 """A tensor-parallel follower rank's side (rank r > 0): start-up, then the command loop.
 
-A follower process (spawned by rank 0: tp_control.py) starts through `join_as_follower` (tied
-to rank 0's life by `die_with_parent`, its log lines tagged tp<r>, on its own device, joined to
-the group), then `follow`s: it `receive`s rank 0's commands over the gloo `cpu_group` and runs
-each on its own runner until ("stop",). `follower_process` wraps a follower's entry so the
-process ends right after it; `runner_follower_main` is the follower of a bare ModelRunner.
+A follower process (spawned by rank 0: tp_control.py, with a `FollowerLaunch`: the rendezvous
+address and the launch's control key) starts through `join_as_follower` (tied to rank 0's life
+by `die_with_parent`, its log lines tagged tp<r>, on its own device, joined to the group), then
+`follow`s: it receives rank 0's commands over the gloo `cpu_group` (tp_channel.py: typed,
+numbered, HMAC-checked; no pickle) and runs each on its own runner until ("stop",). A message
+that fails a check ends the process at once: one ERROR line saying why, exit
+CONTROL_REFUSED_EXIT (rank 0 then sees a lost rank). `follower_process` wraps a follower's entry
+so the process ends right after it; `runner_follower_main` is the follower of a bare ModelRunner.
 """
 
 from __future__ import annotations
@@ -16,12 +19,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-import torch.distributed as dist
-
 from splitserve.engine.parallel import TPGroup
+from splitserve.engine.tp_channel import ControlReceiver, FollowerLaunch
+from splitserve.engine.tp_messages import ControlMessageError
 
 log = logging.getLogger(__name__)
 STOP_GRACE_S = 5.0  # a follower's teardown after ("stop",), then it exits regardless
+CONTROL_REFUSED_EXIT = 3  # a follower's status after refusing a control message
 
 
 def die_with_parent() -> None:
@@ -38,10 +42,21 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
-def receive(tp: TPGroup) -> tuple:
-    box: list = [None]
-    dist.broadcast_object_list(box, src=0, group=tp.cpu_group)
-    return box[0]
+def receive(control: ControlReceiver) -> tuple:
+    """Rank 0's next command; a message that fails a check ends this process (no teardown: the
+    stream can no longer be trusted, and rank 0 handles a lost rank)."""
+    try:
+        return control.receive()
+    except ControlMessageError as exc:
+        from splitserve.service.service_process import exit_now
+
+        log.error(
+            "tensor-parallel rank %d refused a control message from rank 0 and stops: %s",
+            control.tp.rank,
+            exc,
+        )
+        exit_now(CONTROL_REFUSED_EXIT)
+        raise  # not reached
 
 
 def follow(tp: TPGroup, runner, handlers: Mapping[str, Callable] | None = None) -> None:
@@ -54,8 +69,9 @@ def follow(tp: TPGroup, runner, handlers: Mapping[str, Callable] | None = None) 
     handlers.setdefault("prefill", lambda chunks: runner.prefill(chunks))
     handlers.setdefault("decode", lambda lanes: runner.decode(lanes))
     handlers.setdefault("zero_kv", lambda: runner.zero_kv())
+    control = ControlReceiver(tp)
     while True:
-        cmd = receive(tp)
+        cmd = receive(control)
         if cmd[0] == "stop":
             _exit_soon(STOP_GRACE_S)
             return
@@ -101,9 +117,9 @@ def follower_process(main: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-def join_as_follower(rank: int, size: int, init_method: str, engine_cfg) -> TPGroup:
+def join_as_follower(rank: int, size: int, launch: FollowerLaunch, engine_cfg) -> TPGroup:
     """A follower process's start: tied to rank 0's life, logging tagged with its rank, on its
-    own device (cuda:rank), joined to the TP group."""
+    own device (cuda:rank), joined to the TP group (holding the launch's control key)."""
     from splitserve.engine.model_runner import resolve_device
     from splitserve.engine.parallel import init_tp, rank_device
 
@@ -118,16 +134,16 @@ def join_as_follower(rank: int, size: int, init_method: str, engine_cfg) -> TPGr
         torch.cuda.set_device(device)
     else:  # CPU ranks share the cores: each its share, so `size` ranks do not oversubscribe them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-    return init_tp(rank, size, init_method, device)
+    return init_tp(rank, size, launch.init_method, device, control_key=launch.control_key)
 
 
 @follower_process
-def runner_follower_main(rank: int, size: int, init_method: str, engine_cfg) -> None:
+def runner_follower_main(rank: int, size: int, launch: FollowerLaunch, engine_cfg) -> None:
     """Follower of a bare ModelRunner driven by rank 0 (OfflineEngine, tests)."""
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.parallel import destroy_tp
 
-    tp = join_as_follower(rank, size, init_method, engine_cfg)
+    tp = join_as_follower(rank, size, launch, engine_cfg)
     try:
         follow(tp, ModelRunner(engine_cfg, tp))
     finally:

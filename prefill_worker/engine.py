@@ -37,7 +37,7 @@ from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import PrefillScheduler, ScheduledChunk
 from splitserve.request.block_allocator import NULL_BLOCK, BlockAllocator
-from splitserve.request.block_hash import block_hashes
+from splitserve.request.block_hash import block_keys
 from splitserve.request.errors import RequestError
 from splitserve.request.sampling_params import SamplingParams
 
@@ -134,7 +134,7 @@ class PrefillEngine:
             prompt,
             params,
             lease_ttl_s,
-            block_hashes(prompt, self.runner.block_size),
+            block_keys(prompt, self.runner.block_size),
             asyncio.get_running_loop().create_future(),
         )
         self.scheduler.add(seq)

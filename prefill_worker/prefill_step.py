@@ -18,7 +18,7 @@ from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import ScheduledChunk
-from splitserve.request.block_hash import ROOT_HASH
+from splitserve.request.block_hash import ROOT_KEY
 from splitserve.request.stop_checker import StopChecker
 
 
@@ -57,9 +57,9 @@ def register_full_blocks(cache: PrefixCache, seq: PrefillSeq, block_size: int) -
     bs = block_size
     full = seq.num_computed // bs
     for i in range(seq.num_registered, full):
-        parent = seq.block_hashes[i - 1] if i else ROOT_HASH
+        parent = seq.block_keys[i - 1] if i else ROOT_KEY
         cache.register(
-            seq.block_table[i], seq.block_hashes[i], parent, seq.prompt[i * bs : (i + 1) * bs]
+            seq.block_table[i], seq.block_keys[i], parent, seq.prompt[i * bs : (i + 1) * bs]
         )
     seq.num_registered = max(seq.num_registered, full)
 
@@ -77,7 +77,10 @@ def finish_prefill(
     """`seq`'s prompt is computed and `token_id` is its first token (`seq` already left the
     scheduler): its blocks become a lease, or are freed when that token already ends the request;
     the metrics are counted and `seq.future` gets the PrefillResult."""
-    stop = StopChecker(seq.params, eos, max_model_len, len(seq.prompt)).update(token_id, "")
+    # no text here: stop strings are for the router (and the decode worker's event loop)
+    stop = StopChecker(
+        seq.params, eos, max_model_len, len(seq.prompt), match_stop_strings=False
+    ).update(token_id, "")
     table, seq.block_table = seq.block_table, []
     if stop.finish_reason is not None:
         cache.free(table)

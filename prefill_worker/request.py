@@ -23,7 +23,7 @@ class PrefillSeq:
     prompt: list[int]
     params: SamplingParams
     lease_ttl_s: float
-    block_hashes: list[int]  # of the prompt's full blocks (block_hash.block_hashes)
+    block_keys: list[bytes]  # of the prompt's full blocks (block_hash.block_keys)
     future: asyncio.Future
     arrival: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None

@@ -23,6 +23,7 @@ from splitserve.config.engine_config import SchedulerConfig
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillSeq
 from splitserve.request.errors import RequestError
+from splitserve.request.retry_hint import QueueDrainRate
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +44,15 @@ class PrefillScheduler:
         self.block_size = cache.block_size
         self.waiting: deque[PrefillSeq] = deque()
         self.running: list[PrefillSeq] = []
+        self.drain = QueueDrainRate()  # for the retry hint of a full queue
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def add(self, seq: PrefillSeq) -> None:
-        """Queues a validated request; RESOURCE_EXHAUSTED when the queue is full or the prompt
-        could never fit in the pool."""
+        """Queues a validated request; RESOURCE_EXHAUSTED when the prompt could never fit in the
+        pool (no retry hint: waiting cannot help) or the queue is full (with a retry hint,
+        request/retry_hint.py)."""
         need, usable = self.blocks_for(len(seq.prompt)), self.cache.allocator.num_usable
         if need > usable:
             raise RequestError.exhausted(
@@ -59,7 +62,8 @@ class PrefillScheduler:
         if len(self.waiting) >= self.cfg.max_queue_len:
             raise RequestError.exhausted(
                 f"prefill queue is full ({len(self.waiting)} waiting, max_queue_len "
-                f"{self.cfg.max_queue_len}); retry later or on another prefill worker"
+                f"{self.cfg.max_queue_len}); retry later or on another prefill worker",
+                retry_after_s=self.drain.retry_after_s(len(self.waiting)),
             )
         self.waiting.append(seq)
 
@@ -92,12 +96,13 @@ class PrefillScheduler:
             if not self._admit(seq):
                 break
             self.waiting.popleft()
+            self.drain.admitted()
             self.running.append(seq)
             take(seq)
         return out
 
     def _admit(self, seq: PrefillSeq) -> bool:
-        hits = self.cache.match(seq.prompt, seq.block_hashes)
+        hits = self.cache.match(seq.prompt, seq.block_keys)
         table = self.cache.acquire(hits, self.blocks_for(len(seq.prompt)) - len(hits))
         if table is None:
             return False

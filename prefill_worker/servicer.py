@@ -23,6 +23,7 @@ from splitserve.service.proto_convert import (
     stop_reason_to_proto,
     validate_request,
 )
+from splitserve.service.request_ids import check_request_id
 
 
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -45,8 +46,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> worker_pb2.PrefillResponse:
         try:
             engine = self._engine()
-            if not request.request_id:
-                raise RequestError.invalid("request_id is empty; give every request a unique id")
+            check_request_id(request.request_id)
             params = validate_request(
                 request.prompt_token_ids,
                 request.sampling if request.HasField("sampling") else None,
@@ -95,7 +95,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         load.free_blocks = engine.allocator.num_free
         load.total_blocks = engine.allocator.num_usable
         load.block_size = engine.runner.block_size
-        load.prefix_cache.block_hashes.extend(engine.cache.recent_hashes(limit))
+        # 128-bit keys only: the deprecated 64-bit block_hashes stays empty
+        load.prefix_cache.block_keys.extend(engine.cache.recent_keys(limit))
         load.prefix_cache.num_cached_blocks = engine.cache.num_cached_blocks
         load.leases_held = len(engine.leases)
         load.model_compat_hash = engine.runner.compat_hash

@@ -23,6 +23,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 
 from splitserve.engine.tp_follower import follower_process
@@ -140,20 +141,22 @@ class MirrorLeaseSource:
 
 
 def exchange_ports(tp, port: int) -> list[int]:
-    """Every rank's UCX listener port, by rank (rank 0 may pass 0 and fill in its own later)."""
-    ports: list = [None] * tp.size
-    dist.all_gather_object(ports, port, group=tp.cpu_group)
-    return ports
+    """Every rank's UCX listener port, by rank (rank 0 may pass 0 and fill in its own later).
+    Plain int64 tensors: nothing a rank receives over the group is unpickled."""
+    ports = [torch.zeros(1, dtype=torch.int64) for _ in range(tp.size)]
+    dist.all_gather(ports, torch.tensor([port], dtype=torch.int64), group=tp.cpu_group)
+    return [int(p) for p in ports]
 
 
 @follower_process
-def prefill_follower_main(rank: int, size: int, init_method: str, cfg) -> None:
-    """Entry of follower rank `rank` of a prefill worker (`cfg`: its PrefillWorkerConfig)."""
+def prefill_follower_main(rank: int, size: int, launch, cfg) -> None:
+    """Entry of follower rank `rank` of a prefill worker (`launch`: tp_channel.FollowerLaunch,
+    `cfg`: its PrefillWorkerConfig)."""
     from splitserve.engine.model_runner import ModelRunner
     from splitserve.engine.parallel import destroy_tp
     from splitserve.engine.tp_follower import join_as_follower
 
-    tp = join_as_follower(rank, size, init_method, cfg.engine)
+    tp = join_as_follower(rank, size, launch, cfg.engine)
     try:
         asyncio.run(_serve(tp, ModelRunner(cfg.engine, tp), cfg))
     finally:

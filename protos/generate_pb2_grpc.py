@@ -27,8 +27,12 @@ if _version_not_supported:
 
 class GenerateServiceStub:
     """The router's public service. Errors are gRPC statuses: INVALID_ARGUMENT (bad
-    request, before any allocation), RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED,
-    CANCELLED, UNAVAILABLE.
+    request, before any allocation; the message names the limit and how to fix
+    it), RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE.
+    RESOURCE_EXHAUSTED carries trailing metadata `retry-after-ms` when waiting
+    can help (a worker's queue is full: the time that queue takes to drain, 1 s
+    to 30 s); none when it cannot (a request needing more KV blocks than a
+    worker's whole pool, or a message over the gRPC size limit).
     """
 
     def __init__(self, channel):
@@ -56,8 +60,12 @@ class GenerateServiceStub:
 
 class GenerateServiceServicer:
     """The router's public service. Errors are gRPC statuses: INVALID_ARGUMENT (bad
-    request, before any allocation), RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED,
-    CANCELLED, UNAVAILABLE.
+    request, before any allocation; the message names the limit and how to fix
+    it), RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE.
+    RESOURCE_EXHAUSTED carries trailing metadata `retry-after-ms` when waiting
+    can help (a worker's queue is full: the time that queue takes to drain, 1 s
+    to 30 s); none when it cannot (a request needing more KV blocks than a
+    worker's whole pool, or a message over the gRPC size limit).
     """
 
     def Generate(self, request, context):
@@ -68,8 +76,12 @@ class GenerateServiceServicer:
         expiry ends the stream with DEADLINE_EXCEEDED and frees all worker state.
         A client cancel likewise cancels the worker calls.
         Idempotency: not idempotent; every call is a new generation (the same text
-        only when greedy or seeded). A request_id already in flight is rejected
-        with ALREADY_EXISTS. Retry only on UNAVAILABLE before the first chunk.
+        only when greedy or seeded). A request_id the same caller already has in
+        flight is rejected with ALREADY_EXISTS (another caller may use the same
+        id). Retry only on UNAVAILABLE before the first chunk.
+        Auth: with API keys configured, `authorization: Bearer <key>` metadata;
+        UNAUTHENTICATED without a valid one. Over a per-caller limit:
+        RESOURCE_EXHAUSTED with trailing metadata `retry-after-ms`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,13 +94,17 @@ class GenerateServiceServicer:
         request's blocks.
         Idempotency: idempotent; an unknown or finished request_id answers
         found=false, not an error.
+        Scope: only the caller's own requests (another caller's id answers
+        found=false); an admin key aborts every in-flight request with that id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetServerInfo(self, request, context):
-        """Describes the served model and the router's view of its workers.
+        """Describes the served model and the router's view of its workers; worker
+        addresses only for admin keys (empty for other callers), or for everyone
+        on a router without keys that listens on loopback only.
         Deadline: short; answered from the router's cached worker registry, never
         waits on a worker.
         Idempotency: idempotent, read-only.
@@ -125,8 +141,12 @@ def add_GenerateServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class GenerateService:
     """The router's public service. Errors are gRPC statuses: INVALID_ARGUMENT (bad
-    request, before any allocation), RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED,
-    CANCELLED, UNAVAILABLE.
+    request, before any allocation; the message names the limit and how to fix
+    it), RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, CANCELLED, UNAVAILABLE.
+    RESOURCE_EXHAUSTED carries trailing metadata `retry-after-ms` when waiting
+    can help (a worker's queue is full: the time that queue takes to drain, 1 s
+    to 30 s); none when it cannot (a request needing more KV blocks than a
+    worker's whole pool, or a message over the gRPC size limit).
     """
 
     @staticmethod

@@ -26,7 +26,12 @@ if _version_not_supported:
 
 
 class RouterControlStub:
-    """Dynamic worker registration. A registered worker is routed to once the
+    """Dynamic worker registration. Served on the router's private control
+    listener when it has one (control.port; the public port then does not serve
+    it), else on the public port. Every call needs the cluster secret as
+    `authorization: Bearer <secret>` metadata when the router has one
+    (PERMISSION_DENIED otherwise); without one, only the control listener or a
+    loopback-only router take registrations. A registered worker is routed to once the
     router's own health / GetLoad probes of it succeed; it is evicted (no new
     requests) when a probe fails or its heartbeats stop, and returns when both
     are fine again.
@@ -51,7 +56,12 @@ class RouterControlStub:
 
 
 class RouterControlServicer:
-    """Dynamic worker registration. A registered worker is routed to once the
+    """Dynamic worker registration. Served on the router's private control
+    listener when it has one (control.port; the public port then does not serve
+    it), else on the public port. Every call needs the cluster secret as
+    `authorization: Bearer <secret>` metadata when the router has one
+    (PERMISSION_DENIED otherwise); without one, only the control listener or a
+    loopback-only router take registrations. A registered worker is routed to once the
     router's own health / GetLoad probes of it succeed; it is evicted (no new
     requests) when a probe fails or its heartbeats stop, and returns when both
     are fine again.
@@ -107,7 +117,12 @@ def add_RouterControlServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RouterControl:
-    """Dynamic worker registration. A registered worker is routed to once the
+    """Dynamic worker registration. Served on the router's private control
+    listener when it has one (control.port; the public port then does not serve
+    it), else on the public port. Every call needs the cluster secret as
+    `authorization: Bearer <secret>` metadata when the router has one
+    (PERMISSION_DENIED otherwise); without one, only the control listener or a
+    loopback-only router take registrations. A registered worker is routed to once the
     router's own health / GetLoad probes of it succeed; it is evicted (no new
     requests) when a probe fails or its heartbeats stop, and returns when both
     are fine again.

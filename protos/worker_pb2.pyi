@@ -95,12 +95,14 @@ class GetLoadRequest(_message.Message):
     def __init__(self, max_prefix_hashes: _Optional[int] = ...) -> None: ...
 
 class PrefixCacheSummary(_message.Message):
-    __slots__ = ("block_hashes", "num_cached_blocks")
+    __slots__ = ("block_hashes", "num_cached_blocks", "block_keys")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     num_cached_blocks: int
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    block_keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., block_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("role", "num_running", "num_waiting", "free_blocks", "total_blocks", "block_size", "prefix_cache", "leases_held", "model_compat_hash", "kv_address")

@@ -1,10 +1,15 @@
-"""Chained hashes of full KV blocks: the key of prefix reuse, shared by the workers (which
+"""Chained 128-bit keys of full KV blocks: the key of prefix reuse, shared by the workers (which
 cache blocks) and the router (which routes a prompt to the worker holding its prefix).
 
-    hash(block i) = blake2b-64(hash(block i-1) || token ids of block i)   (block -1: ROOT)
+    key(block i) = blake2b-128(key(block i-1) || token ids of block i, uint32 little-endian)
+    key(block -1) = ROOT_KEY (16 zero bytes)
 
-A block's hash therefore names its whole prefix. The function is stable across processes
-and hosts (no Python `hash()`), and fits the `fixed64` of `PrefixCacheSummary`.
+A block's key therefore names its whole prefix: a change in any earlier token changes every
+later key. Keys are `bytes` of KEY_BYTES, stable across processes and hosts (no Python
+`hash()`), and travel as `PrefixCacheSummary.block_keys`. 128 bits because a prompt crafted to
+collide with a known shared prefix must not be within reach: 64 bits were (vLLM moved to
+SHA-256 after CVE-2025-25183). The function is fixed and unkeyed, so router and workers agree
+without sharing a secret; changing it changes every key on the wire.
 """
 
 from __future__ import annotations
@@ -13,20 +18,24 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-ROOT_HASH = 0
+KEY_BYTES = 16
+ROOT_KEY = bytes(KEY_BYTES)
 
 
-def chain_hash(parent: int, tokens: Sequence[int]) -> int:
-    h = hashlib.blake2b(struct.pack("<Q", parent), digest_size=8)
+def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a block holding `tokens` whose previous block's key is `parent`."""
+    if len(parent) != KEY_BYTES:  # a short parent would make the input ambiguous
+        raise ValueError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
+    h = hashlib.blake2b(parent, digest_size=KEY_BYTES)
     h.update(struct.pack(f"<{len(tokens)}I", *tokens))
-    return int.from_bytes(h.digest(), "little")
+    return h.digest()
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hashes of the full blocks of `token_ids` (a partial last block has none)."""
-    out: list[int] = []
-    parent = ROOT_HASH
+def block_keys(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Keys of the full blocks of `token_ids` (a partial last block has none)."""
+    out: list[bytes] = []
+    parent = ROOT_KEY
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_hash(parent, token_ids[start : start + block_size])
+        parent = chain_key(parent, token_ids[start : start + block_size])
         out.append(parent)
     return out

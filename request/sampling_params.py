@@ -14,8 +14,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound); the device keeps a table this wide
 MAX_STOP_TOKEN_IDS = 64  # min_tokens bans them on the device, in a table this wide
+# Hard caps on stop strings, what any service takes (the router's limits are lower and
+# configurable, router/config.py): matching costs O(total stop length) per request to build
+# and O(new text) per token (stop_strings.py), so both stay bounded.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 LOGIT_BIAS_RANGE = 100.0  # OpenAI: a bias is in [-100, 100]
 _UINT64_MAX = 2**64 - 1  # the wire type of `seed` (generate.proto)
+_StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 
 
 class SamplingParams(BaseModel):
@@ -44,7 +50,7 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
-    stop: tuple[Annotated[str, Field(min_length=1)], ...] = ()
+    stop: tuple[_StopString, ...] = Field((), max_length=MAX_STOP_STRINGS)
     stop_token_ids: tuple[Annotated[int, Field(ge=0)], ...] = Field(
         (), max_length=MAX_STOP_TOKEN_IDS
     )

@@ -15,11 +15,16 @@ Before `min_tokens` tokens were generated, 1 to 3 end nothing (vLLM): the sample
 A stop string counts only when it ends in a token from `min_tokens` on (it may start earlier).
 
 Streaming: a stop string can arrive split over several tokens ("</" then "end>"), so the
-tail of the text that could still become a stop string is held back. A stop string can
-therefore never start inside text already streamed, and only the held tail plus the new
-delta are searched (O(stop lengths) per token). When the sequence finishes for any other
-reason, the held tail is released, so the concatenation of all `StopResult.text` is the
-final output text.
+tail of the text that could still become a stop string is held back (shorter than the longest
+stop string). A stop string can therefore never start inside text already streamed. Matching is
+incremental (stop_strings.py: one Aho-Corasick automaton per request): each token's text delta
+is scanned once, in time linear in the delta however many stop strings there are; nothing is
+rescanned. When the sequence finishes for any other reason, the held tail is released, so the
+concatenation of all `StopResult.text` is the final output text.
+
+Where it runs: on the router's event loop (router/output.py) and in the single-process engine
+(engine/offline.py). The workers' engine threads build theirs with `match_stop_strings=False`:
+the decode worker matches stop strings on its event loop instead (decode_worker/stop_strings.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
+
+from splitserve.request.stop_strings import StopStringMatcher
 
 FinishReason = Literal["stop", "length"]
 
@@ -57,8 +64,16 @@ class StopChecker:
     """Per-sequence stop state; call `update` once per generated token."""
 
     def __init__(
-        self, params: StopParams, eos_token_ids: Sequence[int], max_model_len: int, prompt_len: int
+        self,
+        params: StopParams,
+        eos_token_ids: Sequence[int],
+        max_model_len: int,
+        prompt_len: int,
+        *,
+        match_stop_strings: bool = True,
     ) -> None:
+        """`match_stop_strings=False`: `params.stop` is left to another thread (the workers' engine
+        threads never match text; see the module doc)."""
         if prompt_len >= max_model_len:
             raise ValueError(
                 f"prompt of {prompt_len} tokens leaves no room to generate within "
@@ -67,7 +82,8 @@ class StopChecker:
         if params.max_tokens is not None and params.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {params.max_tokens}")
         self._max_tokens = params.max_tokens
-        self._stop = tuple(s for s in params.stop or () if s)
+        stops = tuple(s for s in params.stop or () if s) if match_stop_strings else ()
+        self._strings = StopStringMatcher(stops) if stops else None
         self._stop_token_ids = frozenset(params.stop_token_ids or ())
         self._include_stop = params.include_stop_str_in_output
         self._eos = frozenset(()) if params.ignore_eos else frozenset(eos_token_ids)
@@ -97,20 +113,25 @@ class StopChecker:
             return self._finish(self._held + tail, "stop", reason)
 
         text = self._held + text_delta
-        match = self._find_stop(text, len(self._held)) if may_stop else None
+        match = self._strings.feed(text_delta, may_stop) if self._strings is not None else None
         if match is not None:
-            index, stop = match
-            end = index + len(stop) if self._include_stop else index
-            return self._finish(text[:end], "stop", stop)
+            index = len(text) - match.back
+            end = index + len(match.stop) if self._include_stop else index
+            return self._finish(text[:end], "stop", match.stop)
 
         if (self._max_tokens is not None and self.num_generated >= self._max_tokens) or (
             self._prompt_len + self.num_generated >= self._max_model_len
         ):
             return self._finish(text, "length", None)
 
-        keep = self._partial_stop_len(text)
+        keep = self._strings.partial_len if self._strings is not None else 0
         self._held = text[len(text) - keep :] if keep else ""
         return StopResult(text[: len(text) - keep])
+
+    @property
+    def held(self) -> str:
+        """The tail held back now (shorter than the longest stop string)."""
+        return self._held
 
     def end(self) -> str:
         """Ends the sequence for a reason decided elsewhere (another process's limit, an
@@ -122,24 +143,3 @@ class StopChecker:
         self._held = ""
         self.finish_reason = reason
         return StopResult(text, reason, stop_reason)
-
-    def _find_stop(self, text: str, held: int) -> tuple[int, str] | None:
-        """Earliest stop string in text that ends past its first `held` characters (the held
-        tail, where only a stop string skipped before min_tokens can lie whole); at equal
-        positions the one listed first."""
-        best: tuple[int, str] | None = None
-        for stop in self._stop:
-            index = text.find(stop, max(0, held - len(stop) + 1))
-            if index != -1 and (best is None or index < best[0]):
-                best = (index, stop)
-        return best
-
-    def _partial_stop_len(self, text: str) -> int:
-        """Length of the longest suffix of text that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stop:
-            for k in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest

@@ -6,6 +6,8 @@ YAML (every section optional but model_path):
     max_model_len: 8192                   # null: the model's max_position_embeddings
     server: {host: 0.0.0.0, port: 50051, metrics_port: 9451}
     http: {port: 8000}                    # OpenAI-compatible HTTP API (http_server.py); unset: off
+    # TLS (docs/tls.md): server.tls {cert_file, key_file, client_ca_file}, also the HTTP front's
+    # unless http.tls is set; workers_tls {ca_file, cert_file, key_file}: router -> workers
     workers:
       prefill: [prefill-0:50061, prefill-1:50061]
       decode: [decode-0:50071]
@@ -15,6 +17,11 @@ YAML (every section optional but model_path):
       decode_policy: least_loaded         # round_robin | least_loaded
       prefix: {balance_abs_threshold: 4, balance_rel_threshold: 1.5, min_match_blocks: 1}
     registry: {poll_interval_s: 0.5, probe_timeout_s: 1.0, heartbeat_timeout_s: 3.0}
+    auth: {api_keys_file: /run/secrets/api-keys}  # auth_config.py: keys, limits, cluster secret
+    control: {host: 10.0.0.2, port: 50052}        # worker registration on a private listener
+    max_prompt_bytes: 1048576             # limits before work (INVALID_ARGUMENT / HTTP 400):
+    max_stop_strings: 16                  # prompt text, stop strings; max_tokens must fit in
+    max_stop_string_chars: 256            # max_model_len after the prompt
 
 Loaded by `RouterConfig.load(path, overrides)`; a bad value is one line naming the field.
 """
@@ -28,14 +35,25 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from splitserve.config.files import load_config
+from splitserve.request.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from splitserve.router.auth_config import AuthConfig, ControlConfig
 from splitserve.service.grpc_service import ServerConfig
+from splitserve.service.tls import TlsClientConfig, TlsServerConfig
 
 PolicyName = Literal["round_robin", "least_loaded", "prefix_aware"]
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[\w.-]+):(\d{1,5})$")
 
 
+MAX_ADDRESS_LEN = 261  # a DNS name (253 characters), ':' and a port
+
+
 def check_address(address: str) -> str:
     """host:port (or [v6]:port) with a port in 1..65535; raises ValueError saying what is wrong."""
+    if len(address) > MAX_ADDRESS_LEN:  # (the message must not echo it whole: gRPC caps details)
+        raise ValueError(
+            f"worker address {address[:40]!r}... is {len(address)} characters long, over "
+            f"{MAX_ADDRESS_LEN}; give a host:port (e.g. 10.0.0.5:50061)"
+        )
     m = _ADDRESS.match(address)
     if not m or not 0 < int(m[2]) < 65536:
         raise ValueError(f"worker address {address!r} is not host:port (e.g. 10.0.0.5:50061)")
@@ -176,6 +194,9 @@ class HttpConfig(_Frozen):
         None, ge=0, le=65535, description="HTTP port; None: no HTTP front, 0: a free one"
     )
     host: str | None = Field(None, min_length=1, description="address to bind; None: server.host")
+    tls: TlsServerConfig | None = Field(
+        None, description="serve HTTPS with these PEM files; None: server.tls (plain HTTP if unset)"
+    )
 
 
 class RouterConfig(_Frozen):
@@ -190,13 +211,40 @@ class RouterConfig(_Frozen):
     )
     server: ServerConfig = ServerConfig()
     workers: WorkersConfig = WorkersConfig()
+    workers_tls: TlsClientConfig | None = Field(
+        None,
+        description="TLS of the router's calls to workers (whom it trusts; cert_file + key_file "
+        "for workers that require mutual TLS); None: plaintext",
+    )
     routing: RoutingConfig = RoutingConfig()
     registry: RegistryConfig = RegistryConfig()
     http: HttpConfig = HttpConfig()
+    auth: AuthConfig = AuthConfig()
+    control: ControlConfig = ControlConfig()
     max_request_bytes: int = Field(
-        8 * 2**20, gt=0, description="largest GenerateRequest taken (serialized)"
+        8 * 2**20,
+        gt=0,
+        description="largest GenerateRequest taken (serialized); the HTTP front takes bodies of "
+        "up to this plus 64 KiB for the JSON around the prompt (413 beyond)",
     )
-    max_request_id_len: int = Field(256, gt=0)
+    max_request_id_len: int = Field(
+        256, gt=0, le=1000, description="longest request id a client may send (workers take 1024)"
+    )
+    max_prompt_bytes: int = Field(
+        2**20,
+        gt=0,
+        description="largest prompt text (UTF-8 bytes) taken for tokenization; on the OpenAI "
+        "front, the messages' content of a chat request in total (checked before the template)",
+    )
+    max_stop_strings: int = Field(
+        16, gt=0, le=MAX_STOP_STRINGS, description="stop strings per request (workers take 64)"
+    )
+    max_stop_string_chars: int = Field(
+        256,
+        gt=0,
+        le=MAX_STOP_STRING_CHARS,
+        description="characters per stop string (workers take 1024)",
+    )
     worker_call_timeout_s: float = Field(
         5.0, gt=0, description="Abort / ReleaseLease calls to workers"
     )

@@ -2,7 +2,7 @@
 and the OpenAI HTTP front (http_server.py) both call `Frontend.generate`.
 
     GenerateRequest ──prepare (intake.py)──▶ PreparedRequest ──Generation.run──▶ sink.write(chunk) ...
-                      │ RequestError: counted, raised      │ live[request_id]: Abort finds it
+                      │ RequestError: counted, raised      │ live[(scope, id)]: the caller's Abort finds it
                       └──────────── metrics: outcome, in flight, prompt tokens ──────────────┘
 
 A transport hands in a `ChunkSink`: what Generation writes each GenerateResponse to and asks
@@ -22,12 +22,16 @@ import grpc
 
 from splitserve.protos import generate_pb2
 from splitserve.request.errors import RequestError
+from splitserve.router.auth import Authenticator, Caller
+from splitserve.router.caller_limits import CallerLimits
 from splitserve.router.context import RouterContext
 from splitserve.router.generation import Generation
 from splitserve.router.generation_base import LiveRequest
 from splitserve.router.intake import prepare
 
 log = logging.getLogger(__name__)
+
+LOCAL = Caller("local", admin=True)  # in-process callers (tests, tools built on Frontend)
 
 
 class ChunkSink(Protocol):
@@ -41,27 +45,52 @@ class ChunkSink(Protocol):
 class Frontend:
     def __init__(self, ctx: RouterContext) -> None:
         self.ctx = ctx
-        self.live: dict[str, LiveRequest] = {}
+        self.auth = Authenticator(ctx.cfg)
+        self.limits = CallerLimits(ctx.cfg.auth)
+        # in flight by (caller scope, the caller's request id): ids are the caller's own
+        self.live: dict[tuple[str, str], LiveRequest] = {}
 
     async def generate(
-        self, request: generate_pb2.GenerateRequest, sink: ChunkSink, arrival: float | None = None
+        self,
+        request: generate_pb2.GenerateRequest,
+        sink: ChunkSink,
+        arrival: float | None = None,
+        caller: Caller | None = None,
     ) -> None:
         """Validates and runs one request, writing its chunks to `sink`; RequestError on failure
-        (validation before any worker is touched, or a worker failure later)."""
+        (validation before any worker is touched, or a worker failure later). `caller`: who
+        sent it (auth.py); None: a trusted in-process caller."""
         arrival = time.monotonic() if arrival is None else arrival
+        caller = caller or LOCAL
+        m = self.ctx.metrics
+        try:
+            release = self.limits.admit(caller.scope)
+        except RequestError as err:
+            m.requests.labels(err.code.name.lower()).inc()
+            raise
+        try:
+            await self._run(request, sink, arrival, caller)
+        finally:
+            release()
+
+    async def _run(
+        self, request: generate_pb2.GenerateRequest, sink: ChunkSink, arrival: float, caller: Caller
+    ) -> None:
         m = self.ctx.metrics
         try:
             req = await prepare(request, self.ctx.model, self.ctx.cfg)
-            if req.request_id in self.live:
+            key = (caller.scope, req.client_request_id)
+            if key in self.live:
                 raise RequestError(
                     grpc.StatusCode.ALREADY_EXISTS,
-                    f"request_id {req.request_id!r} is already in flight on this router; give every "
-                    "request a unique id, or leave it empty for the router to assign one",
+                    f"request_id {req.client_request_id!r} is already in flight for you on this "
+                    "router; give every request a unique id, or leave it empty for the router to "
+                    "assign one",
                 )
         except RequestError as err:
             m.requests.labels(err.code.name.lower()).inc()
             raise
-        live = self.live[req.request_id] = LiveRequest(req.request_id)
+        live = self.live[key] = LiveRequest(req.request_id)
         gen = Generation(self.ctx, req, live, sink, arrival)  # type: ignore[arg-type]  # any ChunkSink
         m.in_flight.inc()
         m.prompt_tokens.inc(len(req.prompt))
@@ -72,15 +101,20 @@ class Frontend:
             log.info("%s ended: %s: %s", req.request_id, err.code.name, err.message)
             raise
         finally:
-            if self.live.get(req.request_id) is live:
-                del self.live[req.request_id]
+            if self.live.get(key) is live:
+                del self.live[key]
             m.in_flight.dec()
             m.requests.labels(gen.outcome).inc()
 
-    def abort(self, request_id: str) -> bool:
-        """Ends an in-flight request with FINISH_REASON_ABORT; False when none is in flight."""
-        live = self.live.get(request_id)
-        if live is None or live.aborted:
-            return False
-        live.abort()
-        return True
+    def abort(self, request_id: str, caller: Caller | None = None) -> bool:
+        """Ends the caller's in-flight request with FINISH_REASON_ABORT (an admin's: anyone's
+        with that id); False when none is in flight."""
+        caller = caller or LOCAL
+        if caller.admin:
+            found = [live for (_, rid), live in self.live.items() if rid == request_id]
+        else:
+            found = [self.live[k] for k in [(caller.scope, request_id)] if k in self.live]
+        found = [live for live in found if not live.aborted]
+        for live in found:
+            live.abort()
+        return bool(found)

@@ -14,7 +14,7 @@ import time
 import grpc
 
 from splitserve.protos import generate_pb2, worker_pb2
-from splitserve.request.errors import RequestError
+from splitserve.request.errors import RETRY_AFTER_MS, RequestError
 from splitserve.router.context import RouterContext
 from splitserve.router.intake import PreparedRequest
 from splitserve.router.output import OutputStream
@@ -68,7 +68,20 @@ def worker_error(
         return RequestError.unavailable(
             f"{stage} worker {w.address} failed ({code.name}: {details}); retry"
         )
-    return RequestError(code, f"{stage} worker {w.address}: {details}")
+    hint = _retry_after_s(err) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+    return RequestError(code, f"{stage} worker {w.address}: {details}", hint)
+
+
+def _retry_after_s(err: grpc.aio.AioRpcError) -> float | None:
+    """The worker's `retry-after-ms` hint (a full queue), passed on to the client; None when it
+    sent none (a request too big for its pool: retrying cannot help)."""
+    for key, value in err.trailing_metadata() or ():
+        if key == RETRY_AFTER_MS:
+            try:
+                return max(int(value), 1) / 1000
+            except ValueError:
+                return None
+    return None
 
 
 class GenerationBase:

@@ -7,7 +7,15 @@
     GET  /v1/models[/{id}]      the served model (id, max_model_len, vocab_size)
     GET  /health                200 while ready (>= 1 healthy prefill and >= 1 healthy decode
                                 worker) and not draining, else 503
-    GET  /metrics               the router's Prometheus registry (the one the gRPC side exports)
+    GET  /metrics               the router's Prometheus registry (the one the gRPC side exports);
+                                admin key only, unless the router has no keys and is loopback-only
+
+Every route but /health needs an API key when the router has keys (http_server.py, auth.py):
+401 in OpenAI's error shape without one.
+
+Limits before work: a body over max_request_bytes + BODY_SLACK_BYTES is a 413 before it is read
+whole; a chat whose messages hold more than max_prompt_bytes of content is a 400 before the
+template renders it (completions' prompt text: intake.py, the same limit).
 
 A handler raises OpenAIError (openai_errors.py) for anything it refuses; the server's middleware
 answers it. A streamed request that fails after its first chunk ends with an error event instead.
@@ -27,13 +35,25 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from splitserve.protos import generate_pb2
 from splitserve.request.errors import RequestError
 from splitserve.router.chat_template import chat_prompt_ids
+from splitserve.router.config import RouterConfig
 from splitserve.router.context import RouterContext
 from splitserve.router.frontend import Frontend
 from splitserve.router.http_sinks import CollectedChunks, EventStream, json_bytes
+from splitserve.router.intake import prompt_too_big
 from splitserve.router.openai_errors import OpenAIError, error_from_request_error, parse
 from splitserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.router.openai_response import ResponseBuilder
 from splitserve.router.worker_state import DECODE, PREFILL
+
+CALLER = "splitserve.caller"  # request key set by the server's middleware (auth.py's Caller)
+# A body may exceed max_request_bytes by this much: the JSON around the prompt (parameters,
+# escapes, up to 300 logit_bias entries, stop strings). More is a 413 before it is read whole.
+BODY_SLACK_BYTES = 64 * 2**10
+
+
+def max_body_bytes(cfg: RouterConfig) -> int:
+    """The HTTP front's body limit: max_request_bytes plus BODY_SLACK_BYTES."""
+    return cfg.max_request_bytes + BODY_SLACK_BYTES
 
 
 class OpenAIRoutes:
@@ -55,7 +75,20 @@ class OpenAIRoutes:
 
     # ---- request helpers ---------------------------------------------------------------------------
     async def _body(self, request: web.Request) -> Any:
-        raw = await request.read()
+        limit = max_body_bytes(self.ctx.cfg)
+        too_large = OpenAIError(
+            413,
+            f"the request body is over this server's limit of {limit} bytes (max_request_bytes "
+            f"{self.ctx.cfg.max_request_bytes} plus {BODY_SLACK_BYTES} for the JSON around the "
+            "prompt); send a shorter prompt",
+            code="request_too_large",
+        )
+        if (request.content_length or 0) > limit:  # refused before reading it
+            raise too_large
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
+            raise too_large from None
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -97,10 +130,16 @@ class OpenAIRoutes:
         req = parse(ChatCompletionRequest, await self._body(request))
         self._check_model(req.model)
         model = self.ctx.model
-        try:
-            ids = await chat_prompt_ids(
-                model.tokenizer, [m.as_template_input() for m in req.messages], model.name
+        messages = [m.as_template_input() for m in req.messages]
+        limit = self.ctx.cfg.max_prompt_bytes
+        if (size := prompt_too_big([m["content"] for m in messages], limit)) is not None:
+            raise OpenAIError.bad(
+                "messages",
+                f"messages hold {size} bytes of content, over this server's limit of {limit} "
+                "bytes (max_prompt_bytes); send shorter messages",
             )
+        try:
+            ids = await chat_prompt_ids(model.tokenizer, messages, model.name)
         except RequestError as err:
             oe = error_from_request_error(err, {}, "messages")
             oe.param = "messages"
@@ -125,7 +164,7 @@ class OpenAIRoutes:
         if not stream:
             sink = CollectedChunks()
             try:
-                await self.frontend.generate(gen, sink)
+                await self.frontend.generate(gen, sink, caller=request[CALLER])
             except RequestError as err:
                 raise error_from_request_error(err, names, prompt_param) from None
             return web.json_response(
@@ -135,7 +174,7 @@ class OpenAIRoutes:
             )
         events = EventStream(request, builder)
         try:
-            await self.frontend.generate(gen, events)
+            await self.frontend.generate(gen, events, caller=request[CALLER])
         except RequestError as err:
             error = error_from_request_error(err, names, prompt_param)
             if events.resp is None:  # nothing sent yet: a plain HTTP error

@@ -2,14 +2,16 @@
 listening, draining, and what every request goes through. The routes are http_routes.py.
 
 Errors are OpenAI's {"error": {message, type, param, code}}, the status mapped from the gRPC
-code (400, 404 unknown model, 409, 429, 503, 504); aiohttp's own refusals (no such route, wrong
-method, body too large) and unexpected exceptions get the same shape here. A stream sends its
-headers with the first chunk, so a request refused before any token gets a real HTTP status; a
-failure after that is an error event, then `data: [DONE]` (http_sinks.py). A client that
+code (400, 404 unknown model, 409, 429 with `Retry-After` when waiting helps, 503, 504); a
+body over max_request_bytes + 64 KiB is a 413 (http_routes.py: BODY_SLACK_BYTES); aiohttp's
+own refusals (no such route, wrong method) and unexpected exceptions get the same shape here. A
+stream sends its headers with the first chunk, so a request refused before any token gets a
+real HTTP status; a failure after that is an error event, then `data: [DONE]` (http_sinks.py).
+A client that
 disconnects cancels its handler (aiohttp's handler_cancellation), which cancels the worker calls
 exactly like a gRPC client cancel. Draining (router stop, SIGTERM) stops listening, answers new
 requests 503 (but /health and /metrics), gives in-flight requests the grace period, then cancels
-them.
+them. HTTPS when http.tls is set, else when server.tls is (docs/tls.md).
 """
 
 from __future__ import annotations
@@ -19,14 +21,31 @@ import logging
 from collections.abc import Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
+from splitserve.request.errors import RequestError
+from splitserve.router.auth import Caller
 from splitserve.router.context import RouterContext
 from splitserve.router.frontend import Frontend
-from splitserve.router.http_routes import OpenAIRoutes
-from splitserve.router.openai_errors import OpenAIError
+from splitserve.router.http_routes import CALLER, OpenAIRoutes, max_body_bytes
+from splitserve.router.openai_errors import OpenAIError, error_from_request_error
 from splitserve.service.net import local_dial_host
+from splitserve.service.tls import TlsServerConfig, server_ssl_context
 
 log = logging.getLogger(__name__)
+
+
+class _PeerErrorLog(logging.LoggerAdapter):
+    """aiohttp's server logger, but a request its parser refuses (garbage bytes, a gRPC client's
+    HTTP/2 preface, a bad header) is one INFO line instead of an ERROR with a traceback, so no
+    peer can fill the log with tracebacks; anything else keeps its traceback."""
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            why = " ".join(f"{type(exc_info).__name__}: {exc_info.message}".split())[:200]
+            self.logger.info(msg + " (refused: %s)", *args, why)
+        else:
+            self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)
 
 
 class OpenAIServer:
@@ -38,7 +57,7 @@ class OpenAIServer:
         self.host = cfg.http.host or cfg.server.host
         self.port: int | None = None
         self.app = web.Application(
-            client_max_size=4 * cfg.max_request_bytes, middlewares=[self._middleware]
+            client_max_size=max_body_bytes(cfg), middlewares=[self._middleware]
         )
         self.routes = OpenAIRoutes(ctx, frontend, lambda: self.ready() and not self._draining)
         self.routes.add_to(self.app.router)
@@ -55,12 +74,28 @@ class OpenAIServer:
         return f"{host}:{self.port}"
 
     # ---- lifecycle -------------------------------------------------------------------------------
+    @property
+    def tls(self) -> TlsServerConfig | None:
+        """HTTPS with http.tls, else with the gRPC port's server.tls; None: plain HTTP."""
+        return self.ctx.cfg.http.tls or self.ctx.cfg.server.tls
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
+
     async def start(self) -> None:
+        # a bad certificate or key: TlsError (one line) before anything listens
+        setting = "http.tls" if self.ctx.cfg.http.tls is not None else "server.tls"
+        ssl_context = server_ssl_context(self.tls, setting) if self.tls is not None else None
         runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=1.0,
+            logger=_PeerErrorLog(logging.getLogger("aiohttp.server"), {}),
         )
         await runner.setup()
-        site = web.TCPSite(runner, self.host, self.ctx.cfg.http.port)
+        site = web.TCPSite(runner, self.host, self.ctx.cfg.http.port, ssl_context=ssl_context)
         try:
             await site.start()
         except OSError as exc:
@@ -90,6 +125,16 @@ class OpenAIServer:
         await runner.cleanup()
 
     # ---- every request ---------------------------------------------------------------------------
+    def _caller(self, request: web.Request, route: str) -> Caller:
+        auth = self.frontend.auth
+        try:
+            caller = auth.caller(request.headers.get("Authorization"), request.remote or "")
+            if route == "/metrics":
+                auth.admin_only(caller, "/metrics on the public HTTP port")
+        except RequestError as err:
+            raise error_from_request_error(err, {}, "prompt") from None
+        return caller
+
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         task = asyncio.current_task()
@@ -102,12 +147,14 @@ class OpenAIServer:
                 raise OpenAIError(
                     503, "the server is shutting down; retry on another replica", code="unavailable"
                 )
+            if route != "/health":  # probes stay open
+                request[CALLER] = self._caller(request, route)
             resp = await handler(request)
             status = resp.status
             return resp
         except OpenAIError as err:
             status = err.status
-            return web.json_response(err.body(), status=err.status)
+            return web.json_response(err.body(), status=err.status, headers=err.headers())
         except (
             web.HTTPException
         ) as exc:  # no such route (404), wrong method (405), body too large (413)

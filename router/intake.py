@@ -1,15 +1,19 @@
 """A GenerateRequest becomes a PreparedRequest, or a RequestError, before any worker is touched.
 
-Checks, in order: message size, request id, prompt (set, non-empty, ids in the vocabulary,
-room for one new token within max_model_len), sampling parameters (the shared
-`proto_convert` rules). The router learns vocab size, max_model_len and eos ids from the
+Checks, in order, the cheap ones before the prompt is tokenized: message size, request id,
+stop strings (the router's max_stop_strings / max_stop_string_chars), prompt (set, non-empty,
+text within max_prompt_bytes, ids in the vocabulary, room for one new token within
+max_model_len), sampling parameters (the shared `proto_convert` rules: max_tokens must fit in
+max_model_len after the prompt). The router learns vocab size, max_model_len and eos ids from the
 model folder (config.json, tokenizer.json) and its own config; no weights are read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +23,11 @@ from splitserve.request.errors import RequestError
 from splitserve.request.sampling_params import SamplingParams
 from splitserve.request.tokenizer import Tokenizer
 from splitserve.router.config import RouterConfig
-from splitserve.service.proto_convert import sampling_params_from_proto, validate_prompt
+from splitserve.service.proto_convert import (
+    check_stop_strings,
+    sampling_params_from_proto,
+    validate_prompt,
+)
 
 _TOKENIZE_IN_THREAD = 32_768  # characters; longer texts are tokenized off the event loop
 
@@ -53,15 +61,22 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    request_id: str
+    request_id: str  # what the workers see: the caller's id + '#' + a random suffix
     prompt: list[int]
     params: SamplingParams
     sampling: generate_pb2.SamplingParams  # what the workers get: max_tokens resolved
     skip_special_tokens: bool
+    client_request_id: str = ""  # the caller's own id (responses carry it); '': request_id
 
     @property
     def want_logprobs(self) -> bool:
         return self.params.logprobs is not None
+
+
+def worker_request_id(client_id: str) -> str:
+    """Unique across callers (two may send the same id), with the caller's id kept at the front
+    so logs and prefix matches on it still find the request."""
+    return f"{client_id}#{secrets.token_hex(6)}"
 
 
 def _request_id(request: generate_pb2.GenerateRequest, cfg: RouterConfig) -> str:
@@ -76,7 +91,18 @@ def _request_id(request: generate_pb2.GenerateRequest, cfg: RouterConfig) -> str
     return rid
 
 
-async def _prompt(request: generate_pb2.GenerateRequest, model: ModelInfo) -> tuple[list[int], str]:
+def prompt_too_big(texts: Sequence[str], limit: int) -> int | None:
+    """The UTF-8 size of `texts` together when it is over `limit` bytes, else None; counted
+    before anything is tokenized (and without encoding when it is clearly within the limit)."""
+    if 4 * sum(map(len, texts)) <= limit:  # UTF-8 takes at most 4 bytes a character
+        return None
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    return size if size > limit else None
+
+
+async def _prompt(
+    request: generate_pb2.GenerateRequest, model: ModelInfo, cfg: RouterConfig
+) -> tuple[list[int], str]:
     which = request.WhichOneof("prompt")
     if which is None:
         raise RequestError.invalid(
@@ -87,6 +113,12 @@ async def _prompt(request: generate_pb2.GenerateRequest, model: ModelInfo) -> tu
     text = request.text
     if not text:
         raise RequestError.invalid("text is empty; send a non-empty prompt")
+    if (size := prompt_too_big([text], cfg.max_prompt_bytes)) is not None:
+        raise RequestError.invalid(
+            f"text is {size} bytes, over this router's limit of {cfg.max_prompt_bytes} bytes of "
+            f"prompt text (max_prompt_bytes); send a shorter prompt (at most "
+            f"{model.max_model_len - 1} tokens fit anyway)"
+        )
     if len(text) > _TOKENIZE_IN_THREAD:
         return await asyncio.to_thread(model.tokenizer.encode, text), "text"
     return model.tokenizer.encode(text), "text"
@@ -102,9 +134,16 @@ async def prepare(
             f"shorter prompt (at most {model.max_model_len - 1} tokens fit anyway) or raise max_request_bytes"
         )
     rid = _request_id(request, cfg)
-    prompt, field = await _prompt(request, model)
-    validate_prompt(prompt, model.vocab_size, model.max_model_len, field=field)
     msg = request.sampling if request.HasField("sampling") else None
+    if msg is not None:
+        check_stop_strings(
+            msg.stop,
+            cfg.max_stop_strings,
+            cfg.max_stop_string_chars,
+            settings=("max_stop_strings", "max_stop_string_chars"),
+        )
+    prompt, field = await _prompt(request, model, cfg)
+    validate_prompt(prompt, model.vocab_size, model.max_model_len, field=field)
     params = sampling_params_from_proto(
         msg, prompt_len=len(prompt), max_model_len=model.max_model_len, vocab_size=model.vocab_size
     )
@@ -113,4 +152,4 @@ async def prepare(
         sampling.CopyFrom(msg)
     sampling.max_tokens = params.max_tokens  # the workers may not share the router's default
     skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-    return PreparedRequest(rid, prompt, params, sampling, skip)
+    return PreparedRequest(worker_request_id(rid), prompt, params, sampling, skip, rid)

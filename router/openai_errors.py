@@ -8,6 +8,7 @@ a request model (openai_protocol.py) and turns its first problem into a 400 nami
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -19,6 +20,8 @@ from splitserve.request.errors import RequestError
 # gRPC status -> HTTP status, OpenAI error type
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
@@ -38,6 +41,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type_: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -45,6 +49,13 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str] | None:
+        """`Retry-After` (whole seconds, at least 1) when retrying later can succeed."""
+        if self.retry_after_s is None:
+            return None
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     @classmethod
     def bad(cls, param: str | None, message: str) -> OpenAIError:
@@ -77,7 +88,10 @@ def error_from_request_error(
     elif message.startswith("request_id"):
         param = "X-Request-Id"
         message = "the X-Request-Id header" + message[len("request_id") :]
-    return OpenAIError(status, message, param, err.code.name.lower(), type_)
+    code = (
+        "invalid_api_key" if err.code == grpc.StatusCode.UNAUTHENTICATED else err.code.name.lower()
+    )
+    return OpenAIError(status, message, param, code, type_, err.retry_after_s)
 
 
 def _loc(loc: tuple) -> str:

@@ -25,7 +25,7 @@ from splitserve.service.proto_convert import finish_reason_to_proto, stop_reason
 
 class OutputStream:
     def __init__(self, model: ModelInfo, req: PreparedRequest) -> None:
-        self.request_id = req.request_id
+        self.request_id = req.client_request_id or req.request_id  # the caller's id
         self.prompt_tokens = len(req.prompt)
         self.want_logprobs = req.want_logprobs
         self.detok = IncrementalDetokenizer(model.tokenizer, req.prompt, req.skip_special_tokens)

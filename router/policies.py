@@ -7,7 +7,7 @@
     round_robin    next worker in address order
     least_loaded   fewest queued + running requests, then the most free KV (by fraction)
     prefix_aware   (prefill) the worker caching the longest prefix of the prompt, per its
-                   GetLoad block hashes; but when the queues are clearly unbalanced
+                   GetLoad block keys; but when the queues are clearly unbalanced
                    (longest - shortest > abs threshold and longest > rel threshold x shortest)
                    the least loaded worker wins, as in SGLang's cache-aware router
 
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from splitserve.request.block_hash import block_hashes
+from splitserve.request.block_hash import block_keys
 from splitserve.router.config import PolicyName, PrefixPolicyConfig
 
 
@@ -34,7 +34,7 @@ class WorkerView:
     free_blocks: int = 0
     total_blocks: int = 0
     block_size: int = 0
-    prefix_hashes: frozenset[int] = field(default_factory=frozenset)
+    prefix_keys: frozenset[bytes] = field(default_factory=frozenset)  # cached blocks' keys
     in_flight: int = 0  # requests this router sent there and has not seen finish
 
     @property
@@ -82,16 +82,16 @@ class LeastLoaded:
 
 
 def cached_prefix_blocks(
-    view: WorkerView, prompt: Sequence[int], hashes: Sequence[int] | None = None
+    view: WorkerView, prompt: Sequence[int], keys: Sequence[bytes] | None = None
 ) -> int:
-    """Leading full blocks of `prompt` whose chained hash the worker reports as cached. A chained
-    hash names its whole prefix, so the longest reported block counts, even when the capped
+    """Leading full blocks of `prompt` whose chained key the worker reports as cached. A chained
+    key names its whole prefix, so the longest reported block counts, even when the capped
     summary left out an earlier one."""
-    if not view.prefix_hashes or view.block_size <= 0:
+    if not view.prefix_keys or view.block_size <= 0:
         return 0
-    hashes = block_hashes(prompt, view.block_size) if hashes is None else hashes
-    for i in range(len(hashes) - 1, -1, -1):
-        if hashes[i] in view.prefix_hashes:
+    keys = block_keys(prompt, view.block_size) if keys is None else keys
+    for i in range(len(keys) - 1, -1, -1):
+        if keys[i] in view.prefix_keys:
             return i + 1
     return 0
 
@@ -111,11 +111,11 @@ class PrefixAware:
         _nonempty(views)
         if len(views) == 1 or self.unbalanced(views):
             return min(views, key=least_loaded_key)
-        by_block_size: dict[int, list[int]] = {}
+        by_block_size: dict[int, list[bytes]] = {}
         matched = {}
         for v in views:
             if v.block_size > 0 and v.block_size not in by_block_size:
-                by_block_size[v.block_size] = block_hashes(prompt, v.block_size)
+                by_block_size[v.block_size] = block_keys(prompt, v.block_size)
             matched[v.address] = cached_prefix_blocks(
                 v, prompt, by_block_size.get(v.block_size, [])
             )

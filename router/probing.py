@@ -1,23 +1,27 @@
 """One probe of one worker: what the registry's watch loop (registry.py) asks every poll_interval_s.
 
     grpc.health.v1 Check(role service)  ─┐ both within probe_timeout_s
-    GetLoad (prefix hashes for prefill) ─┘ -> (ok, why not, eviction reason)
+    GetLoad (prefix keys for prefill)   ─┘ -> (ok, why not, eviction reason)
     prefill + verify_addresses: its advertised KV listener must accept a TCP connection
 
 The answer's eviction reason is one of metrics.EVICTION_REASONS; whether it evicts at once or
 only after probe_failures_to_evict timeouts in a row is the registry's call. A successful probe
-stores the load on the Worker and updates the per-worker queue and free-block gauges.
+stores the load on the Worker, with the prefix keys of the right length (any other is left out
+and logged once per worker: a bad key must never fail a probe), and updates the per-worker
+queue and free-block gauges.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from splitserve.protos import worker_pb2
+from splitserve.request.block_hash import KEY_BYTES
 from splitserve.router.config import RegistryConfig
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.reachability import kv_unreachable_message, tcp_unreachable
@@ -70,10 +74,29 @@ async def probe_worker(
     ):
         return False, why, "kv_unreachable"
     w.load = load
-    w.prefix_hashes = frozenset(load.prefix_cache.block_hashes)
+    w.prefix_keys = valid_prefix_keys(w, load.prefix_cache.block_keys)
     metrics.worker_queue.labels(w.role_name, w.address).set(load.num_running + load.num_waiting)
     metrics.worker_free_blocks.labels(w.role_name, w.address).set(load.free_blocks)
     return True, "", ""
+
+
+def valid_prefix_keys(w: Worker, keys: Sequence[bytes]) -> frozenset[bytes]:
+    """The keys of KEY_BYTES; any other (a worker of another version or a corrupt reply) is
+    left out, and the first time for this worker logged. Fewer keys only cost cache hits."""
+    good = frozenset(k for k in keys if len(k) == KEY_BYTES)
+    bad = [len(k) for k in keys if len(k) != KEY_BYTES]
+    if bad and not w.keys_warned:
+        w.keys_warned = True
+        log.warning(
+            "%s worker %s sent %d prefix-cache keys not %d bytes long (e.g. %d bytes); "
+            "ignoring them (logged once per worker)",
+            w.role_name,
+            w.address,
+            len(bad),
+            KEY_BYTES,
+            bad[0],
+        )
+    return good
 
 
 async def kv_unreachable(w: Worker, load: worker_pb2.WorkerLoad, timeout_s: float) -> str:

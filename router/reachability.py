@@ -66,7 +66,7 @@ async def check_reachable(
             health_pb2.HealthCheckRequest(service=service), timeout=timeout
         )
     except grpc.aio.AioRpcError as err:
-        if err.code() == grpc.StatusCode.NOT_FOUND:
+        if err.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
             raise RequestError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{address} answers but serves no {service}: it is not a {role_name} worker; "
@@ -78,7 +78,7 @@ async def check_reachable(
                 f"the router cannot reach {role_name} worker {address} ({err.code().name} within "
                 f"{timeout:g}s: {err.details()}); {ADVICE}",
             ) from None
-        # any other answer came from a gRPC server at that address: reachable
+        # any other answer came from a gRPC server with a health service there: reachable
     if not check_kv:
         return
     try:

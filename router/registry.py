@@ -40,7 +40,10 @@ from splitserve.router.policies import Policy
 from splitserve.router.probing import probe_worker
 from splitserve.router.reachability import check_reachable
 from splitserve.router.worker_state import DECODE, PREFILL, ROLE_NAME, SERVICE, STUB, Worker
+from splitserve.service.cluster_auth import client_interceptors
+from splitserve.service.credentials import cluster_secret
 from splitserve.service.grpc_service import channel_options
+from splitserve.service.tls import client_credentials, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,8 @@ class WorkerRegistry:
         self._on_change = on_change
         self._clock = clock
         self._workers: dict[str, Worker] = {}
+        # workers started with the cluster secret take calls only with it (service/cluster_auth.py)
+        self._secret = cluster_secret(cfg.auth.cluster_secret_file)
         self._closed = False
         self._prefix_hashes = (
             self.rc.max_prefix_hashes if cfg.routing.prefill_policy == "prefix_aware" else 0
@@ -66,6 +71,8 @@ class WorkerRegistry:
 
     # ---- membership --------------------------------------------------------------------------
     def start(self) -> None:
+        if self.cfg.workers_tls is not None:  # a bad file: one line at start, not per worker
+            client_credentials(self.cfg.workers_tls, "workers_tls")
         for address in self.cfg.workers.prefill:
             self._add(PREFILL, address, static=True)
         for address in self.cfg.workers.decode:
@@ -78,8 +85,17 @@ class WorkerRegistry:
         for w in workers:
             await self._drop(w)
 
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        """To a worker: TLS per workers_tls (mutual with its cert_file), else plaintext."""
+        return open_channel(
+            address,
+            self.cfg.workers_tls,
+            channel_options(self.cfg.server),
+            interceptors=client_interceptors(self._secret),
+        )
+
     def _add(self, role: int, address: str, static: bool) -> Worker:
-        channel = grpc.aio.insecure_channel(address, options=channel_options(self.cfg.server))
+        channel = self._channel(address)
         w = Worker(
             role,
             address,
@@ -110,9 +126,7 @@ class WorkerRegistry:
         reach is FAILED_PRECONDITION naming --advertise-host, not a worker that never gets healthy."""
         self._validate(role, address)
         if self.rc.verify_addresses and address not in self._workers:
-            async with grpc.aio.insecure_channel(
-                address, options=channel_options(self.cfg.server)
-            ) as channel:
+            async with self._channel(address) as channel:
                 await check_reachable(
                     channel,
                     ROLE_NAME[role],

@@ -51,9 +51,25 @@ class Router:
         self.server.add(
             generate_pb2_grpc.add_GenerateServiceServicer_to_server, self.generate, SERVICE_NAME
         )
-        self.server.add(
+        # RouterControl changes the cluster: on a private listener when control.port is set (the
+        # public port then does not serve it at all), else on the public port behind the
+        # cluster secret (auth.py)
+        self.control: GrpcServer | None = None
+        control_on = self.server
+        if cfg.control.port is not None:
+            control_cfg = cfg.server.model_copy(
+                update={
+                    "host": cfg.control.host,
+                    "port": cfg.control.port,
+                    "advertise_host": None,
+                    "metrics_port": None,
+                    "drain_announce_s": 0.0,
+                }
+            )
+            self.control = control_on = GrpcServer(control_cfg)
+        control_on.add(
             router_pb2_grpc.add_RouterControlServicer_to_server,
-            RouterControlServicer(self.ctx),
+            RouterControlServicer(self.ctx, self.frontend.auth, private=self.control is not None),
             CONTROL_NAME,
         )
         self._health_tasks: set[asyncio.Task] = set()
@@ -78,10 +94,19 @@ class Router:
 
     async def start(self) -> None:
         await self.server.start()
+        if self.control is not None:
+            await self.control.start()
+            await self.control.set_serving(True)
+        else:
+            await self.server.health.set(CONTROL_NAME, SERVING)
         if self.http is not None:
             await self.http.start()
-        await self.server.health.set(CONTROL_NAME, SERVING)
         self.registry.start()
+
+    @property
+    def control_address(self) -> str:
+        """Where workers register: the control listener, else the public address."""
+        return self.control.address if self.control is not None else self.address
 
     def _health_changed(self) -> None:
         task = asyncio.get_running_loop().create_task(self._set_health())
@@ -94,6 +119,8 @@ class Router:
             await self.server.health.set(name, status)
 
     async def _shutdown(self) -> None:
+        if self.control is not None and self.control.port is not None:
+            await self.control.drain(1.0)
         await self.ctx.background.drain(self.cfg.worker_call_timeout_s)
         await self.registry.close()
 
@@ -118,7 +145,11 @@ class Router:
             else ""
         )
         if self.http is not None:
-            metrics += f", OpenAI HTTP API on http://{self.http.address}/v1"
+            metrics += f", OpenAI HTTP API on {self.http.scheme}://{self.http.address}/v1"
+        if self.control is not None:
+            metrics += f", worker registration on {self.control.address}"
+        auth = self.frontend.auth
+        metrics += ", API keys required" if auth.keys_required else ", no API keys"
         prefill = (
             "colocated (no prefill workers)"
             if r.colocated

@@ -36,7 +36,8 @@ class Worker:
     why: str = "not probed yet"  # why it is unhealthy
     slow_probes: int = 0  # timed-out probes in a row
     load: worker_pb2.WorkerLoad = field(default_factory=worker_pb2.WorkerLoad)
-    prefix_hashes: frozenset[int] = frozenset()
+    prefix_keys: frozenset[bytes] = frozenset()  # valid ones only (probing.py)
+    keys_warned: bool = False  # a malformed prefix key was logged (once per worker)
     in_flight: int = 0
     last_heartbeat: float = 0.0
     task: asyncio.Task | None = None
@@ -56,6 +57,6 @@ class Worker:
             ld.free_blocks,
             ld.total_blocks,
             ld.block_size,
-            self.prefix_hashes,
+            self.prefix_keys,
             self.in_flight,
         )

@@ -2,7 +2,8 @@
 
     GrpcServer(cfg, registry)        health: all services NOT_SERVING
       .add(add_fn, servicer, name)
-      await .start()                 bound; reflection on; metrics exporter up
+      await .start()                 bound (TLS when cfg.tls is set: service/tls.py);
+                                     reflection on; metrics exporter up
       await .set_serving(True)       health: SERVING (after warm-up)
       await .serve_until_signal()    SIGTERM/SIGINT -> drain():
                                        health NOT_SERVING (for good), after
@@ -35,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from splitserve.service.grpc_guard import RejectMalformed
 from splitserve.service.net import advertised_host, is_wildcard
 from splitserve.service.service_process import EXIT_DEADLINE
+from splitserve.service.tls import TlsServerConfig, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,10 @@ class ServerConfig(BaseModel):
         description="longest wait between reconnect tries to a "
         "peer that was gone (gRPC's default: 120 s)",
     )
+    tls: TlsServerConfig | None = Field(
+        None,
+        description="serve TLS with these PEM files (service/tls.py, docs/tls.md); None: plaintext",
+    )
 
     @field_validator("advertise_host")
     @classmethod
@@ -148,11 +154,16 @@ def service_name(file_descriptor, service: str) -> str:
 
 
 class GrpcServer:
-    def __init__(self, cfg: ServerConfig, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        registry: CollectorRegistry | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    ) -> None:
         self.cfg = cfg
         self.registry = registry
         self.health = health.aio.HealthServicer()
-        self._server = grpc.aio.server(options=server_options(cfg))
+        self._server = grpc.aio.server(options=server_options(cfg), interceptors=list(interceptors))
         self._names: list[str] = []
         self._metrics_http = None
         self._draining = False
@@ -174,14 +185,20 @@ class GrpcServer:
         self._names.append(name)
 
     async def start(self) -> None:
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        # health too: undecodable bytes are INVALID_ARGUMENT, not UNKNOWN and a logged traceback
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, RejectMalformed(self._server))
         reflection.enable_server_reflection(
             [*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
         )
         await self.set_serving(False)
         target = f"{self.cfg.host}:{self.cfg.port}"
+        # a bad certificate or key is TlsError (one line) here, before anything is bound
+        creds = server_credentials(self.cfg.tls) if self.cfg.tls is not None else None
         try:
-            self.port = self._server.add_insecure_port(target)
+            if creds is None:
+                self.port = self._server.add_insecure_port(target)
+            else:
+                self.port = self._server.add_secure_port(target, creds)
         except RuntimeError:
             self.port = 0
         if not self.port:
@@ -190,6 +207,10 @@ class GrpcServer:
                 "address; pick another --port (0 picks a free one) or --host"
             )
         await self._server.start()
+        if self.cfg.tls is not None:
+            ca = self.cfg.tls.client_ca_file
+            mutual = f"mutual: clients need a certificate signed by {ca}" if ca else "server-side"
+            log.info("gRPC on %s over TLS (%s)", self.address, mutual)
         if self.cfg.metrics_port is not None:
             try:
                 self._metrics_http, _ = start_http_server(

@@ -19,6 +19,8 @@ from splitserve.request.sampling_params import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
     validate_against_vocab,
@@ -93,11 +95,20 @@ def sampling_params_from_proto(
     field: str = "sampling",
 ) -> SamplingParams:
     """proto SamplingParams -> engine SamplingParams. Unset max_tokens means "up to
-    max_model_len", as generate.proto documents (not the engine's default of 16)."""
+    max_model_len", as generate.proto documents (not the engine's default of 16); a max_tokens
+    that does not fit after the prompt is refused, never clamped (vLLM answers 400 too)."""
     msg = msg if msg is not None else generate_pb2.SamplingParams()
     values: dict = {name: getattr(msg, name) for name in _PLAIN}
     values |= {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
-    values.setdefault("max_tokens", max(1, max_model_len - prompt_len))
+    room = max_model_len - prompt_len
+    values.setdefault("max_tokens", max(1, room))
+    if values["max_tokens"] > room >= 1:
+        raise RequestError.invalid(
+            f"{field}.max_tokens = {values['max_tokens']} does not fit: the prompt has {prompt_len} "
+            f"tokens and max_model_len is {max_model_len}, which leaves {room} to generate; ask for "
+            f"at most {room}, or leave max_tokens unset to generate up to max_model_len"
+        )
+    check_stop_strings(msg.stop, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, field)
     values["stop"] = tuple(msg.stop)
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     values["logit_bias"] = _logit_bias(msg, field)
@@ -137,6 +148,29 @@ def sampling_params_from_proto(
     except ValueError as exc:
         raise RequestError.invalid(f"{field}.{exc}") from None
     return params
+
+
+def check_stop_strings(
+    stop: Sequence[str],
+    max_strings: int,
+    max_chars: int,
+    field: str = "sampling",
+    settings: tuple[str, str] | None = None,
+) -> None:
+    """At most `max_strings` stop strings of at most `max_chars` characters each; `settings`
+    names the config keys that set the two limits (the router's), for the message."""
+    count_key, chars_key = (f" ({k})" for k in settings) if settings else ("", "")
+    if len(stop) > max_strings:
+        raise RequestError.invalid(
+            f"{field}.stop has {len(stop)} strings, over this server's limit of {max_strings}"
+            f"{count_key}; send at most {max_strings} stop strings"
+        )
+    for i, text in enumerate(stop):
+        if len(text) > max_chars:
+            raise RequestError.invalid(
+                f"{field}.stop[{i}] is {len(text)} characters long, over this server's limit of "
+                f"{max_chars}{chars_key}; use stop strings of at most {max_chars} characters"
+            )
 
 
 def _logit_bias(msg: generate_pb2.SamplingParams, field: str) -> dict[int, float]:

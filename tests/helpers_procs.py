@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.service.net import free_port  # noqa: F401 - the tests' port picker
+from splitserve.service.tls import TlsClientConfig, open_channel
 
 # subcommand -> (gRPC service whose health means "ready", stand-alone module for commands that
 # cli/main.py does not register yet)
@@ -56,9 +57,12 @@ def cli_command(subcommand: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
-def health_status(address: str, service: str = "", timeout: float = 2.0) -> int | None:
-    """The health status of `service` at `address`, None when it does not answer."""
-    with grpc.insecure_channel(address) as channel:
+def health_status(
+    address: str, service: str = "", timeout: float = 2.0, tls: TlsClientConfig | None = None
+) -> int | None:
+    """The health status of `service` at `address`, None when it does not answer (`tls`: for a
+    service started with --tls-cert-file)."""
+    with open_channel(address, tls, aio=False) as channel:
         try:
             return (
                 health_pb2_grpc.HealthStub(channel)
@@ -78,6 +82,7 @@ class ServiceProcess:
     log_path: Path
     _log_file: object = field(repr=False, default=None)
     _relaunch: Callable[[ServiceProcess], None] | None = field(repr=False, default=None)
+    tls: TlsClientConfig | None = None  # how its health is checked
     _log_start: int = field(repr=False, default=0)
 
     @property
@@ -100,7 +105,8 @@ class ServiceProcess:
         port, up to PORT_RETRIES times; `address` follows."""
         deadline = time.monotonic() + timeout
         retries = PORT_RETRIES
-        while health_status(self.address, self.service) != health_pb2.HealthCheckResponse.SERVING:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        while health_status(self.address, self.service, tls=self.tls) != serving:
             if not self.alive():
                 if (
                     retries
@@ -145,6 +151,21 @@ class ServiceProcess:
             self._log_file = None
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its threads so far (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()  # noqa: SIM115
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_share(pids: dict[str, int], seconds: float) -> dict[str, float]:
+    """Each process's CPU time over the next `seconds`, as a share of one core."""
+    start = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - t0
+    return {name: (cpu_seconds(pid) - start[name]) / wall for name, pid in pids.items()}
+
+
 class ProcessGroup:
     """Starts service processes; on exit kills every one still running."""
 
@@ -161,12 +182,15 @@ class ProcessGroup:
         port: int | None = None,
         wait: bool = True,
         timeout: float = START_TIMEOUT_S,
+        tls: TlsClientConfig | None = None,
     ) -> ServiceProcess:
         """Starts `splitserve <subcommand> --host 127.0.0.1 --port P *args`; with wait, returns once
-        its health says SERVING (else call `wait_serving()` yourself)."""
+        its health says SERVING (else call `wait_serving()` yourself); `tls`: how a service that
+        serves TLS is checked."""
         name = name or f"{subcommand}-{len(self.procs)}"
         fixed_port = port is not None
         sp = ServiceProcess(name, None, "", SERVICES[subcommand][0], self.log_dir / f"{name}.log")  # type: ignore
+        sp.tls = tls
 
         def launch(target: ServiceProcess, chosen: int | None = None) -> None:
             target_port = chosen or free_port()

@@ -207,7 +207,7 @@ def test_every_rpc_states_deadline_and_idempotency():
 
 DECL = re.compile(
     r"\s*(?:(?:message|enum|service|oneof)\s+\w+\s*\{"
-    r"|(?:optional\s+|repeated\s+)?[\w.]+\s+\w+\s*=\s*\d+\s*;"
+    r"|(?:optional\s+|repeated\s+)?[\w.]+\s+\w+\s*=\s*\d+\s*(?:\[[^\]]*\]\s*)?;"
     r"|[A-Z][A-Z0-9_]*\s*=\s*\d+\s*;)"
 )
 
@@ -272,7 +272,7 @@ WIRE = {
     "DecodeResponse": "token_ids=1 logprobs=2 finish_reason=3 stop_reason=4 transfer_time_ms=5 "
     "queue_time_ms=6 kv_recomputed=7",
     "GetLoadRequest": "max_prefix_hashes=1",
-    "PrefixCacheSummary": "block_hashes=1 num_cached_blocks=2",
+    "PrefixCacheSummary": "block_hashes=1 num_cached_blocks=2 block_keys=3",
     "WorkerLoad": "role=1 num_running=2 num_waiting=3 free_blocks=4 total_blocks=5 block_size=6 "
     "prefix_cache=7 leases_held=8 model_compat_hash=9 kv_address=10",
     "RegisterWorkerRequest": "role=1 address=2",
@@ -364,3 +364,10 @@ def test_enums_start_with_unspecified():
             zero = enum.values_by_number[0].name
             assert zero.endswith("_UNSPECIFIED"), enum.name
             assert all(v.name.startswith(zero.removesuffix("UNSPECIFIED")) for v in enum.values)
+
+
+def test_64_bit_prefix_hashes_are_deprecated_for_16_byte_keys():
+    fields = worker_pb2.PrefixCacheSummary.DESCRIPTOR.fields_by_name
+    assert fields["block_hashes"].GetOptions().deprecated  # kept (number 1 never reused), unfilled
+    keys = fields["block_keys"]
+    assert keys.type == _descriptor.FieldDescriptor.TYPE_BYTES and not keys.GetOptions().deprecated

@@ -187,7 +187,13 @@ def test_random_streams_match_the_reference():
             max_tokens=len(deltas),
             min_tokens=min_tokens,
         )
-        pieces, result = feed(chk, deltas)
+        pieces, result, longest = [], None, max(map(len, stops))
+        for delta in deltas:
+            result = chk.update(TEXT_TOKEN, delta)
+            pieces.append(result.text)
+            assert len(chk.held) < longest  # held back: never a whole stop string
+            if result.finished:
+                break
         text, stop = reference(deltas, stops, include, min_tokens)
         assert "".join(pieces) == text, (stops, deltas, include)
         assert result.stop_reason == stop and result.finish_reason == ("stop" if stop else "length")

@@ -19,6 +19,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from splitserve.service.cluster_auth import RequireClusterSecret
+from splitserve.service.credentials import cluster_secret
 from splitserve.service.grpc_service import GrpcServer
 from splitserve.worker.stall_watch import StallWatch
 from splitserve.worker.tp_lifecycle import exit_after_rank_loss, serve_until_lost
@@ -32,7 +34,10 @@ class WorkerSkeleton:
 
     def __init__(self, cfg, registry, add_servicer: Callable, servicer) -> None:
         self.cfg = cfg
-        self.server = GrpcServer(cfg.server, registry)
+        # with a cluster secret, only its holders (the router) may call this worker
+        secret = cluster_secret()
+        guard = [RequireClusterSecret(secret)] if secret else []
+        self.server = GrpcServer(cfg.server, registry, guard)
         self.servicer = servicer
         self.server.add(add_servicer, servicer, self.service_name)
         self.ranks = None  # tp_control.RankSet when this process spawned the runner's ranks

@@ -2,6 +2,8 @@
 HTTP API (or any OpenAI-compatible server), streamed /v1/completions over aiohttp.
 
     client = await OpenAIClient.connect(base_url)     GET /v1/models (+ /health when the server has one)
+                                                       (https: connect(base_url, ssl_context); a
+                                                       router with keys: api_key, every request)
     await send_one(client, cfg, prompt, i, t0)         one streamed completion -> RequestResult
 
 Per request, as the gRPC runner: TTFT at the first event carrying text, one ITL per later
@@ -13,12 +15,14 @@ go as token ids, so both backends run the same workload.
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
+from splitserve.cli.api_key import http_headers
 from splitserve.cli.bench.runner import RUN_ID, BenchError, RequestResult
 from splitserve.cli.bench.workload import BenchConfig, BenchPrompt
 
@@ -33,10 +37,16 @@ class OpenAIClient:
     workers: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    async def connect(cls, base_url: str) -> OpenAIClient:
+    async def connect(
+        cls, base_url: str, ssl_context: ssl.SSLContext | None = None, api_key: str | None = None
+    ) -> OpenAIClient:
+        """`ssl_context`: whom an https:// base_url is trusted by (None: the system's CAs).
+        `api_key`: sent as `Authorization: Bearer` with every request (None: none)."""
         base_url = base_url.rstrip("/")
         session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+            timeout=aiohttp.ClientTimeout(total=None),
+            connector=aiohttp.TCPConnector(limit=0, ssl=ssl_context or True),
+            headers=http_headers(api_key),
         )
         try:
             async with session.get(

@@ -4,6 +4,7 @@ validation errors are INVALID_ARGUMENT, cancel and Abort free blocks, drain ends
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -13,7 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
 from splitserve.protos import generate_pb2, kv_pb2, worker_pb2
+from splitserve.request.detokenizer import IncrementalDetokenizer
 from splitserve.request.sampling_params import SamplingParams
+from splitserve.request.stop_strings import StopStringMatcher
+from splitserve.request.tokenizer import Tokenizer
 
 PROMPTS = [[1, 17, 99, 230, 41], [1, 300, 301, 7, 8, 9, 10, 11, 12], [1, 450]]
 
@@ -102,12 +106,18 @@ def test_invalid_requests_are_refused_with_fix_hints(tiny_llama):
                 "token out of vocab": decode_request("x", [1, 9999], 3, temperature=0),
                 "first token out of vocab": decode_request("x", [1, 2], 9999, temperature=0),
                 "bad temperature": decode_request("x", [1, 2], 3, temperature=-1),
+                "max_tokens past max_model_len": decode_request(
+                    "x", [1, 2], 3, temperature=0, max_tokens=255
+                ),
             }
             for what, req in bad.items():
                 with pytest.raises(grpc.aio.AioRpcError) as exc:
                     await collect_stream(stub.Decode(req))
                 assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, what
                 assert exc.value.details(), what
+                if what.startswith("max_tokens"):  # refused, never clamped; both numbers named
+                    assert "max_tokens = 255 does not fit" in exc.value.details()
+                    assert "leaves 254" in exc.value.details()
             mismatched = decode_request("x", [1, 2], 3, temperature=0)
             mismatched.kv.CopyFrom(kv_pb2.KvHandle(lease_id="l1", block_size=16, num_tokens=2))
             with pytest.raises(
@@ -121,9 +131,73 @@ def test_invalid_requests_are_refused_with_fix_hints(tiny_llama):
                 await collect_stream(stub.Decode(too_long))
             assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "num_blocks" in exc.value.details()
+            md = exc.value.trailing_metadata() or ()
+            assert all(k != "retry-after-ms" for k, _ in md)  # waiting cannot help: no hint
             assert_all_free(worker.engine)
 
     asyncio.run(main())
+
+
+def test_stop_strings_are_matched_off_the_engine_thread(tiny_llama, oracle, monkeypatch):
+    """The decode worker ends a stream at a stop string like the single-process engine, but
+    the matching (and its detokenization) runs on the event loop: the engine thread only ends
+    the sequence afterwards, with reason "stop"."""
+    threads: list[str] = []
+    feed = StopStringMatcher.feed
+
+    def spy(self, piece, find=True):
+        threads.append(threading.current_thread().name)
+        return feed(self, piece, find)
+
+    monkeypatch.setattr(StopStringMatcher, "feed", spy)
+    prompt = PROMPTS[0]
+    base = oracle(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    assert len(base.text) >= 6
+    stop = base.text[3:6]
+    # room to run far past the stop string: the engine must not end it by length first
+    params = dict(temperature=0, max_tokens=200, ignore_eos=True, stop=[stop])
+    ref = oracle(prompt, SamplingParams(**params))
+    assert ref.finish_reason == "stop" and len(ref.token_ids) < 100
+    # a stop string completed by the prefill's first token ends the stream before any token
+    third = PROMPTS[2]
+    first = oracle(third, SamplingParams(temperature=0, max_tokens=1)).token_ids[0]
+    first_text = IncrementalDetokenizer(Tokenizer.from_dir(tiny_llama), third).add(first)
+    assert first_text  # this prompt's first token has text of its own
+    at_first = dict(params, stop=[first_text])
+    assert oracle(third, SamplingParams(**at_first)).token_ids == [first]
+    colocated = worker_pb2.DecodeRequest(  # no prefill: the worker samples the first token
+        request_id="colo", prompt_token_ids=prompt, sampling=generate_pb2.SamplingParams(**params)
+    )
+
+    async def main():
+        async with serving(tiny_llama) as (worker, stub, _):
+            engine = worker.engine
+            stopped = engine.metrics.registry.get_sample_value(
+                "splitserve_decode_requests_finished_total", {"reason": "stop"}
+            )
+            got = await asyncio.gather(
+                collect_stream(
+                    stub.Decode(decode_request("str", prompt, ref.token_ids[0], **params))
+                ),
+                collect_stream(stub.Decode(colocated)),
+                collect_stream(stub.Decode(decode_request("first", third, first, **at_first))),
+            )
+            for (tokens, chunks), want, reason in zip(
+                got, (ref.token_ids[1:], ref.token_ids, []), (stop, stop, first_text)
+            ):
+                assert tokens == want
+                assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_STOP
+                assert chunks[-1].stop_reason.stop_str == reason
+            await _wait_until(lambda: not engine.scheduler.by_id)
+            await _wait_until(lambda: engine.load.free_blocks == engine.load.total_blocks)
+            assert_all_free(engine)
+            after = engine.metrics.registry.get_sample_value(
+                "splitserve_decode_requests_finished_total", {"reason": "stop"}
+            )
+            assert after == (stopped or 0) + 3  # ended there as stopped, not as aborted
+
+    asyncio.run(main())
+    assert threads and "decode-engine" not in threads, set(threads)
 
 
 def test_cancel_and_abort_free_blocks(tiny_llama):

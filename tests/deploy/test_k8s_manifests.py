@@ -2,144 +2,50 @@
 (kubernetes-validate ships them, so this runs offline), the kustomization lists exactly the
 folder's files, every container runs a real CLI whose flags parse, and what must agree does:
 the effective service configs (ConfigMap + flags, loaded by the real pydantic models) against
-the declared ports, probes, Prometheus annotations, drain grace and the registration sidecars."""
+the declared ports, probes, Prometheus annotations, drain grace and the registration sidecars,
+which register at the router's control port with the cluster secret the workers also hold
+(the router's keys and control listener: test_k8s_access.py)."""
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import kubernetes_validate
 import pytest
 import yaml
+from k8s_helpers import (
+    CONTAINERS,
+    DOCS,
+    ENTRYPOINT,
+    K8S,
+    POD_IP,
+    PODS,
+    ROOT,
+    SECRET,
+    container_argv,
+    of_kind,
+    parse_argv,
+    secret_file,
+    secret_keys,
+    service_config,
+)
 
 from splitserve.protos import generate_pb2, router_pb2, worker_pb2
 
-ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
 # 1.30: the oldest release we claim (native gRPC probes are GA since 1.27); plus the newest shipped
 K8S_VERSIONS = ("1.30", kubernetes_validate.latest_version())
-POD_IP = "10.1.2.3"  # sample value for $(POD_IP)
-ENTRYPOINT = ["splitserve"]  # the image's; a container without `command` runs it
 SHUTDOWN_MARGIN_S = 10  # after the drain: engine stop, UCX close, exit
-# what each `splitserve` service registers in grpc.health.v1 ("" is the whole server)
+CONTROL = router_pb2.DESCRIPTOR.services_by_name["RouterControl"].full_name
+# what each `splitserve` service registers in grpc.health.v1 ("" is the whole server); the
+# router's RouterControl is on its control port (below), not here
 HEALTH = {
-    "router": {
-        "",
-        generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name,
-        router_pb2.DESCRIPTOR.services_by_name["RouterControl"].full_name,
-    },
+    "router": {"", generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name},
     "prefill-worker": {"", worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name},
     "decode-worker": {"", worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name},
 }
 ROLE = {"prefill-worker": "prefill", "decode-worker": "decode"}
-
-
-def _load_docs() -> list[tuple[str, dict]]:
-    return [
-        (p.name, d)
-        for p in sorted(K8S.glob("*.yaml"))
-        if p.name != "kustomization.yaml"
-        for d in yaml.safe_load_all(p.read_text())
-        if d
-    ]
-
-
-DOCS = _load_docs()
-PODS = [(f"{f}/{d['metadata']['name']}", d) for f, d in DOCS if d["kind"] == "Deployment"]
-CONTAINERS = [
-    (f"{pid}/{c['name']}", dep, c)
-    for pid, dep in PODS
-    for c in (
-        *dep["spec"]["template"]["spec"].get("initContainers", ()),
-        *dep["spec"]["template"]["spec"]["containers"],
-    )
-]
-
-
-def _of_kind(kind: str) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == kind}
-
-
-def _argv(c: dict) -> list[str]:
-    """command + args as the kubelet runs them: $(VAR) expanded from the container's env."""
-    env = {
-        e["name"]: POD_IP
-        if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP"
-        else e.get("value", "")
-        for e in c.get("env", ())
-    }
-
-    def expand(arg: str) -> str:
-        for var in re.findall(r"\$\((\w+)\)", arg):
-            assert var in env, (
-                f"{c['name']}: $({var}) is not in its env, so Kubernetes passes it literally"
-            )
-        return re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], arg)
-
-    return [expand(a) for a in (*c.get("command", ENTRYPOINT), *c.get("args", ()))]
-
-
-class _Parsed(Exception):
-    def __init__(self, ns: argparse.Namespace) -> None:
-        self.ns = ns
-
-
-def _parse(argv: list[str]) -> tuple[str, argparse.Namespace]:
-    """(program, Namespace) from the real argparse parser of the entry point, running nothing."""
-    try:
-        if argv[0] == "splitserve":
-            from splitserve.cli.main import build_parser
-
-            return "splitserve", build_parser().parse_args(argv[1:])
-        assert argv[:2] == ["python", "-m"], f"{argv}: neither `splitserve` nor `python -m MODULE`"
-        module = importlib.import_module(argv[2])
-        assert "__main__" in Path(module.__file__).read_text(), f"{argv[2]} cannot run as python -m"
-        original = argparse.ArgumentParser.parse_args
-
-        def stop_after_parsing(self, args=None, namespace=None):
-            raise _Parsed(original(self, args, namespace))
-
-        # its main() builds the parser and parses; stop right there
-        with pytest.MonkeyPatch.context() as mp, pytest.raises(_Parsed) as got:
-            mp.setattr(argparse.ArgumentParser, "parse_args", stop_after_parsing)
-            module.main(argv[3:])
-        return argv[2], got.value.ns
-    except SystemExit:
-        raise AssertionError(f"`{' '.join(argv)}` does not parse") from None
-
-
-def _config(dep: dict, c: dict, ns: argparse.Namespace, tmp_path: Path):
-    """The service's effective config as its `run()` builds it: --config (read from the mounted
-    ConfigMap) with the flags on top."""
-    from splitserve.cli import decode_worker_cmd, prefill_worker_cmd, router_cmd
-    from splitserve.decode_worker.config import load as load_decode
-    from splitserve.prefill_worker.config import PrefillWorkerConfig
-    from splitserve.router.config import RouterConfig
-
-    module, load = {
-        "router": (router_cmd, RouterConfig.load),
-        "prefill-worker": (prefill_worker_cmd, PrefillWorkerConfig.load),
-        "decode-worker": (decode_worker_cmd, load_decode),
-    }[ns.command]
-    path = None
-    if ns.config:
-        mount = next(m for m in c["volumeMounts"] if ns.config.startswith(m["mountPath"] + "/"))
-        volume = next(
-            v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
-        )
-        data = _of_kind("ConfigMap")[volume["configMap"]["name"]]["data"]
-        path = tmp_path / ns.command
-        path.write_text(data[ns.config.removeprefix(mount["mountPath"] + "/")])
-    if ns.command == "router":
-        return load(path, {field: getattr(ns, dest) for dest, field in module._OVERRIDES.items()})
-    from splitserve.cli.worker_args import config_overrides
-
-    return load(path, config_overrides(ns, module._OVERRIDES))
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -186,7 +92,7 @@ def test_selectors_match_pod_labels():
         assert sel.items() <= dep["spec"]["template"]["metadata"]["labels"].items(), dep[
             "metadata"
         ]["name"]
-    for name, svc in _of_kind("Service").items():
+    for name, svc in of_kind("Service").items():
         pods = [
             dep
             for (_, dep), lab in zip(PODS, labels)
@@ -211,7 +117,7 @@ def test_selectors_match_pod_labels():
 @pytest.mark.parametrize("cid,dep,c", CONTAINERS, ids=[cid for cid, _, _ in CONTAINERS])
 def test_every_container_runs_a_real_entry_point(cid, dep, c):
     assert c["image"] == "splitserve:latest"
-    prog, ns = _parse(_argv(c))
+    prog, ns = parse_argv(container_argv(c))
     assert prog in ("splitserve", "splitserve.router.registration"), cid
     for p in c.get("ports", ()):
         assert len(p["name"]) <= 15 and re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", p["name"]), (
@@ -227,8 +133,8 @@ def test_dockerfile_entrypoint_is_splitserve():
 def test_pod_config_ports_probes_and_grace_agree(pid, dep, tmp_path):
     spec, meta = dep["spec"]["template"]["spec"], dep["spec"]["template"]["metadata"]
     main, *sidecars = spec["containers"]
-    _, ns = _parse(_argv(main))
-    cfg = _config(dep, main, ns, tmp_path)
+    _, ns = parse_argv(container_argv(main))
+    cfg = service_config(dep, main, ns, tmp_path)
     ports = {p["containerPort"] for p in main["ports"]}
     server = cfg.server
     # the kubelet probes and peers dial the pod IP: bind every interface, advertise the pod IP
@@ -241,10 +147,12 @@ def test_pod_config_ports_probes_and_grace_agree(pid, dep, tmp_path):
 
     probes = {kind: main[kind] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
     for kind, probe in probes.items():
+        service = probe["grpc"].get("service", "")
+        if ns.command == "router" and service == CONTROL:  # served on the control port only
+            assert probe["grpc"]["port"] == cfg.control.port, f"{pid} {kind}"
+            continue
         assert probe["grpc"]["port"] == server.port, f"{pid} {kind}"
-        assert probe["grpc"].get("service", "") in HEALTH[ns.command], (
-            f"{pid} {kind}: no such health service"
-        )
+        assert service in HEALTH[ns.command], f"{pid} {kind}: no such health service"
     startup = probes["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, (
         f"{pid}: startup allows too little"
@@ -252,18 +160,35 @@ def test_pod_config_ports_probes_and_grace_agree(pid, dep, tmp_path):
 
     # the model the initContainer writes is the one the service loads
     model = cfg.model_path if ns.command == "router" else cfg.engine.model_path
-    writers = [_parse(_argv(c))[1] for c in spec.get("initContainers", ())]
+    writers = [parse_argv(container_argv(c))[1] for c in spec.get("initContainers", ())]
     assert model in {w.folder for w in writers if w.command == "make-model"}, pid
 
     if ns.command == "router":
-        control = router_pb2.DESCRIPTOR.services_by_name["RouterControl"].full_name
         # GenerateService is NOT_SERVING until workers register: never restart the router for it
-        assert probes["livenessProbe"]["grpc"]["service"] == control
-        assert probes["startupProbe"]["grpc"]["service"] == control
+        assert probes["livenessProbe"]["grpc"]["service"] == CONTROL
+        assert probes["startupProbe"]["grpc"]["service"] == CONTROL
         assert cfg.http.port in ports and not cfg.workers.prefill and not cfg.workers.decode
-        assert probes["readinessProbe"]["grpc"]["service"] != control
+        assert probes["readinessProbe"]["grpc"]["service"] != CONTROL
+        # RouterControl on a private listener that the pod network reaches, declared
+        assert cfg.control.port in ports and cfg.control.port != server.port
+        assert cfg.control.host == "0.0.0.0"
+        keys = secret_keys()
+        for field in ("api_keys_file", "admin_keys_file", "cluster_secret_file"):
+            path = getattr(cfg.auth, field)
+            assert path, f"{pid}: auth.{field} is not set"
+            secret, key = secret_file(dep, main, path)
+            assert secret == SECRET and key in keys, f"{pid}: auth.{field}: {secret}/{key}"
+        # the one the workers mount (below)
+        assert secret_file(dep, main, cfg.auth.cluster_secret_file)[1] == "cluster-secret"
         assert not sidecars
         return
+
+    # the worker takes calls only from holders of the cluster secret (service/cluster_auth.py)
+    env = {e["name"]: e.get("value") for e in main.get("env", ())}
+    assert secret_file(dep, main, env["SPLITSERVE_CLUSTER_SECRET_FILE"]) == (
+        SECRET,
+        "cluster-secret",
+    ), pid
 
     role_service = worker_pb2.DESCRIPTOR.services_by_name[
         ROLE[ns.command].title() + "Worker"
@@ -280,19 +205,24 @@ def test_pod_config_ports_probes_and_grace_agree(pid, dep, tmp_path):
         )
 
     (register,) = sidecars
-    prog, reg = _parse(_argv(register))
+    prog, reg = parse_argv(container_argv(register))
     assert prog == "splitserve.router.registration"
     assert reg.role == ROLE[ns.command] and reg.worker == f"{POD_IP}:{server.port}", pid
+    assert secret_file(dep, register, reg.cluster_secret_file) == (SECRET, "cluster-secret"), pid
     host, port = reg.router.rsplit(":", 1)
-    svc = _of_kind("Service")[host]
+    svc = of_kind("Service")[host]
     # the router is not ready before a worker registers: the sidecar must reach not-ready pods
     assert svc["spec"].get("publishNotReadyAddresses") is True, f"Service {host}"
-    assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
-    selected = [
-        d["spec"]["template"]["spec"]["containers"][0]
+    (target,) = [p["targetPort"] for p in svc["spec"]["ports"] if p["port"] == int(port)]
+    routers = [
+        (d, d["spec"]["template"]["spec"]["containers"][0])
         for _, d in PODS
         if svc["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
     ]
-    assert selected and all(_parse(_argv(c))[1].command == "router" for c in selected), (
-        f"Service {host}"
-    )
+    assert routers and all(
+        parse_argv(container_argv(c))[1].command == "router" for _, c in routers
+    ), f"Service {host}"
+    for d, c in routers:  # the sidecar's port is the router's control listener
+        router_cfg = service_config(d, c, parse_argv(container_argv(c))[1], tmp_path)
+        declared = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert declared[target] == router_cfg.control.port, f"Service {host}: {target}"

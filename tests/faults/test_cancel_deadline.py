@@ -22,7 +22,9 @@ from fault_helpers import (
     wait_no_lease,
 )
 from router_helpers import (
+    MAX_MODEL_LEN,
     assert_workers_free,
+    greedy,
     router_config,
     running_router,
     wait_until,
@@ -33,6 +35,7 @@ from splitserve.protos import generate_pb2
 
 PROMPT = [1, 44, 45, 46, 200, 201, 202]
 PROMPT40 = [1] + list(range(60, 99))  # three chunks at the shared prefill worker's budget of 16
+LONG40 = greedy(MAX_MODEL_LEN - len(PROMPT40), ignore_eos=True)  # up to max_model_len, no more
 GRPC_ROUNDING_S = 0.02  # gRPC encodes a timeout rounded up to a few significant digits
 STEP_BOUND_S = 2.0  # one decode step (ms) plus the cancel's two gRPC hops, on a busy 2-core machine
 
@@ -106,7 +109,7 @@ def test_abort_during_the_last_prefill_chunk(cluster, oracle):
         async with _router(cluster) as (r, stub):
             before = _prefill_outcomes(cluster, "cancelled"), _prefill_outcomes(cluster, "leased")
             steps = _prefill_steps(cluster)
-            t = ledger.start(stub, PROMPT40)
+            t = ledger.start(stub, PROMPT40, LONG40)
             await wait_until(_running(cluster.prefill), 5, "prefill started")
             # chunks 1 and 2 done (their steps counted); the last one's step is sleeping now
             await wait_until(
@@ -194,7 +197,9 @@ def test_deadline_shrinks_at_each_hop_and_stops_the_work(cluster, oracle):
                 w.stub = TimeoutSpy(w.stub, seen)
             # 50 ms: expires inside the prefill (its last chunk sleeps LAST_CHUNK_S)
             cancelled = _prefill_outcomes(cluster, "cancelled")
-            t = ledger.start(stub, PROMPT40, timeout=0.05, request_id=f"{SLOW_PREFILL}-deadline")
+            t = ledger.start(
+                stub, PROMPT40, LONG40, timeout=0.05, request_id=f"{SLOW_PREFILL}-deadline"
+            )
             assert await t.finish() == grpc.StatusCode.DEADLINE_EXCEEDED and not t.tokens
             first = [s for s in seen if s[0] in ("Prefill", "Decode")]
             seen.clear()

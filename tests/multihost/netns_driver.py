@@ -3,14 +3,16 @@ namespace, from which 198.18.0.0/24 is unreachable). Runs as
 `ip netns exec NS python netns_driver.py`, reads one JSON command per stdin line, answers with
 JSON lines on stdout, each tagged with the command's "tag":
 
-    {"op": "generate", "router": A, "ids": [...], "max_tokens": N, "request_id": R}
+    {"op": "generate", "router": A, "ids": [...], "max_tokens": N, "request_id": R, "key": K}
         -> {"event": "tokens", "ids": [...]} per chunk, then {"event": "end", "code": "OK"|NAME, "details": ...}
-    {"op": "info", "router": A}                -> {"workers": [[role, address, healthy], ...]}
-    {"op": "load", "address": A, "role": R}    -> WorkerLoad as JSON (or {"error": ...})
+    {"op": "info", "router": A, "key": K}      -> {"workers": [[role, address, healthy], ...]}
+                                                  (or {"error": NAME})
+    {"op": "load", "address": A, "role": R, "key": K}  -> WorkerLoad as JSON (or {"error": ...})
     {"op": "health", "address": A}             -> {"status": NAME | None}
     {"op": "metrics", "url": U}                -> {"text": ...}
 
-Commands run concurrently (a stream keeps going while the test polls the router).
+"key" (optional) goes as `authorization: Bearer K`: an API key to the router, the cluster secret
+to a worker. Commands run concurrently (a stream keeps going while the test polls the router).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ def say(tag, **msg) -> None:
     print(json.dumps({"tag": tag, **msg}), flush=True)
 
 
+def auth(cmd: dict) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {cmd['key']}"),) if cmd.get("key") else None
+
+
 async def generate(cmd: dict) -> None:
     tag = cmd["tag"]
     req = generate_pb2.GenerateRequest(
@@ -44,7 +50,7 @@ async def generate(cmd: dict) -> None:
     async with grpc.aio.insecure_channel(cmd["router"]) as ch:
         try:
             async for chunk in generate_pb2_grpc.GenerateServiceStub(ch).Generate(
-                req, timeout=cmd.get("timeout", 60)
+                req, timeout=cmd.get("timeout", 60), metadata=auth(cmd)
             ):
                 say(tag, event="tokens", ids=list(chunk.token_ids))
             say(tag, event="end", code="OK", details="")
@@ -54,9 +60,12 @@ async def generate(cmd: dict) -> None:
 
 async def info(cmd: dict) -> None:
     async with grpc.aio.insecure_channel(cmd["router"]) as ch:
-        got = await generate_pb2_grpc.GenerateServiceStub(ch).GetServerInfo(
-            generate_pb2.GetServerInfoRequest(), timeout=5
-        )
+        try:
+            got = await generate_pb2_grpc.GenerateServiceStub(ch).GetServerInfo(
+                generate_pb2.GetServerInfoRequest(), timeout=5, metadata=auth(cmd)
+            )
+        except grpc.aio.AioRpcError as err:
+            return say(cmd["tag"], error=err.code().name)
     say(cmd["tag"], workers=[[w.role, w.address, w.healthy] for w in got.workers])
 
 
@@ -68,7 +77,7 @@ async def load(cmd: dict) -> None:
     )
     async with grpc.aio.insecure_channel(cmd["address"]) as ch:
         try:
-            got = await stub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=3)
+            got = await stub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=3, metadata=auth(cmd))
         except grpc.aio.AioRpcError as err:
             return say(cmd["tag"], error=err.code().name)
     say(

@@ -1,6 +1,10 @@
 """Router, prefill and decode worker on three "hosts" (network namespaces joined by a bridge,
 see netns.py), started with the real CLI, registered by the real sidecar, KV over UCX/TCP
-between hosts; requests come from inside the router's host. Then cables get pulled:
+between hosts; requests come from inside the router's host. The router binds beyond loopback,
+so it runs as a deployment would (docs/security.md): API and admin keys written by `keygen`, a
+cluster secret that the sidecars present to register and that the workers require of the
+router; a caller without a key, a plain key asking for worker addresses and a sidecar without
+the secret are refused across hosts. Then cables get pulled:
 
 * the decode host's link goes down mid-stream: the client gets UNAVAILABLE after the tokens
   already sent, the router evicts the worker; with the link back, requests succeed again;
@@ -13,10 +17,7 @@ namespaces cannot be made (not root, no iproute2).
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ import netns
 import pytest
 import yaml
 from helpers_procs import cli_command
+from netns_cluster import BLOCK, KV_PORT, MAX_LEN, PORTS, PROMPT, Cluster, finish, service_configs
 
 from splitserve.config.engine_config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner
@@ -34,212 +36,6 @@ from splitserve.request.sampling_params import SamplingParams
 WHY_NOT = netns.unavailable()
 pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"no network namespaces: {WHY_NOT}")
 
-PORTS = {"router": 50051, "prefill": 50061, "decode": 50071}  # every host has its own port space
-KV_PORT, PREFILL_METRICS, DECODE_METRICS = 50062, 9461, 9471
-BLOCK, MAX_LEN = 16, 1024
-KEEPALIVE = {
-    "keepalive_time_s": 1.0,
-    "keepalive_timeout_s": 1.0,
-    "drain_grace_s": 1.0,
-}  # a dead peer in ~2 s
-PROMPT = [1, 44, 45, 46, 200, 201, 202]
-
-
-def _configs(model: str, ip: dict[str, str]) -> dict[str, dict]:
-    engine = {
-        "model_path": model,
-        "device": "cpu",
-        "cache": {"block_size": BLOCK, "num_blocks": 160},
-        "scheduler": {"max_model_len": MAX_LEN},
-    }
-    return {
-        # bound to every interface, advertised explicitly
-        "router": {
-            "model_path": model,
-            "max_model_len": MAX_LEN,
-            "worker_call_timeout_s": 2.0,
-            "server": {
-                "host": "0.0.0.0",
-                "port": PORTS["router"],
-                "advertise_host": ip["router"],
-                **KEEPALIVE,
-            },
-            "registry": {
-                "poll_interval_s": 0.2,
-                "probe_timeout_s": 1.0,
-                "heartbeat_interval_s": 0.3,
-                "heartbeat_timeout_s": 2.0,
-            },
-        },
-        # bound to every interface, nothing advertised: the host's routable IP (no default route here)
-        "prefill": {
-            "engine": engine,
-            "lease_ttl_s": 4.0,
-            "server": {
-                "host": "0.0.0.0",
-                "port": PORTS["prefill"],
-                "metrics_port": PREFILL_METRICS,
-                **KEEPALIVE,
-            },
-            "kv_transfer": {"listen_port": KV_PORT, "data_timeout_s": 1.5},
-            # the cable is pulled while "cut-" pulls stall between the lease reply and the payload;
-            # the stall alone stays inside decode's data timeout: only the cut link fails the pull
-            "faults": {"transfer": {"stall_before_payload_s": 2.0, "request_id_prefix": "cut-"}},
-        },
-        # bound to its own IP, which it then advertises
-        "decode": {
-            "engine": engine,
-            "server": {
-                "host": ip["decode"],
-                "port": PORTS["decode"],
-                "metrics_port": DECODE_METRICS,
-                **KEEPALIVE,
-            },
-            "kv_transfer": {
-                "connect_timeout_s": 1.0,
-                "lease_request_timeout_s": 1.0,
-                "data_timeout_s": 3.5,
-                "failure_policy": "recompute",
-            },
-        },
-    }
-
-
-class Cluster:
-    def __init__(self, topo: netns.Topology, log_dir) -> None:
-        self.topo, self.log_dir = topo, log_dir
-        self.addr = {h: f"{topo.ip[h]}:{p}" for h, p in PORTS.items()}
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.driver: netns.Driver | None = None
-
-    def start(self, name: str, host: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - the child holds it
-        # UCX_PROTO_INFO: UCX logs the transport/device of each protocol it selects (asserted below)
-        env = {
-            **os.environ,
-            "UCX_WARN_UNUSED_ENV_VARS": "n",
-            "PYTHONUNBUFFERED": "1",
-            "UCX_PROTO_INFO": "y",
-        }
-        proc = subprocess.Popen(
-            self.topo.command(host, argv),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            process_group=0,
-        )
-        self.procs[name] = proc
-        return proc
-
-    def logs(self) -> str:
-        return "\n".join(
-            f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
-            for p in sorted(self.log_dir.glob("*.log"))
-        )
-
-    def stop(self) -> dict[str, int]:
-        """SIGTERM every process, SIGKILL (its group) after 5 s; name -> exit code."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        if self.driver is not None:
-            self.driver.close()
-        return {name: proc.returncode for name, proc in self.procs.items()}
-
-    # ---- through the driver, from inside the router's host ------------------------------------
-    def health(self) -> dict[str, bool]:
-        """The router's view of its workers; {} while the router does not answer (starting)."""
-        got = self.driver.call("info", router=self.addr["router"], check=False)
-        return {a: ok for _, a, ok in got.get("workers", [])}
-
-    def wait_health(self, host: str, healthy: bool, timeout: float) -> float:
-        """Seconds until the router's registry shows `host`'s worker healthy (or not)."""
-        t0 = time.monotonic()
-        while self.health().get(self.addr[host]) is not healthy:
-            assert time.monotonic() - t0 < timeout, (
-                f"{host} not healthy={healthy} within {timeout}s\n{self.logs()}"
-            )
-            time.sleep(0.05)
-        return time.monotonic() - t0
-
-    def stream(self, request_id: str, max_tokens: int, ids=PROMPT):
-        return self.driver.send(
-            "generate",
-            router=self.addr["router"],
-            ids=ids,
-            max_tokens=max_tokens,
-            request_id=request_id,
-        )
-
-    def generate(self, request_id: str, max_tokens: int, ids=PROMPT, timeout: float = 30.0):
-        return finish(self.stream(request_id, max_tokens, ids), [], timeout)[:3]
-
-    def sending(self) -> float:
-        """Prefill side: pulls answered and not yet done (the stall before the payload included)."""
-        text = self.driver.call(
-            "metrics", url=f"http://{self.topo.ip['prefill']}:{PREFILL_METRICS}/metrics"
-        )["text"]
-        got = re.search(r"^splitserve_kv_transfer_sending (\S+)$", text, re.M)
-        return float(got.group(1)) if got else 0.0
-
-    def pulls(self) -> tuple[dict[str, float], float]:
-        """Decode side: failed pulls by reason, KV bytes received."""
-        text = self.driver.call(
-            "metrics", url=f"http://{self.topo.ip['decode']}:{DECODE_METRICS}/metrics"
-        )["text"]
-        failed = {
-            m[0]: float(m[1])
-            for m in re.findall(
-                r'^splitserve_kv_transfer_failures_total\{reason="(\w+)"\} (\S+)$', text, re.M
-            )
-        }
-        got = re.search(
-            r'^splitserve_kv_transfer_bytes_total\{direction="received"\} (\S+)$', text, re.M
-        )
-        return failed, float(got.group(1)) if got else 0.0
-
-    def assert_free(self, timeout: float = 15.0) -> None:
-        """No request, no lease, every KV block free on both workers."""
-        t0, loads = time.monotonic(), {}
-        while time.monotonic() - t0 < timeout:
-            loads = {
-                h: self.driver.call("load", address=self.addr[h], role=h).get("load")
-                for h in ("prefill", "decode")
-            }
-            if all(
-                ld
-                and ld["free_blocks"] == ld["total_blocks"] > 0
-                and not (ld["num_running"] or ld["num_waiting"] or ld["leases_held"])
-                for ld in loads.values()
-            ):
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"KV still held after {timeout}s: {loads}")
-
-
-def finish(replies, tokens: list[int], timeout: float) -> tuple[list[int], str, str, float]:
-    """Reads a stream to its end: (all tokens, status code name, details, when the end arrived)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        msg = replies.get(timeout=max(0.1, deadline - time.monotonic()))
-        if msg.get("event") == "tokens":
-            tokens.extend(msg["ids"])
-        else:
-            return (
-                tokens,
-                msg.get("code", "ERROR"),
-                msg.get("details", msg.get("error", "")),
-                msg["at"],
-            )
-
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
@@ -248,7 +44,9 @@ def cluster(tiny_llama, tmp_path_factory):
     c = Cluster(topo, log_dir)
     try:
         topo.create()
-        for name, cfg in _configs(str(tiny_llama), topo.ip).items():
+        # workers with the cluster secret take calls only from its holders (the router)
+        worker_env = {"SPLITSERVE_CLUSTER_SECRET_FILE": str(c.secrets["cluster-secret"])}
+        for name, cfg in service_configs(str(tiny_llama), topo.ip, c.secrets).items():
             (log_dir / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
             c.start(
                 name,
@@ -258,23 +56,10 @@ def cluster(tiny_llama, tmp_path_factory):
                     "--config",
                     str(log_dir / f"{name}.yaml"),
                 ],
+                env=worker_env if name != "router" else None,
             )
         for role in ("prefill", "decode"):  # each worker's sidecar registers its advertised address
-            c.start(
-                f"{role}-sidecar",
-                role,
-                [
-                    sys.executable,
-                    "-m",
-                    "splitserve.router.registration",
-                    "--router",
-                    c.addr["router"],
-                    "--role",
-                    role,
-                    "--worker",
-                    c.addr[role],
-                ],
-            )
+            c.sidecar(f"{role}-sidecar", role, c.addr[role])
         driver = Path(netns.__file__).with_name("netns_driver.py")
         c.driver = netns.Driver(
             topo.command("router", [sys.executable, str(driver)]), log_dir / "driver.log"
@@ -313,7 +98,7 @@ def test_services_bind_advertise_and_serve_across_hosts(cluster, oracle):
     # the registry holds the addresses the sidecars registered; the KV handle names the
     # prefill host's routable IP although that worker binds 0.0.0.0 and advertises nothing
     assert cluster.health() == {cluster.addr["prefill"]: True, cluster.addr["decode"]: True}
-    load = cluster.driver.call("load", address=cluster.addr["prefill"], role="prefill")["load"]
+    load = cluster.load("prefill")["load"]
     assert load["kv_address"] == {"host": ip["prefill"], "port": KV_PORT, "worker_address": ""}
     failed, received = cluster.pulls()
     results = [
@@ -337,24 +122,28 @@ def test_services_bind_advertise_and_serve_across_hosts(cluster, oracle):
         )
         assert lanes == {"tcp/eth0"}, (worker, lanes)
     # the classic mistake: a worker registering an address only its own host can dial
-    wrong = cluster.start(
-        "misadvertised-sidecar",
-        "prefill",
-        [
-            sys.executable,
-            "-m",
-            "splitserve.router.registration",
-            "--router",
-            cluster.addr["router"],
-            "--role",
-            "prefill",
-            "--worker",
-            f"127.0.0.1:{PORTS['prefill']}",
-        ],
-    )
+    wrong = cluster.sidecar("misadvertised-sidecar", "prefill", f"127.0.0.1:{PORTS['prefill']}")
     assert wrong.wait(30) == 2
     said = (cluster.log_dir / "misadvertised-sidecar.log").read_text()
     assert "cannot reach prefill worker 127.0.0.1:" in said and "--advertise-host" in said
+    cluster.assert_free()
+
+
+def test_keys_and_the_cluster_secret_across_hosts(cluster):
+    # a sidecar without the secret cannot register, not even a real worker's address
+    rogue = cluster.sidecar("rogue-sidecar", "decode", cluster.addr["decode"], secret=False)
+    assert rogue.wait(30) == 2
+    said = (cluster.log_dir / "rogue-sidecar.log").read_text()
+    assert "registration: error:" in said and "secret" in said, said
+    # no key, or a plain key asking for worker addresses; a worker called without the secret
+    no_key = cluster.generate("no-key", 4, with_key=False)
+    plain = cluster.driver.call("info", router=cluster.addr["router"], key=cluster.key)
+    assert no_key[1] == "UNAUTHENTICATED" and "API key is required" in no_key[2], no_key
+    assert sorted(plain["workers"]) == [[1, "", True], [2, "", True]]
+    assert cluster.load("decode", secret=False).get("error") == "UNAUTHENTICATED"
+    # the cluster is unchanged: the same two workers, serving
+    assert cluster.health() == {cluster.addr["prefill"]: True, cluster.addr["decode"]: True}
+    assert cluster.generate("with-key", 4)[1] == "OK"
     cluster.assert_free()
 
 

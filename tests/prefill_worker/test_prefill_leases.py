@@ -18,6 +18,7 @@ from prefill_helpers import (
 )
 
 from splitserve.protos import generate_pb2, worker_pb2
+from splitserve.request.block_hash import block_keys
 
 LONG = [1] + [(7 * i) % 500 + 3 for i in range(199)]  # 200 tokens: 50 chunks at budget 4
 
@@ -135,6 +136,10 @@ def test_abort_mid_chunks_and_cancel_free_blocks(tiny_llama):
     asyncio.run(body())
 
 
+def _retry_after_ms(err: grpc.aio.AioRpcError) -> str | None:
+    return next((v for k, v in err.trailing_metadata() or () if k == "retry-after-ms"), None)
+
+
 def test_full_pool_queues_then_bounds_the_queue(tiny_llama):
     # 15 usable blocks of 4 tokens: one 60-token prompt fills the pool under its lease
     async def body():
@@ -143,7 +148,8 @@ def test_full_pool_queues_then_bounds_the_queue(tiny_llama):
             stub,
         ):
             engine = worker.engine
-            hog = await stub.Prefill(prefill_request("hog", [1] + list(range(100, 159))))
+            hog_prompt = [1] + list(range(100, 159))
+            hog = await stub.Prefill(prefill_request("hog", hog_prompt))
             assert engine.allocator.num_free == 0
             queued = asyncio.ensure_future(stub.Prefill(prefill_request("q", [1, 2, 3, 4, 5])))
             await wait_until(lambda: len(engine.scheduler.waiting) == 1)
@@ -153,6 +159,7 @@ def test_full_pool_queues_then_bounds_the_queue(tiny_llama):
                 err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 and "max_queue_len" in err.value.details()
             )
+            assert 1000 <= int(_retry_after_ms(err.value)) <= 30_000  # waiting helps: a hint
             with pytest.raises(
                 grpc.aio.AioRpcError
             ) as err:  # could never fit, even in an empty pool
@@ -161,6 +168,7 @@ def test_full_pool_queues_then_bounds_the_queue(tiny_llama):
                 err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
                 and "--num-blocks" in err.value.details()
             )
+            assert _retry_after_ms(err.value) is None  # waiting cannot help: no hint
             load = await stub.GetLoad(worker_pb2.GetLoadRequest(max_prefix_hashes=100))
             assert (load.num_waiting, load.free_blocks, load.total_blocks, load.leases_held) == (
                 1,
@@ -168,10 +176,9 @@ def test_full_pool_queues_then_bounds_the_queue(tiny_llama):
                 15,
                 1,
             )
-            assert (
-                load.prefix_cache.num_cached_blocks == 15
-                and len(load.prefix_cache.block_hashes) == 15
-            )
+            assert load.prefix_cache.num_cached_blocks == 15
+            # the hog's 15 blocks, under the same 16-byte chained keys the router computes
+            assert sorted(load.prefix_cache.block_keys) == sorted(block_keys(hog_prompt, 4))
             await release(stub, hog)  # frees the pool: the queued request runs
             await release(stub, await queued)
             # a queued request can be aborted before it gets any block

@@ -14,29 +14,44 @@ from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillSeq
 from splitserve.prefill_worker.scheduler import PrefillScheduler
 from splitserve.request.block_allocator import BlockAllocator
-from splitserve.request.block_hash import ROOT_HASH, block_hashes, chain_hash
+from splitserve.request.block_hash import KEY_BYTES, ROOT_KEY, block_keys, chain_key
 from splitserve.request.errors import RequestError
 from splitserve.request.sampling_params import SamplingParams
 
-GOLDEN = 0x52263D4E44FF75FF  # chain_hash(ROOT_HASH, [0, 1, 2, 3])
+# chain_key(ROOT_KEY, [0, 1, 2, 3]): blake2b(16 zero bytes || uint32 LE 0 1 2 3, digest_size=16)
+GOLDEN = bytes.fromhex("206edb31760756de8ad76f30a1676152")
 
 
 def _publish(cache: PrefixCache, table, tokens) -> None:
-    hashes = block_hashes(tokens, cache.block_size)
+    keys = block_keys(tokens, cache.block_size)
     bs = cache.block_size
-    for i, h in enumerate(hashes):
-        cache.register(
-            table[i], h, hashes[i - 1] if i else ROOT_HASH, tokens[i * bs : (i + 1) * bs]
-        )
+    for i, key in enumerate(keys):
+        cache.register(table[i], key, keys[i - 1] if i else ROOT_KEY, tokens[i * bs : (i + 1) * bs])
 
 
-def test_block_hashes_chain_and_are_stable():
+def test_block_keys_are_16_bytes_chain_and_are_stable():
     toks = list(range(10))
-    hs = block_hashes(toks, 4)
-    assert len(hs) == 2 and hs[1] == chain_hash(hs[0], toks[4:8])
-    assert block_hashes([9, 1, 2, 3] + toks[4:8], 4)[1] != hs[1]  # the parent is part of the key
+    ks = block_keys(toks, 4)
+    assert len(ks) == 2 and ks[1] == chain_key(ks[0], toks[4:8])
+    assert all(type(k) is bytes and len(k) == KEY_BYTES == 16 for k in ks)
     # pinned: routers and workers of any version must agree on it
-    assert hs[0] == chain_hash(ROOT_HASH, [0, 1, 2, 3]) == GOLDEN
+    assert ks[0] == chain_key(ROOT_KEY, [0, 1, 2, 3]) == GOLDEN
+    with pytest.raises(ValueError, match="16 bytes"):
+        chain_key(ROOT_KEY[:8], [0, 1, 2, 3])  # a 64-bit parent is refused, never padded
+
+
+def test_a_change_in_any_block_changes_that_key_and_every_later_one():
+    prompt = list(range(1, 22))  # 5 full blocks of 4 and a partial one (no key)
+    keys = block_keys(prompt, 4)
+    assert len(keys) == 5 and len(set(keys)) == 5
+    for pos in range(20):
+        changed = list(prompt)
+        changed[pos] += 1000
+        other = block_keys(changed, 4)
+        first = pos // 4
+        assert other[:first] == keys[:first], pos
+        assert all(a != b for a, b in zip(other[first:], keys[first:])), pos
+    assert block_keys(prompt[:20] + [999], 4) == keys  # the partial block is no part of any key
 
 
 def test_prefix_cache_reuse_eviction_and_collisions():
@@ -45,44 +60,75 @@ def test_prefix_cache_reuse_eviction_and_collisions():
     prompt = list(range(1, 13))  # 3 full blocks
     table = cache.acquire([], 3)
     _publish(cache, table, prompt)
-    assert cache.match(prompt, block_hashes(prompt, 4)) == table[:2]  # never the whole prompt
-    assert cache.match(prompt + [99], block_hashes(prompt + [99], 4)) == table
+    assert cache.match(prompt, block_keys(prompt, 4)) == table[:2]  # never the whole prompt
+    assert cache.match(prompt + [99], block_keys(prompt + [99], 4)) == table
     cache.free(table)  # evictable now, still matchable
     assert alloc.num_free == 7 and cache.num_cached_blocks == 3
-    hits = cache.match(prompt + [99], block_hashes(prompt + [99], 4))
+    hits = cache.match(prompt + [99], block_keys(prompt + [99], 4))
     got = cache.acquire(hits, 1)
     assert got[:3] == table and all(alloc.refcount(b) == 1 for b in got)
     cache.free(got)
-    # a forged entry whose tokens differ under the same hash is a miss, not a wrong block
+    # a forged entry whose tokens differ under the same key is a miss, not a wrong block
     other = [50, 51, 52, 53, 1]
-    cache._by_hash[block_hashes(other, 4)[0]] = table[0]
-    assert cache.match(other, block_hashes(other, 4)) == []
-    del cache._by_hash[block_hashes(other, 4)[0]]
-    # allocating every block evicts the cached ones (their hashes go)
+    cache._by_key[block_keys(other, 4)[0]] = table[0]
+    assert cache.match(other, block_keys(other, 4)) == []
+    del cache._by_key[block_keys(other, 4)[0]]
+    # allocating every block evicts the cached ones (their keys go)
     everything = cache.acquire([], 7)
-    assert cache.num_cached_blocks == 0 and cache.recent_hashes(10) == []
+    assert cache.num_cached_blocks == 0 and cache.recent_keys(10) == []
     assert cache.acquire([], 1) is None
     cache.free(everything)
     alloc.check_integrity()
     assert alloc.num_free == alloc.num_usable
 
 
-def test_prefix_cache_hashes_most_recent_first_and_disabled_mode():
+def test_prefix_cache_keys_differing_only_past_the_first_8_bytes_are_different_keys():
+    # A 64-bit key would be the first 8 bytes: keys that agree there but not after must never
+    # hit each other's blocks, even when the prompt's tokens are right.
+    alloc = BlockAllocator(8)
+    cache = PrefixCache(alloc, 4)
+    prompt = list(range(1, 10))  # 2 full blocks and a last token
+    keys = block_keys(prompt, 4)
+    table = cache.acquire([], 3)
+    _publish(cache, table, prompt)
+    assert cache.match(prompt, keys) == table[:2]
+    assert cache.recent_keys(10) == keys[::-1]  # the full 16-byte keys, newest first
+    for i in range(2):
+        twin = keys[i][:8] + bytes(b ^ 0xFF for b in keys[i][8:])
+        assert len(twin) == 16 and twin != keys[i]
+        assert cache.match(prompt, [*keys[:i], twin, *keys[i + 1 :]]) == table[:i]
+    cache.free(table)
+    # a block whose parent key agrees with block 0's in the first 8 bytes only: the parent
+    # check compares all 16, so block 1 is a miss although its own key and tokens match
+    fresh = PrefixCache(BlockAllocator(4), 4)
+    t = fresh.acquire([], 2)
+    twin0 = keys[0][:8] + bytes(b ^ 0xFF for b in keys[0][8:])
+    assert fresh.register(t[0], keys[0], ROOT_KEY, prompt[:4])
+    assert fresh.register(t[1], keys[1], twin0, prompt[4:8])
+    assert fresh.match(prompt, keys) == t[:1]
+    fresh.free(t)
+    for a in (alloc, fresh.allocator):
+        a.check_integrity()
+        assert a.num_free == a.num_usable
+
+
+def test_prefix_cache_keys_most_recent_first_and_disabled_mode():
     alloc = BlockAllocator(16)
     cache = PrefixCache(alloc, 2)
     a, b = [1, 2, 3, 4, 5], [7, 8, 9]
     ta, tb = cache.acquire([], 3), cache.acquire([], 2)
     _publish(cache, ta, a)
     _publish(cache, tb, b)
-    ha, hb = block_hashes(a, 2), block_hashes(b, 2)
-    assert cache.recent_hashes(10) == [hb[0], ha[1], ha[0]]
-    cache.free(cache.acquire(cache.match(a, ha), 1))  # a hit refreshes a's first block
-    assert cache.recent_hashes(10) == [ha[1], ha[0], hb[0]]
+    ka, kb = block_keys(a, 2), block_keys(b, 2)
+    assert cache.recent_keys(10) == [kb[0], ka[1], ka[0]]
+    cache.free(cache.acquire(cache.match(a, ka), 1))  # a hit refreshes a's first block
+    assert cache.recent_keys(10) == [ka[1], ka[0], kb[0]]
     cache.free(ta)
     cache.free(tb)
     off = PrefixCache(BlockAllocator(4), 2, enabled=False)
     t = off.acquire([], 1)
-    assert not off.register(t[0], 1, ROOT_HASH, [1, 2]) and off.match([1, 2, 3], [1]) == []
+    key = block_keys([1, 2], 2)[0]
+    assert not off.register(t[0], key, ROOT_KEY, [1, 2]) and off.match([1, 2, 3], [key]) == []
 
 
 def test_lease_table_expiry_order_and_single_pop():
@@ -109,7 +155,7 @@ def loop():
 def _seq(loop, rid, n):
     prompt = list(range(1, n + 1))
     return PrefillSeq(
-        rid, prompt, SamplingParams(), 30.0, block_hashes(prompt, 4), loop.create_future()
+        rid, prompt, SamplingParams(), 30.0, block_keys(prompt, 4), loop.create_future()
     )
 
 

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.request.block_hash import block_keys
 
 SERVING_LINE = re.compile(
     r"serving splitserve\.v1\.PrefillWorker on ([\w.]+):(\d+).*metrics on :(\d+)"
@@ -109,10 +110,11 @@ def test_worker_process_serves_grpc_and_drains_on_sigterm(tiny_llama, tmp_path):
                 63,
             )
             assert load.free_blocks == 63 - 11 and load.model_compat_hash == kv.model_compat_hash
-            assert (
-                load.prefix_cache.num_cached_blocks == 10
-                and len(load.prefix_cache.block_hashes) == 2
-            )
+            # max_prefix_hashes: 2 caps the summary at the newest two 16-byte keys, the
+            # router's chained keys of the prompt's blocks 9 and 8; the 64-bit field stays empty
+            assert load.prefix_cache.num_cached_blocks == 10
+            assert list(load.prefix_cache.block_keys) == block_keys(prompt, 4)[9:7:-1]
+            assert len(load.prefix_cache.block_hashes) == 0
             with urllib.request.urlopen(
                 f"http://127.0.0.1:{metrics_port}/metrics", timeout=10
             ) as page:

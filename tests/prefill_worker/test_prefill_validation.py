@@ -58,6 +58,20 @@ BAD = [
         "sampling.logit_bias[5] = 101 is outside [-100, 100]",
     ),
     ("logit_bias nan", [1, 2], SP(logit_bias={5: math.nan}), "sampling.logit_bias[5] is nan"),
+    (  # refused at the worker too, never clamped: 3 + 62 > 64
+        "max_tokens past max_model_len",
+        [1, 2, 3],
+        SP(max_tokens=MAX_LEN - 2),
+        "sampling.max_tokens = 62 does not fit: the prompt has 3 tokens and max_model_len is 64, "
+        "which leaves 61",
+    ),
+    (
+        "65 stop strings",
+        [1, 2],
+        SP(stop=["s"] * 65),
+        "has 65 strings, over this server's limit of 64",
+    ),
+    ("long stop string", [1, 2], SP(stop=["x" * 1025]), "stop[0] is 1025 characters long"),
 ]
 
 
@@ -96,6 +110,9 @@ def test_bad_requests_are_invalid_argument_and_worker_keeps_serving(tiny_llama):
                 "kv"
             )
             await release(stub, await stub.Prefill(prefill_request("good2", [1, 2, 3])))
+            # a max_tokens that fills max_model_len exactly is taken
+            fits = SP(max_tokens=MAX_LEN - 3, temperature=0, ignore_eos=True)
+            await release(stub, await stub.Prefill(prefill_request("fits", [1, 2, 3], fits)))
             # min_tokens and logit_bias are served: EOS forced by its bias, but banned until
             # min_tokens tokens were generated, so the first token is EOS only with min_tokens 0
             eos = Tokenizer.from_dir(tiny_llama).eos_token_id

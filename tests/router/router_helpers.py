@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,8 +180,10 @@ async def worker_load(address: str, role: str) -> worker_pb2.WorkerLoad:
     stub_cls = (
         worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
     )
+    secret = os.environ.get("SPLITSERVE_CLUSTER_SECRET")  # workers started with one need it
+    metadata = (("authorization", f"Bearer {secret}"),) if secret else None
     async with grpc.aio.insecure_channel(address) as ch:
-        return await stub_cls(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        return await stub_cls(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5, metadata=metadata)
 
 
 def _free(load: worker_pb2.WorkerLoad) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.config.files import ConfigError
-from splitserve.request.block_hash import block_hashes
+from splitserve.request.block_hash import block_keys
 from splitserve.router.config import PrefixPolicyConfig, RouterConfig
 from splitserve.router.policies import (
     LeastLoaded,
@@ -28,12 +28,12 @@ def view(
     in_flight=0,
     cached_blocks=0,
     block_size=4,
-    hashes=None,
+    keys=None,
 ) -> WorkerView:
-    if hashes is None:
-        hashes = block_hashes(PROMPT, block_size)[:cached_blocks]
+    if keys is None:
+        keys = block_keys(PROMPT, block_size)[:cached_blocks]
     return WorkerView(
-        address, running, waiting, free, total, block_size, frozenset(hashes), in_flight
+        address, running, waiting, free, total, block_size, frozenset(keys), in_flight
     )
 
 
@@ -70,8 +70,8 @@ def test_prefix_aware_follows_the_longest_cached_prefix():
     # nothing cached anywhere: least loaded
     assert pa.choose([view("a:1", running=2), view("b:1", running=1)], PROMPT).address == "b:1"
     # another prompt's blocks do not count
-    other = block_hashes(list(range(500, 541)), 4)
-    assert pa.choose([view("a:1", hashes=other, running=1), view("b:1")], PROMPT).address == "b:1"
+    other = block_keys(list(range(500, 541)), 4)
+    assert pa.choose([view("a:1", keys=other, running=1), view("b:1")], PROMPT).address == "b:1"
 
 
 def test_prefix_aware_gives_way_to_load_when_queues_are_clearly_unbalanced():
@@ -85,13 +85,13 @@ def test_prefix_aware_gives_way_to_load_when_queues_are_clearly_unbalanced():
 
 
 def test_prefix_match_uses_each_workers_block_size_and_a_capped_summary():
-    # a summary capped to the most recent hashes may lack the first blocks: the chained hash
+    # a summary capped to the most recent keys may lack the first blocks: the chained key
     # of block 6 still names the whole 7-block prefix
-    capped = view("a:1", hashes=block_hashes(PROMPT, 4)[6:7])
+    capped = view("a:1", keys=block_keys(PROMPT, 4)[6:7])
     assert cached_prefix_blocks(capped, PROMPT) == 7
-    big_blocks = view("b:1", block_size=8, hashes=block_hashes(PROMPT, 8)[:5])
+    big_blocks = view("b:1", block_size=8, keys=block_keys(PROMPT, 8)[:5])
     assert cached_prefix_blocks(big_blocks, PROMPT) == 5
-    busy_big = view("b:1", block_size=8, hashes=block_hashes(PROMPT, 8)[:5], running=1)
+    busy_big = view("b:1", block_size=8, keys=block_keys(PROMPT, 8)[:5], running=1)
     assert PrefixAware().choose([view("c:1"), busy_big], PROMPT).address == "b:1"
     assert (
         PrefixAware(PrefixPolicyConfig(min_match_blocks=6))
@@ -99,7 +99,20 @@ def test_prefix_match_uses_each_workers_block_size_and_a_capped_summary():
         .address
         == "c:1"
     )  # 5 blocks are not worth it here
-    assert cached_prefix_blocks(view("d:1", block_size=0, hashes=[1]), PROMPT) == 0
+    assert cached_prefix_blocks(view("d:1", block_size=0, keys=[bytes(16)]), PROMPT) == 0
+
+
+def test_prefix_match_compares_all_16_bytes_of_a_key():
+    # keys that agree in their first 8 bytes (all a 64-bit key would hold) but not after are
+    # different prefixes: a worker reporting only such twins has nothing of this prompt
+    keys = block_keys(PROMPT, 4)
+    twins = [k[:8] + bytes(b ^ 0xFF for b in k[8:]) for k in keys]
+    assert all(len(t) == 16 and t != k for t, k in zip(twins, keys))
+    assert cached_prefix_blocks(view("a:1", keys=twins), PROMPT) == 0
+    assert cached_prefix_blocks(view("a:1", keys=[k[:8] for k in keys]), PROMPT) == 0
+    assert cached_prefix_blocks(view("a:1", keys=keys[:3] + twins[3:]), PROMPT) == 3
+    views = [view("a:1", keys=twins), view("b:1", cached_blocks=2, running=1)]
+    assert PrefixAware().choose(views, PROMPT).address == "b:1"  # the real prefix, though busier
 
 
 def test_make_policy_and_config_refusals(tmp_path):

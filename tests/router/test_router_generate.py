@@ -99,12 +99,13 @@ def test_usage_counts_prefix_cache_hits_and_logprobs_follow_tokens(cluster, orac
             router_config(cluster.model, [cluster.prefill], [cluster.decode])
         ) as (r, stub):
             cold = await generate(stub, ids_request(prompt, greedy(6, logprobs=2)))
-            # the registry's GetLoad polls bring the worker's cached block hashes, which the
-            # prefix-aware policy matches with the same chained hash over the prompt
+            # the registry's GetLoad polls bring the worker's cached 16-byte block keys, which
+            # the prefix-aware policy matches with the same chained keys over the prompt
             worker = r.registry.get(cluster.prefill)
             await wait_until(
-                lambda: cached_prefix_blocks(worker.view(), prompt) == 10, 5, "prefix hashes polled"
+                lambda: cached_prefix_blocks(worker.view(), prompt) == 10, 5, "prefix keys polled"
             )
+            assert all(len(k) == 16 for k in worker.prefix_keys) and not worker.keys_warned
             warm = await generate(stub, ids_request(prompt, greedy(6, logprobs=2)))
             await cluster.assert_free()
         return cold, warm

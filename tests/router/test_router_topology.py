@@ -1,6 +1,7 @@
 """The issue's topology: one router over two prefill and two decode workers, every one a real
 process on loopback. Concurrent streamed requests return exactly the single-process greedy
-tokens; round robin gives every worker of each role a share; a decode worker killed with
+tokens; round robin gives every worker of each role a share; prefix-aware routing sends a
+prompt to the prefill worker caching its prefix; a decode worker killed with
 SIGKILL is evicted and the requests after it succeed on the survivor. All KV is free at the
 end of each test on every worker still alive."""
 
@@ -25,6 +26,7 @@ from router_helpers import (
 )
 
 from splitserve.request.sampling_params import SamplingParams
+from splitserve.router.policies import cached_prefix_blocks
 
 PROMPTS = [
     [1, 44, 45, 46, 200, 201, 202],
@@ -155,6 +157,48 @@ def test_concurrent_requests_equal_the_oracle_and_round_robin_uses_every_worker(
         )  # streamed: the prefill token alone first
     # round robin over two workers per role: each takes half of the 8 requests
     assert served == [4.0, 4.0, 4.0, 4.0], served
+
+
+def test_prefix_aware_sends_a_prompt_to_the_prefill_worker_caching_its_prefix(topology, oracle):
+    # The prefix is cached on the worker LATER in address order, where least-loaded's tie-break
+    # would never go: only matching the prompt's 16-byte block keys against the worker's
+    # GetLoad keys sends it there. A prompt cached nowhere goes to the other one.
+    first, holder = sorted(topology.prefill, key=lambda w: w.address)
+    decode = [w.address for w in topology.decode if w.proc.alive()]
+    cached = [1] + list(range(410, 450))  # 41 tokens: 10 full blocks of 4 (vocabulary: 512)
+    fresh = [1] + list(range(450, 490))
+
+    def prefill_counts() -> list[float]:
+        return [w.counter("splitserve_prefill_requests") for w in (first, holder)]
+
+    async def body():
+        only_holder = router_config(topology.model, [holder.address], decode)
+        async with running_router(only_holder) as (_, stub):
+            await generate(stub, ids_request(cached, greedy(2), request_id="prefix-seed"))
+        both = router_config(topology.model, [first.address, holder.address], decode)
+        async with running_router(both) as (r, stub):
+            assert r.cfg.routing.prefill_policy == "prefix_aware"  # the default
+            await wait_until(
+                lambda: all(w.healthy for w in r.registry.workers()), 30, "every worker healthy"
+            )
+            seen = r.registry.get(holder.address)
+            await wait_until(
+                lambda: cached_prefix_blocks(seen.view(), cached) == 10, 30, "holder's keys polled"
+            )
+            counts = [await asyncio.to_thread(prefill_counts)]
+            warm = await generate(stub, _request(cached, 100))
+            counts.append(await asyncio.to_thread(prefill_counts))
+            cold = await generate(stub, _request(fresh, 101))
+            counts.append(await asyncio.to_thread(prefill_counts))
+            await assert_workers_free([first.address, holder.address], decode)
+        return warm, cold, [[a - b for a, b in zip(*pair)] for pair in zip(counts[1:], counts)]
+
+    warm, cold, served = asyncio.run(body())
+    assert served == [[0.0, 1.0], [1.0, 0.0]], served  # cached -> holder, then fresh -> first
+    assert warm.last.usage.cached_prompt_tokens == 40  # all 10 blocks, on the holder
+    assert cold.last.usage.cached_prompt_tokens == 0
+    assert warm.tokens == oracle(cached, _params()).token_ids
+    assert cold.tokens == oracle(fresh, _params()).token_ids
 
 
 def test_killed_decode_worker_is_evicted_and_later_requests_succeed(topology, oracle):

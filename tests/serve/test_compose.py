@@ -1,12 +1,16 @@
 """compose.yaml without a docker engine: the services, GPU reservations, health checks, the
 model volume, Prometheus scraping every metrics port, and every command (service and health
-check) parsed by the real `splitserve` CLI parser."""
+check) parsed by the real `splitserve` CLI parser. The keys wiring: the `keys` service's real
+`keygen` writes the files the router reads, with which the real Authenticator lets the router
+start (and without which it refuses to), the workers hold the cluster secret, and the header's
+commands read the key and send it."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = ("prefill", "decode")
 SPLITSERVE = ("router", *WORKERS)
+SECRETS = "/secrets"  # where the `secrets` volume is mounted
+KEY_FLAGS = ("api_keys_file", "admin_keys_file", "cluster_secret_file")
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +117,78 @@ def test_prometheus_scrapes_every_metrics_port(compose):
         f"{name}:{parse(compose['services'][name]['command']).metrics_port}" for name in SPLITSERVE
     }
     assert targets == want
+
+
+def test_router_metrics_port_is_not_published(compose):
+    router = parse(compose["services"]["router"]["command"])
+    published = {p.rsplit(":", 1)[-1] for p in compose["services"]["router"]["ports"]}
+    assert str(router.port) in published and str(router.metrics_port) not in published
+    assert str(router.metrics_port) in compose["services"]["router"]["expose"]
+
+
+def test_keys_service_writes_what_the_router_and_workers_read(compose):
+    services = compose["services"]
+    keys = services["keys"]
+    assert keys["image"] == "splitserve:latest" and keys["restart"] == "no"
+    assert keys["volumes"] == [f"secrets:{SECRETS}"]  # the only service that writes there
+    assert "secrets" in compose["volumes"]
+    made = parse(keys["command"])
+    assert made.command == "keygen" and all(f.startswith(SECRETS + "/") for f in made.files)
+    router = parse(services["router"]["command"])
+    assert {getattr(router, flag) for flag in KEY_FLAGS} <= set(made.files)
+    for name in SPLITSERVE:
+        assert f"secrets:{SECRETS}:ro" in services[name]["volumes"], name
+        assert services[name]["depends_on"]["keys"] == {
+            "condition": "service_completed_successfully"
+        }, name
+    for name in WORKERS:  # workers take calls only from holders of the router's cluster secret
+        env = services[name]["environment"]
+        assert env["SPLITSERVE_CLUSTER_SECRET_FILE"] == router.cluster_secret_file, name
+
+
+def test_router_starts_with_the_generated_keys_and_refuses_without(compose, tmp_path, monkeypatch):
+    from splitserve.cli import keygen_cmd, router_cmd
+    from splitserve.router.auth import Authenticator
+    from splitserve.router.config import RouterConfig
+
+    def local(path: str) -> str:  # the volume, here
+        return str(tmp_path / Path(path).relative_to(SECRETS))
+
+    made = parse(compose["services"]["keys"]["command"])
+    assert keygen_cmd.run(argparse.Namespace(files=[local(f) for f in made.files])) == 0
+    args = parse(compose["services"]["router"]["command"])
+    for flag in KEY_FLAGS:
+        setattr(args, flag, local(getattr(args, flag)))
+    for var in ("SPLITSERVE_API_KEYS", "SPLITSERVE_ADMIN_KEYS"):
+        monkeypatch.delenv(var, raising=False)
+
+    def config(ns: argparse.Namespace) -> RouterConfig:
+        return RouterConfig.load(
+            None, {field: getattr(ns, dest) for dest, field in router_cmd._OVERRIDES.items()}
+        )
+
+    auth = Authenticator(config(args))
+    assert auth.keys_required and len(auth.admin_keys) == 1 and auth.cluster_secret
+    assert not auth.open_dev_mode  # bound to 0.0.0.0: no caller is trusted without a key
+    for flag in KEY_FLAGS:
+        setattr(args, flag, None)
+    with pytest.raises(ValueError, match="without API keys"):
+        Authenticator(config(args))
+
+
+def test_header_reads_the_key_and_sends_it(compose):
+    header = [
+        line.removeprefix("#").strip()
+        for line in (ROOT / "compose.yaml").read_text().splitlines()
+        if line.startswith("#")
+    ]
+    router = parse(compose["services"]["router"]["command"])
+    read = [line for line in header if "docker compose exec" in line]
+    assert read == ["KEY=$(docker compose exec -T router cat " + router.api_keys_file + ")"]
+    prefix = ["docker", "compose", "run", "--rm", "router"]
+    (run,) = [shlex.split(line) for line in header if line.startswith(" ".join(prefix))]
+    assert run[: len(prefix)] == prefix
+    sent = parse(run[len(prefix) :])
+    assert sent.command == "generate" and sent.api_key == "$KEY"
+    assert sent.address == f"router:{router.port}"
+    assert any('-H "Authorization: Bearer $KEY"' in line for line in header)

@@ -140,7 +140,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _wait(predicate, timeout: float = 20.0) -> bool:
+def _wait(predicate, timeout: float = 60.0) -> bool:  # a hang guard: waits for the event
     import time
 
     deadline = time.monotonic() + timeout
@@ -172,7 +172,7 @@ def test_rank0_owns_the_lifecycle(tiny_llama, tmp_path):
                 != health_pb2.HealthCheckResponse.SERVING
             )
         ), d.log()  # NOT_SERVING, then gone
-        assert d.proc.wait(20) == 1, d.log()
+        assert d.proc.wait(60) == 1, d.log()
         p.kill()  # SIGKILL: no clean-up of its own
         assert _wait(
             lambda: (
