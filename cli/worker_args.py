@@ -102,7 +102,6 @@ def run_worker_command(
 ) -> int:
     """Config from --config + flags (`overrides`: this command's own flag -> field), logging,
     then the worker until SIGTERM (`serve(cfg)`: a coroutine function)."""
-    from splitserve.kvtransfer.ucx_runtime import use_notifier_thread
     from splitserve.service.service_process import run_service_process
 
     if not args.model and not args.config:
@@ -113,5 +112,4 @@ def run_worker_command(
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    use_notifier_thread()  # one event loop for the process's life: no idle polling of UCX
     return run_service_process(lambda: serve(cfg))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from typing import Protocol
 
 import torch
@@ -30,6 +31,7 @@ from splitserve.kvtransfer.buffers import TransferStream, ucx_view
 from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
 from splitserve.kvtransfer.config import KvTransferConfig, TransferFaults
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
+from splitserve.kvtransfer.idle_wait import PullWake, until_message
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import kv_pb2
 
@@ -53,6 +55,9 @@ class LeaseSource(Protocol):
     def end_pull(self, lease_id: str, delivered: bool) -> None:
         """Unpins; when delivered, the decode side has the data and the lease is released."""
 
+    # optional: `pulls_expected() -> bool`, whether any lease is out (idle endpoints then probe
+    # more often; without it, always assumed)
+
 
 class KvTransferServer:
     def __init__(
@@ -65,6 +70,7 @@ class KvTransferServer:
         metrics: KvTransferMetrics | None = None,
     ) -> None:
         self.kv_cache = kv_cache
+        self.wake: PullWake | None = None
         self.spec = spec
         self.leases = leases
         self.config = config
@@ -81,6 +87,8 @@ class KvTransferServer:
     async def start(self) -> int:
         import ucxx
 
+        self.wake = PullWake()  # expect_pull() wakes idle endpoints (idle_wait.py)
+
         self._listener = ucxx.create_listener(self._on_connect, self.config.listen_port)
         log.info("UCX listener on port %d", self.port)
         self.metrics.log_transports()
@@ -90,8 +98,12 @@ class KvTransferServer:
         task = asyncio.current_task()
         self._handlers[task] = ep
         try:
+            last = time.monotonic()
             while not ep.closed:
+                # no polling receive while idle (idle_wait.py)
+                await until_message(ep, last, self._expecting, self.wake)
                 raw = await ep.recv_obj()
+                last = time.monotonic()
                 req = kv_pb2.KvPullRequest.FromString(bytes(raw))
                 await self._serve(ep, req)
         except Exception as exc:  # the peer closed or died: nothing to clean but the endpoint
@@ -100,6 +112,15 @@ class KvTransferServer:
             self._handlers.pop(task, None)
             if not ep.closed:
                 ep.abort()
+
+    def expect_pull(self) -> None:
+        """A lease was granted (any thread): idle endpoints start probing for its pull."""
+        if self.wake is not None:
+            self.wake.notify()
+
+    def _expecting(self) -> bool:
+        pending = getattr(self.leases, "pulls_expected", None)
+        return True if pending is None else pending()
 
     def _reply_error(self, status: int, message: str) -> kv_pb2.KvPullReply:
         return kv_pb2.KvPullReply(status=status, message=message)

@@ -38,6 +38,9 @@ class EngineLeaseSource:
         self._pinned[lease_id] = lease.block_ids
         return list(lease.block_ids)
 
+    def pulls_expected(self) -> bool:
+        return len(self.engine.leases) > 0
+
     def end_pull(self, lease_id: str, delivered: bool) -> None:
         blocks = self._pinned.pop(lease_id, ())
         if blocks:

@@ -38,6 +38,7 @@ class LeaseTable:
         self._expired: OrderedDict[str, None] = (
             OrderedDict()
         )  # recent expiries, to tell a late pull why
+        self.on_grant: Callable[[], None] | None = None  # the KV listener's expect_pull
 
     def expired_recently(self, lease_id: str) -> bool:
         return lease_id in self._expired
@@ -63,6 +64,8 @@ class LeaseTable:
         )
         self._leases[lease.lease_id] = lease
         heapq.heappush(self._expiry, (lease.expires_at, lease.lease_id))
+        if self.on_grant is not None:
+            self.on_grant()
         return lease
 
     def pop(self, lease_id: str) -> Lease | None:

@@ -83,6 +83,7 @@ class PrefillWorker(WorkerSkeleton):
             metrics=KvTransferMetrics(self.metrics.registry),
         )
         self.servicer.kv_port = await self.kv_server.start()
+        self.engine.leases.on_grant = self.kv_server.expect_pull  # wakes idle KV endpoints
         if runner.tp.enabled:
             self.servicer.shard_ports = [self.servicer.kv_port, *self._follower_ports]
         self.servicer.engine = self.engine
