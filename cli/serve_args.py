@@ -166,7 +166,26 @@ def access_args(args: argparse.Namespace) -> tuple[list[str], str | None]:
         flags += ["--admin-keys-file", str(Path(args.admin_keys_file).resolve())]
     if args.no_api_key:
         flags.append("--no-api-key")
+    _cluster_secret_for_children(args.host)
     return flags, key
+
+
+def _cluster_secret_for_children(host: str) -> None:
+    """Workers bound beyond loopback take calls only with the cluster secret: `serve` makes one
+    for this run (the children inherit the environment) unless the user set their own."""
+    import os
+    import secrets
+
+    from splitserve.service.credentials import (
+        CLUSTER_SECRET_ENV,
+        CLUSTER_SECRET_FILE_ENV,
+        is_loopback_host,
+    )
+
+    if is_loopback_host(host) or CLUSTER_SECRET_ENV in os.environ:
+        return
+    if CLUSTER_SECRET_FILE_ENV not in os.environ:
+        os.environ[CLUSTER_SECRET_ENV] = secrets.token_urlsafe(32)
 
 
 def resolve_model(model: str | None) -> Path:

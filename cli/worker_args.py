@@ -31,6 +31,7 @@ SHARED_OVERRIDES = {
     "metrics_port": "server.metrics_port",
     "drain_grace_s": "server.drain_grace_s",
     "drain_announce_s": "server.drain_announce_s",
+    "open_to_all": "server.open_to_all",
     **SERVER_TLS_OVERRIDES,  # --tls-cert-file ... -> server.tls.*
 }
 
@@ -86,6 +87,13 @@ def add_shared_arguments(p: argparse.ArgumentParser, config_name: str) -> None:
         help="health NOT_SERVING while work waits and no engine step finished for S seconds",
     )
     add_server_tls_arguments(p)
+    p.add_argument(
+        "--open-to-all",
+        action="store_true",
+        default=None,
+        help="beyond loopback, serve callers without the cluster secret "
+        "($SPLITSERVE_CLUSTER_SECRET, docs/security.md); refused by default",
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
 

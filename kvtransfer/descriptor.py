@@ -98,10 +98,16 @@ def make_handle(
     return handle
 
 
+def _shown(value) -> str:
+    """A peer's value for a message: its repr, cut short (a status's details are capped)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "..."
+
+
 def check_compatible(remote, local: PoolSpec) -> None:
     """`remote` is a KvHandle or KvPullRequest; raises KvIncompatibleError naming each mismatch."""
     mismatches = [
-        f"{name}: remote {getattr(remote, name)!r} != local {want!r}"
+        f"{name}: remote {_shown(getattr(remote, name))} != local {want!r}"
         for name, want in local.fields().items()
         if getattr(remote, name) != want
     ]

@@ -170,8 +170,9 @@ class PrefillEngine:
         if lease is None:
             return False
         if request_id and request_id != lease.request_id:
-            raise RequestError.invalid(
-                f"lease {lease_id} belongs to request {lease.request_id!r}, not {request_id!r}; "
+            shown = request_id if len(request_id) <= 80 else request_id[:80] + "..."
+            raise RequestError.invalid(  # (never the whole id: gRPC caps a status's details)
+                f"the lease belongs to request {lease.request_id!r}, not {shown!r}; "
                 "pass the request_id of the same KvHandle"
             )
         self._drop_lease(self.leases.pop(lease_id))

@@ -23,16 +23,16 @@ class EngineLeaseSource:
             if leases.expired_recently(lease_id):
                 raise LeaseLookupError(
                     kv_pb2.KV_PULL_STATUS_LEASE_EXPIRED,
-                    f"lease {lease_id} expired before the pull; raise the prefill "
+                    "the lease expired before the pull; raise the prefill "
                     "worker's lease_ttl_s or pull sooner",
                 )
             raise LeaseLookupError(
                 kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
-                f"no lease {lease_id} (released, aborted or never granted)",
+                "no such lease (released, aborted or never granted)",
             )
         if request_id != lease.request_id:
             raise LeaseLookupError(
-                kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN, f"lease {lease_id} belongs to another request"
+                kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN, "the lease belongs to another request"
             )
         self.engine.cache.allocator.incref(lease.block_ids)
         self._pinned[lease_id] = lease.block_ids

@@ -117,7 +117,7 @@ class MirrorLeaseSource:
                     if entry[0] != request_id:
                         raise LeaseLookupError(
                             kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
-                            f"lease {lease_id} belongs to another request",
+                            "the lease belongs to another request",
                         )
                     self._pins[lease_id] += 1
                     return list(entry[1])
@@ -125,7 +125,7 @@ class MirrorLeaseSource:
             if gone or time.monotonic() > deadline:
                 raise LeaseLookupError(
                     kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
-                    f"no lease {lease_id} on this tensor-parallel rank (released, expired, "
+                    "no such lease on this tensor-parallel rank (released, expired, "
                     "aborted or never granted)",
                 )
             await asyncio.sleep(0.01)

@@ -77,7 +77,14 @@ class Authenticator:
                 "(auth.require_api_key: false) to serve everyone who can reach the port"
             )
         self.keys_required = bool(self.api_keys) and a.require_api_key is not False
-        self.control_listener = cfg.control.port is not None
+        open_control = cfg.control.port is not None and self.cluster_secret is None
+        if open_control and not is_loopback_host(cfg.control.host):
+            log.warning(
+                "the control listener on %s takes worker registrations from anyone who reaches "
+                "it (no cluster secret); keep it on a private network or set "
+                "SPLITSERVE_CLUSTER_SECRET",
+                cfg.control.host,
+            )
 
     @property
     def open_dev_mode(self) -> bool:

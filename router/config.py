@@ -261,6 +261,15 @@ class RouterConfig(_Frozen):
         return v
 
     @model_validator(mode="after")
+    def _workers_only_fields(self) -> RouterConfig:
+        if self.server.open_to_all:
+            raise ValueError(
+                "server.open_to_all is a worker setting; the router's callers are governed by "
+                "auth.require_api_key"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _request_fits_transport(self) -> RouterConfig:
         if self.max_request_bytes > self.server.max_message_mb * 2**20:
             raise ValueError(

@@ -56,18 +56,15 @@ class Frontend:
         sink: ChunkSink,
         arrival: float | None = None,
         caller: Caller | None = None,
+        admitted: bool = False,
     ) -> None:
         """Validates and runs one request, writing its chunks to `sink`; RequestError on failure
         (validation before any worker is touched, or a worker failure later). `caller`: who
-        sent it (auth.py); None: a trusted in-process caller."""
+        sent it (auth.py); None: a trusted in-process caller. `admitted`: the transport already
+        passed the caller's limits (`admit`) before its own parsing work."""
         arrival = time.monotonic() if arrival is None else arrival
         caller = caller or LOCAL
-        m = self.ctx.metrics
-        try:
-            release = self.limits.admit(caller.scope)
-        except RequestError as err:
-            m.requests.labels(err.code.name.lower()).inc()
-            raise
+        release = (lambda: None) if admitted else self.admit(caller)
         try:
             await self._run(request, sink, arrival, caller)
         finally:
@@ -105,6 +102,15 @@ class Frontend:
                 del self.live[key]
             m.in_flight.dec()
             m.requests.labels(gen.outcome).inc()
+
+    def admit(self, caller: Caller):
+        """The caller's rate and concurrency limits (caller_limits.py); a release callback, or
+        RequestError(RESOURCE_EXHAUSTED) with a retry hint (counted)."""
+        try:
+            return self.limits.admit(caller.scope)
+        except RequestError as err:
+            self.ctx.metrics.requests.labels(err.code.name.lower()).inc()
+            raise
 
     def abort(self, request_id: str, caller: Caller | None = None) -> bool:
         """Ends the caller's in-flight request with FINISH_REASON_ABORT (an admin's: anyone's

@@ -56,6 +56,39 @@ def max_body_bytes(cfg: RouterConfig) -> int:
     return cfg.max_request_bytes + BODY_SLACK_BYTES
 
 
+MAX_JSON_DEPTH = 32  # nesting of a request body: messages[i].content[j].text needs 5
+
+
+def _too_deep() -> OpenAIError:
+    return OpenAIError.bad(None, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _checked_json(body: Any) -> Any:
+    """The parsed body, or a 400 when it nests deeper than MAX_JSON_DEPTH (nothing we take needs
+    that, and deep values reach recursive code) or holds a lone surrogate (JSON's "\\ud800"
+    escape: no character, so neither protobuf nor the tokenizer can take it)."""
+    stack = [(body, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth >= MAX_JSON_DEPTH:
+                raise _too_deep()
+            if isinstance(value, dict):
+                stack.extend((k, depth + 1) for k in value)
+                value = value.values()
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, str) and not value.isascii():
+            try:
+                value.encode()
+            except UnicodeEncodeError:
+                raise OpenAIError.bad(
+                    None,
+                    "the request body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                    "that is not half of a pair), which is no character; send valid Unicode text",
+                ) from None
+    return body
+
+
 class OpenAIRoutes:
     """The route handlers; `ready` says whether /health answers 200 (the server adds draining)."""
 
@@ -90,9 +123,12 @@ class OpenAIRoutes:
         except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past the limit
             raise too_large from None
         try:
-            return json.loads(raw)
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise OpenAIError.bad(None, f"the request body is not valid JSON ({exc})") from None
+        except RecursionError:  # deeper than the interpreter's recursion limit
+            raise _too_deep() from None
+        return _checked_json(body)
 
     def _check_model(self, name: str | None) -> None:
         served = self.ctx.model.name
@@ -107,7 +143,14 @@ class OpenAIRoutes:
 
     @staticmethod
     def _request_id(request: web.Request, prefix: str) -> str:
-        return request.headers.get("X-Request-Id") or f"{prefix}-{uuid.uuid4().hex}"
+        rid = request.headers.get("X-Request-Id")
+        if rid and not rid.isprintable():  # undecodable header bytes arrive as surrogate escapes
+            raise OpenAIError.bad(
+                "X-Request-Id",
+                "the X-Request-Id header must be printable UTF-8 text; use a short printable id, "
+                "or leave it out for the router to assign one",
+            )
+        return rid or f"{prefix}-{uuid.uuid4().hex}"
 
     # ---- generation ------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -164,7 +207,7 @@ class OpenAIRoutes:
         if not stream:
             sink = CollectedChunks()
             try:
-                await self.frontend.generate(gen, sink, caller=request[CALLER])
+                await self.frontend.generate(gen, sink, caller=request[CALLER], admitted=True)
             except RequestError as err:
                 raise error_from_request_error(err, names, prompt_param) from None
             return web.json_response(
@@ -174,7 +217,7 @@ class OpenAIRoutes:
             )
         events = EventStream(request, builder)
         try:
-            await self.frontend.generate(gen, events, caller=request[CALLER])
+            await self.frontend.generate(gen, events, caller=request[CALLER], admitted=True)
         except RequestError as err:
             error = error_from_request_error(err, names, prompt_param)
             if events.resp is None:  # nothing sent yet: a plain HTTP error

@@ -34,6 +34,12 @@ from splitserve.service.tls import TlsServerConfig, server_ssl_context
 
 log = logging.getLogger(__name__)
 
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+def _nothing() -> None:
+    return None
+
 
 class _PeerErrorLog(logging.LoggerAdapter):
     """aiohttp's server logger, but a request its parser refuses (garbage bytes, a gRPC client's
@@ -125,6 +131,12 @@ class OpenAIServer:
         await runner.cleanup()
 
     # ---- every request ---------------------------------------------------------------------------
+    def _admit(self, caller: Caller):
+        try:
+            return self.frontend.admit(caller)
+        except RequestError as err:
+            raise error_from_request_error(err, {}, "prompt") from None
+
     def _caller(self, request: web.Request, route: str) -> Caller:
         auth = self.frontend.auth
         try:
@@ -142,6 +154,7 @@ class OpenAIServer:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
         status = 500
+        release = _nothing
         try:
             if self._draining and route not in ("/health", "/metrics"):
                 raise OpenAIError(
@@ -149,6 +162,8 @@ class OpenAIServer:
                 )
             if route != "/health":  # probes stay open
                 request[CALLER] = self._caller(request, route)
+            if route in GENERATION_ROUTES:  # limits before the body is parsed or tokenized
+                release = self._admit(request[CALLER])
             resp = await handler(request)
             status = resp.status
             return resp
@@ -174,5 +189,6 @@ class OpenAIServer:
             err = OpenAIError(500, "internal error in the router; see its log", code="internal")
             return web.json_response(err.body(), status=500)
         finally:
+            release()
             self._handlers.discard(task)
             self.ctx.metrics.http_requests.labels(route, str(status)).inc()

@@ -81,6 +81,12 @@ class ServerConfig(BaseModel):
         "stuck threads' stacks and exits with status 3",
     )
     max_message_mb: int = Field(64, gt=0, le=2047)
+    open_to_all: bool = Field(
+        False,
+        description="workers: serve callers without the cluster secret even when bound beyond "
+        "loopback (by default such a worker refuses to start without one); the router's "
+        "callers are governed by auth.*",
+    )
     # a peer whose host vanished (link down, node lost) shows only through keepalive: 10 s + 5 s
     # bounds how long an open stream to it hangs (gRPC's 2 h default is far too long here)
     keepalive_time_s: float = Field(

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 
 from splitserve.service.cluster_auth import RequireClusterSecret
-from splitserve.service.credentials import cluster_secret
+from splitserve.service.credentials import cluster_secret, is_loopback_host
 from splitserve.service.grpc_service import GrpcServer
 from splitserve.worker.stall_watch import StallWatch
 from splitserve.worker.tp_lifecycle import exit_after_rank_loss, serve_until_lost
@@ -36,6 +36,12 @@ class WorkerSkeleton:
         self.cfg = cfg
         # with a cluster secret, only its holders (the router) may call this worker
         secret = cluster_secret()
+        if secret is None and not is_loopback_host(cfg.server.host) and not cfg.server.open_to_all:
+            raise ValueError(
+                f"this worker listens on {cfg.server.host} (beyond this machine) without a cluster "
+                "secret, so anyone who reaches it could run requests; set SPLITSERVE_CLUSTER_SECRET "
+                "(or _FILE) here and on the router, or --open-to-all (server.open_to_all)"
+            )
         guard = [RequireClusterSecret(secret)] if secret else []
         self.server = GrpcServer(cfg.server, registry, guard)
         self.servicer = servicer

@@ -12,7 +12,7 @@ import grpc
 import helpers_procs
 import pytest
 
-from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.protos import generate_pb2, kv_pb2, worker_pb2, worker_pb2_grpc
 
 PROMPTS = [
     [1] + list(range(40, 77)),
@@ -216,3 +216,60 @@ def test_layout_mismatch_is_failed_precondition(tiny_llama, tmp_path):
         )
         _all_free(prefill)
         _all_free(decode)
+
+
+def test_a_guessed_lease_id_pulls_nothing(tiny_llama, expected, tmp_path):
+    """A pull authorised only by the lease id: ids are random uuid4 (122 bits), a guess is
+    refused without touching the real lease, whose own pull then works as usual."""
+    import uuid
+
+    with helpers_procs.ProcessGroup(tmp_path) as procs:
+        p = procs.prefill_worker(tiny_llama, "--block-size", "4", "--num-blocks", "96")
+        d = procs.decode_worker(
+            tiny_llama, "--block-size", "4", "--num-blocks", "96", "--kv-failure-policy", "fail"
+        )
+        prefill, decode = _stubs(p, d)
+        resp = prefill.Prefill(
+            worker_pb2.PrefillRequest(
+                request_id="victim", prompt_token_ids=PROMPTS[0], sampling=_sampling()
+            ),
+            timeout=60,
+        )
+        assert uuid.UUID(hex=resp.kv.lease_id).version == 4
+        forged = kv_pb2.KvHandle()
+        forged.CopyFrom(resp.kv)
+        forged.lease_id = uuid.uuid4().hex
+        with pytest.raises(grpc.RpcError) as info:
+            list(
+                decode.Decode(
+                    worker_pb2.DecodeRequest(
+                        request_id="victim",
+                        prompt_token_ids=PROMPTS[0],
+                        first_token_id=resp.first_token_id,
+                        sampling=_sampling(),
+                        kv=forged,
+                    ),
+                    timeout=30,
+                )
+            )
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "lease_unknown" in info.value.details() and forged.lease_id not in p.log()
+        held = prefill.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+        assert held.leases_held == 1  # the victim's lease is untouched
+        tokens = [resp.first_token_id]
+        for chunk in decode.Decode(
+            worker_pb2.DecodeRequest(
+                request_id="victim",
+                prompt_token_ids=PROMPTS[0],
+                first_token_id=resp.first_token_id,
+                sampling=_sampling(),
+                kv=resp.kv,
+            ),
+            timeout=60,
+        ):
+            tokens.extend(chunk.token_ids)
+        assert tokens == expected[0]
+        _all_free(prefill)
+        _all_free(decode)
+        assert resp.kv.lease_id not in p.log()  # never logged below WARNING (no expiry here)
+        assert p.stop() == 0 and d.stop() == 0

@@ -66,3 +66,30 @@ def test_workers_refuse_callers_without_the_cluster_secret(tiny_llama, tmp_path,
         assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
         assert "cluster secret" in err.details() and secret not in err.details()
     assert len(served.tokens) == 4
+
+
+def test_a_worker_beyond_loopback_needs_a_cluster_secret(tiny_llama, monkeypatch):
+    """Bound beyond loopback without a secret, a worker refuses to start (one line, exit 2)
+    unless told --open-to-all."""
+    import os
+    import subprocess
+
+    from helpers_procs import cli_command, free_port
+
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET_FILE", raising=False)
+    argv = [
+        *cli_command("prefill-worker"),
+        "--model",
+        str(tiny_llama),
+        "--device",
+        "cpu",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(free_port()),
+    ]
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=os.environ)
+    assert refused.returncode == 2, refused.stderr
+    lines = [line for line in refused.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "cluster secret" in lines[0] and "Traceback" not in refused.stderr
