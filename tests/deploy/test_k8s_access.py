@@ -51,7 +51,7 @@ def test_router_starts_with_the_secret_and_refuses_without_it(tmp_path, monkeypa
         write_new_key(Path(files[field]))
     auth = Authenticator(cfg.model_copy(update={"auth": cfg.auth.model_copy(update=files)}))
     assert auth.keys_required and auth.admin_keys and auth.cluster_secret is not None
-    assert auth.control_listener and not auth.loopback_only and not auth.open_dev_mode
+    assert cfg.control.port is not None and not auth.loopback_only and not auth.open_dev_mode
     bare = cfg.auth.model_copy(
         update={"api_keys_file": None, "admin_keys_file": None, "cluster_secret_file": None}
     )
