@@ -5,7 +5,8 @@ the client gets UNKNOWN ("Unexpected DecodeError") and the server logs a full tr
 request, so any peer can fill the logs. `GrpcServer.add` hands the generated
 `add_*_to_server` this stand-in for the server, which registers the same handlers with a
 deserializer that returns a `Malformed` marker instead of raising, and a behaviour that answers
-the marker with INVALID_ARGUMENT before the servicer runs.
+the marker with INVALID_ARGUMENT before the servicer runs (on a request stream: when the
+servicer reads it). Health and reflection go through it too (grpc_service.py).
 """
 
 from __future__ import annotations
@@ -58,14 +59,49 @@ def _guard(behavior):
     return call
 
 
+async def _well_formed(requests, context):
+    """A request stream that ends the call with INVALID_ARGUMENT at its first malformed message."""
+    async for request in requests:
+        if isinstance(request, Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        yield request
+
+
+def _guard_streamed(behavior):
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(requests, context):
+            async with contextlib.aclosing(
+                behavior(_well_formed(requests, context), context)
+            ) as out:
+                async for item in out:
+                    yield item
+
+        return stream
+    if inspect.iscoroutinefunction(behavior):
+
+        async def call(requests, context):
+            return await behavior(_well_formed(requests, context), context)
+
+        return call
+    return None  # a synchronous handler: left alone
+
+
 def guarded(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
-    """The handler with a tolerant deserializer (unary requests; streamed ones are left alone)."""
-    if handler is None or handler.request_streaming or handler.request_deserializer is None:
+    """The handler with a tolerant deserializer: a malformed unary request is answered before the
+    servicer runs; a malformed message on a request stream (e.g. reflection's) ends the call."""
+    if handler is None or handler.request_deserializer is None:
         return handler
-    kind = "unary_stream" if handler.response_streaming else "unary_unary"
+    if handler.request_streaming:
+        kind = "stream_stream" if handler.response_streaming else "stream_unary"
+        wrapped = _guard_streamed(getattr(handler, kind))
+        if wrapped is None:
+            return handler
+    else:
+        kind = "unary_stream" if handler.response_streaming else "unary_unary"
+        wrapped = _guard(getattr(handler, kind))
     return handler._replace(
-        request_deserializer=_tolerant(handler.request_deserializer),
-        **{kind: _guard(getattr(handler, kind))},
+        request_deserializer=_tolerant(handler.request_deserializer), **{kind: wrapped}
     )
 
 

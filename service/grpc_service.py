@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -193,8 +193,11 @@ class GrpcServer:
     async def start(self) -> None:
         # health too: undecodable bytes are INVALID_ARGUMENT, not UNKNOWN and a logged traceback
         health_pb2_grpc.add_HealthServicer_to_server(self.health, RejectMalformed(self._server))
-        reflection.enable_server_reflection(
-            [*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(  # (enable_server_reflection,
+            reflection.aio.ReflectionServicer(  # but through the guard as well)
+                [*self._names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+            ),
+            RejectMalformed(self._server),
         )
         await self.set_serving(False)
         target = f"{self.cfg.host}:{self.cfg.port}"
