@@ -127,7 +127,7 @@ def test_lease_mirror_follows_rank0_and_holds_pulled_blocks():
     assert sent == [("lease_drop", [a.lease_id]), ("lease_drop", [b.lease_id])]
     for cmd in sent:
         mirror.drop(*cmd[1:])
-    with pytest.raises(LeaseLookupError, match="no lease"):  # dropped: fails at once, no wait
+    with pytest.raises(LeaseLookupError, match="no such lease"):  # dropped: fails at once, no wait
         asyncio.run(mirror.begin_pull(b.lease_id, "rb"))
     assert mirror._zombies == {a.lease_id}  # no forward may reuse its blocks while it is read
     mirror.end_pull(a.lease_id, True)
