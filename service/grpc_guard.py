@@ -108,13 +108,17 @@ def guarded(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | No
 class _GuardedGeneric(grpc.GenericRpcHandler):
     def __init__(self, inner: grpc.GenericRpcHandler) -> None:
         self._inner = inner
-        self._cache: dict[str, grpc.RpcMethodHandler | None] = {}
+        self._cache: dict[str, grpc.RpcMethodHandler] = {}  # known methods only: bounded
 
     def service(self, handler_call_details):
         method = handler_call_details.method
-        if method not in self._cache:
-            self._cache[method] = guarded(self._inner.service(handler_call_details))
-        return self._cache[method]
+        handler = self._cache.get(method)
+        if handler is None:
+            # an unknown method is not cached: a stranger calling random names must not grow it
+            handler = guarded(self._inner.service(handler_call_details))
+            if handler is not None:
+                self._cache[method] = handler
+        return handler
 
 
 class RejectMalformed:

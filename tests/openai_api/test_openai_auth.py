@@ -99,7 +99,10 @@ def test_a_caller_over_its_rate_gets_429_with_retry_after(stack, keyed):
     base, keys = keyed
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0}
     got = [_call(base + "/v1/completions", keys["b"], body) for _ in range(3)]
+    # admitted before the body is parsed or a chat template rendered: a bad body is 429 too
+    unparsed = _call(base + "/v1/chat/completions", keys["b"], {"messages": "not a list"})
     stack.assert_free()
+    assert unparsed[0] == 429, unparsed
     assert [g[0] for g in got[:2]] == [200, 200]
     status, err, headers = got[2]
     assert status == 429 and err["error"]["type"] == "rate_limit_error"
