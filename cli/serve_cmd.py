@@ -44,6 +44,7 @@ from splitserve.cli.serve_args import (
 from splitserve.cli.serve_children import build
 from splitserve.cli.serve_placement import worker_flags
 from splitserve.service.net import free_port, local_dial_host
+from splitserve.service.service_process import end_with_exit_now
 
 
 def register(sub) -> None:
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     log_dir = (
         Path(tempfile.mkdtemp(prefix="splitserve-serve-")) if auto_logs else Path(args.log_dir)
     )
+    end_with_exit_now()  # once children exist: gRPC's thread shutdown at exit must not hang it
     launcher = Launcher(
         log_dir, on_event=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True), tls=tls
     )

@@ -136,17 +136,30 @@ class DecodeEngine:
                 )
             seq, done = self._new_sequence(inp, sink)
         except RequestError:
-            self.allocator.free(block_ids)
+            self.release_blocks(block_ids)
             raise
         if done is not None:
-            self.allocator.free(block_ids)
+            self.release_blocks(block_ids)
             sink(done)
             return
         try:
             self.scheduler.admit(seq, list(block_ids))
         except RequestError:
-            self.allocator.free(block_ids)
+            self.release_blocks(block_ids)
             raise
+        self._snapshot()
+
+    def reserve_blocks(self, num_blocks: int) -> list[int] | None:
+        """Blocks for a KV pull (None: the pool is short now); `admit` or `release_blocks` next."""
+        got = self.allocator.allocate(num_blocks)
+        self._snapshot()
+        return None if got is None else list(got.block_ids)
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Gives back reserved blocks that were never admitted. The load snapshot is refreshed
+        here, not only by a step: an idle engine runs no step, and GetLoad (the router's
+        placement, the tests' "all blocks free") would go on reporting them held."""
+        self.allocator.free(block_ids)
         self._snapshot()
 
     def abort(self, request_id: str, reason: str = "abort", error: Exception | None = None) -> bool:

@@ -108,8 +108,7 @@ class EngineLoop:
         def cmd() -> None:
             if not fut.set_running_or_notify_cancel():  # the caller gave up (cancelled) first
                 return
-            got = self.engine.allocator.allocate(num_blocks)
-            fut.set_result(None if got is None else list(got.block_ids))
+            fut.set_result(self.engine.reserve_blocks(num_blocks))
 
         if not self._post(cmd) and fut.set_running_or_notify_cancel():
             fut.set_result(None)
@@ -117,7 +116,7 @@ class EngineLoop:
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Gives back blocks from `reserve_blocks` that never reached `submit`."""
-        if not self._post(lambda: self.engine.allocator.free(block_ids)):
+        if not self._post(lambda: self.engine.release_blocks(block_ids)):
             log.debug("engine stopped; %d reserved blocks die with the pool", len(block_ids))
 
     def call(self, fn: Callable[[], object]) -> Future:

@@ -102,9 +102,26 @@ EXIT_DEADLINE = ExitDeadline()
 
 def run_service_process(main: Callable[[], Coroutine[object, object, int]]) -> int:
     """Runs a service until it stops; its exit code. The CLI entry then ends the process through
-    `end_cli` (also after a failed start, whose one-line error it prints first)."""
+    `end_cli` (also after a failed start, whose one-line error it prints first).
+
+    Not asyncio.run: its teardown waits without bound for leftover tasks to finish cancelling and
+    for every default-executor thread to return (one still inside a blocking call holds the exit
+    for seconds under load); the service's stop() closed everything in order already, and the
+    process ends through exit_now right after, so nothing is left to tear down."""
     EXIT_DEADLINE.enabled = True
-    return int(asyncio.run(main()) or 0)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    return int(loop.run_until_complete(main()) or 0)
+
+
+def end_with_exit_now() -> None:
+    """A command that is not a service but ran gRPC channels and child processes (`serve`) ends
+    through exit_now too: the interpreter's own shutdown of gRPC's threads is what hangs."""
+    global _END_WITH_EXIT_NOW
+    _END_WITH_EXIT_NOW = True
+
+
+_END_WITH_EXIT_NOW = False
 
 
 def service_ran() -> bool:
@@ -115,6 +132,6 @@ def service_ran() -> bool:
 def end_cli(code: int) -> int:
     """The CLI's last step: a process that ran a service exits here at once (exit_now); any other
     command returns its code as usual."""
-    if EXIT_DEADLINE.enabled:
+    if EXIT_DEADLINE.enabled or _END_WITH_EXIT_NOW:
         exit_now(code)
     return code

@@ -250,6 +250,26 @@ def test_engine_loop_reserve_admit_and_release_blocks(tiny_llama, oracle):
     assert_all_free(engine)
 
 
+def test_an_idle_engine_reports_reserved_and_released_blocks(tiny_llama):
+    """GetLoad's snapshot follows reservations and releases while no step runs: a pull cancelled
+    on an idle worker once left its blocks reported held until the next request's step."""
+    from splitserve.decode_worker.engine_loop import EngineLoop
+
+    engine = make_engine(tiny_llama)
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        total = engine.load.total_blocks
+        ids = loop.reserve_blocks(3).result(5)
+        assert engine.load.free_blocks == total - 3
+        loop.release_blocks(ids)
+        loop.call(lambda: None).result(5)  # after the release, on the engine thread
+        assert engine.load.free_blocks == total
+    finally:
+        loop.stop()
+    assert_all_free(engine)
+
+
 def test_waiting_kv_holders_cannot_starve_the_queue_head(tiny_llama, oracle):
     """A recompute-needing head of the queue gets room from waiting KV holders when nothing
     runs, instead of spinning forever."""

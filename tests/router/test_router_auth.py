@@ -95,9 +95,7 @@ def test_request_ids_belong_to_their_caller(cluster, keys):
         async with running_router(cfg) as (r, stub):
             a = stub.Generate(ids_request(PROMPT, LONG, "same-id"), metadata=_auth(keys["a"]))
             b = stub.Generate(ids_request(PROMPT, LONG, "same-id"), metadata=_auth(keys["b"]))
-            # both streams decoding (3 chunks each) before any abort: an abort in the window between
-            # the first chunk and the decode worker's admission once left 2 blocks held on the
-            # decode worker (1 of 5 fresh-CI runs; see the stop-20 note), a defect of its own
+            # both streams decoding (3 chunks each) before any abort, so that both are found
             first_a, first_b = await a.read(), await b.read()
             for call in (a, b):
                 for _ in range(2):

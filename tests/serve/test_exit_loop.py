@@ -53,11 +53,13 @@ def _one_round(model, log_dir) -> tuple[int, float, list[int], str]:
     )
     lines, stopping = [], []
 
-    def read() -> None:
+    def read() -> None:  # each line with its arrival time, so a slow stop says where it went
         for line in proc.stderr:
-            lines.append(line)
+            now = time.monotonic()
             if "stopping services" in line:
-                stopping.append(time.monotonic())
+                stopping.append(now)
+            since = f"+{now - stopping[0]:.2f}s " if stopping else ""
+            lines.append(since + line)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -65,8 +67,18 @@ def _one_round(model, log_dir) -> tuple[int, float, list[int], str]:
     ended = time.monotonic()
     reader.join(10)
     err = "".join(lines)
+    if stopping:
+        err += f"+{ended - stopping[0]:.2f}s (the process exited)\n"
     pids = [int(p) for p in re.findall(r"started \S+ on \S+ \(pid (\d+)", err)]
     return code, ended - stopping[0] if stopping else float("inf"), pids, err
+
+
+def _log_tails(log_dir, lines: int = 8) -> str:
+    """The last lines of each service's log (timestamped): which one was slow to go."""
+    return "".join(
+        f"--- {log.name}\n" + "".join(log.read_text(errors="replace").splitlines(True)[-lines:])
+        for log in sorted(log_dir.glob("*.log"))
+    )
 
 
 def test_quick_start_exits_cleanly_under_load(tiny_llama, tmp_path):
@@ -78,7 +90,9 @@ def test_quick_start_exits_cleanly_under_load(tiny_llama, tmp_path):
             assert len(pids) == 3 and not [p for p in pids if pid_alive(p)], (
                 f"run {i}: left running\n{err}"
             )
-            assert stop_s < GONE_WITHIN_S, f"run {i}: stopping took {stop_s:.1f}s\n{err}"
+            assert stop_s < GONE_WITHIN_S, (
+                f"run {i}: stopping took {stop_s:.1f}s\n{err}{_log_tails(tmp_path / f'run{i}')}"
+            )
             assert "did not stop" not in err, err
     finally:
         for h in hogs:
