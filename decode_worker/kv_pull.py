@@ -36,8 +36,9 @@ class KvPuller:
         self.policy = policy
         self.faults = faults or DecodeFaults()
 
-    async def pull(self, kv: kv_pb2.KvHandle, loop: EngineLoop) -> list[int] | None:
-        """Block ids now holding the prompt's KV, or None: recompute it."""
+    async def pull(self, kv: kv_pb2.KvHandle, loop: EngineLoop) -> tuple[list[int] | None, str]:
+        """(block ids now holding the prompt's KV, ''), or (None, why): recompute it, and the
+        client's last chunk says why (DecodeResponse.kv_recompute_reason)."""
         reserved = loop.reserve_blocks(kv.num_blocks)
         try:
             ids = await asyncio.shield(asyncio.wrap_future(reserved))
@@ -53,7 +54,7 @@ class KvPuller:
                 kv.request_id,
                 kv.num_blocks,
             )
-            return None
+            return None, "pool_full"
         if delay := self.faults.pull_delay(kv.request_id):  # tests only: a window before the pull
             try:
                 await asyncio.sleep(delay)
@@ -86,11 +87,11 @@ class KvPuller:
                 exc.reason,
                 exc,
             )
-            return None
+            return None, exc.reason
         except BaseException:
             loop.release_blocks(ids)
             raise
-        return ids
+        return ids, ""
 
     def close(self) -> None:
         self.client.close()

@@ -124,11 +124,11 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         )
         block_ids = None
         transfer_s = 0.0
-        recomputed = False
+        recomputed, why = False, ""
         if request.HasField("kv") and request.kv.lease_id and self.puller is not None:
             start = time.perf_counter()
             try:
-                block_ids = await self.puller.pull(request.kv, loop)
+                block_ids, why = await self.puller.pull(request.kv, loop)
             except RequestError as err:
                 await err.abort(context)
             transfer_s = time.perf_counter() - start
@@ -152,6 +152,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 first = False
                 resp.transfer_time_ms = transfer_s * 1000
                 resp.kv_recomputed = recomputed
+                resp.kv_recompute_reason = why
                 resp.queue_time_ms = (first_out_at - submitted) * 1000
             return resp
 

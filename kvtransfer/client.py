@@ -197,7 +197,12 @@ class KvTransferClient:
             src.num_heads,
             self.spec.head_dim,
         )
-        staging = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        # UCX writes the staging outside any CUDA stream: allocate it from the transfer stream's
+        # pool (never the engine's, whose queued kernels may still use a block the allocator
+        # just handed out) and let that stream drain before the first receive is posted
+        with self.stream.context():
+            staging = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
+        await self.stream.wait()
         payload = staging.reshape(-1).view(torch.uint8)
         if reply.payload_bytes != payload.numel() or reply.num_messages < 1:
             raise KvTransferError(

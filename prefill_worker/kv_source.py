@@ -1,8 +1,11 @@
 """The prefill engine's leases as the UCX listener sees them (kvtransfer.server.LeaseSource).
 
 The listener runs on the engine's event loop, the thread that owns every piece of engine
-state, so no lock is needed. A pull pins the lease's blocks with an extra reference: if the
-lease expires or is aborted mid-pull, the blocks stay allocated until the pack is done.
+state, so no lock is needed. Each pull pins the lease's blocks with one reference of its own:
+if the lease expires or is aborted mid-pull, the blocks stay allocated until that pull is done.
+Two pulls of one lease at once (a decode worker's retry while its first pull still runs) take
+two references and give back two; keyed by lease alone they once took two and gave back one,
+and the blocks never returned to the pool.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from splitserve.protos import kv_pb2
 class EngineLeaseSource:
     def __init__(self, engine) -> None:
         self.engine = engine
-        self._pinned: dict[str, tuple[int, ...]] = {}
+        self._pinned: dict[str, tuple[tuple[int, ...], int]] = {}  # lease -> (blocks, pulls)
 
     def begin_pull(self, lease_id: str, request_id: str) -> list[int]:
         leases = self.engine.leases
@@ -35,14 +38,17 @@ class EngineLeaseSource:
                 kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN, "the lease belongs to another request"
             )
         self.engine.cache.allocator.incref(lease.block_ids)
-        self._pinned[lease_id] = lease.block_ids
+        _, pulls = self._pinned.get(lease_id, ((), 0))
+        self._pinned[lease_id] = (tuple(lease.block_ids), pulls + 1)
         return list(lease.block_ids)
 
     def pulls_expected(self) -> bool:
         return len(self.engine.leases) > 0
 
     def end_pull(self, lease_id: str, delivered: bool) -> None:
-        blocks = self._pinned.pop(lease_id, ())
+        blocks, pulls = self._pinned.pop(lease_id, ((), 0))
+        if pulls > 1:
+            self._pinned[lease_id] = (blocks, pulls - 1)
         if blocks:
             self.engine.cache.free(blocks)
         if delivered and self.engine.leases.get(lease_id) is not None:

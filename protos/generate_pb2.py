@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitserve/v1/generate.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb1\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xd8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"C\n\nStopReason\x12\x12\n\x08stop_str\x18\x01 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x02 \x01(\rH\x00\x42\x08\n\x06reason\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xff\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x06 \x01(\x0b\x32\x19.splitserve.v1.StopReason\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.splitserve.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"W\n\nWorkerInfo\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"\x8b\x01\n\nServerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12*\n\x07workers\x18\x05 \x03(\x0b\x32\x19.splitserve.v1.WorkerInfo*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xf5\x01\n\x0fGenerateService\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12O\n\rGetServerInfo\x12#.splitserve.v1.GetServerInfoRequest\x1a\x19.splitserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitserve/v1/generate.proto\x12\rsplitserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb1\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0f \x01(\r\x12@\n\nlogit_bias\x18\x10 \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\xd8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12 \n\x13skip_special_tokens\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"C\n\nStopReason\x12\x12\n\x08stop_str\x18\x01 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x02 \x01(\rH\x00\x42\x08\n\x06reason\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\xaf\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x06 \x01(\x0b\x32\x19.splitserve.v1.StopReason\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12.\n\x0bkv_handover\x18\x08 \x01(\x0b\x32\x19.splitserve.v1.KvHandover\"E\n\nKvHandover\x12\x12\n\nrecomputed\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x16\n\x14GetServerInfoRequest\"W\n\nWorkerInfo\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\"\x8b\x01\n\nServerInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12*\n\x07workers\x18\x05 \x03(\x0b\x32\x19.splitserve.v1.WorkerInfo*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xf5\x01\n\x0fGenerateService\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12O\n\rGetServerInfo\x12#.splitserve.v1.GetServerInfoRequest\x1a\x19.splitserve.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1743
-  _globals['_FINISHREASON']._serialized_end=1863
-  _globals['_WORKERROLE']._serialized_start=1865
-  _globals['_WORKERROLE']._serialized_end=1955
+  _globals['_FINISHREASON']._serialized_start=1862
+  _globals['_FINISHREASON']._serialized_end=1982
+  _globals['_WORKERROLE']._serialized_start=1984
+  _globals['_WORKERROLE']._serialized_end=2074
   _globals['_TOKENIDS']._serialized_start=47
   _globals['_TOKENIDS']._serialized_end=70
   _globals['_SAMPLINGPARAMS']._serialized_start=73
@@ -54,17 +54,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=1073
   _globals['_USAGE']._serialized_end=1160
   _globals['_GENERATERESPONSE']._serialized_start=1163
-  _globals['_GENERATERESPONSE']._serialized_end=1418
-  _globals['_ABORTREQUEST']._serialized_start=1420
-  _globals['_ABORTREQUEST']._serialized_end=1454
-  _globals['_ABORTRESPONSE']._serialized_start=1456
-  _globals['_ABORTRESPONSE']._serialized_end=1486
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1488
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1510
-  _globals['_WORKERINFO']._serialized_start=1512
-  _globals['_WORKERINFO']._serialized_end=1599
-  _globals['_SERVERINFO']._serialized_start=1602
-  _globals['_SERVERINFO']._serialized_end=1741
-  _globals['_GENERATESERVICE']._serialized_start=1958
-  _globals['_GENERATESERVICE']._serialized_end=2203
+  _globals['_GENERATERESPONSE']._serialized_end=1466
+  _globals['_KVHANDOVER']._serialized_start=1468
+  _globals['_KVHANDOVER']._serialized_end=1537
+  _globals['_ABORTREQUEST']._serialized_start=1539
+  _globals['_ABORTREQUEST']._serialized_end=1573
+  _globals['_ABORTRESPONSE']._serialized_start=1575
+  _globals['_ABORTRESPONSE']._serialized_end=1605
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1607
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1629
+  _globals['_WORKERINFO']._serialized_start=1631
+  _globals['_WORKERINFO']._serialized_end=1718
+  _globals['_SERVERINFO']._serialized_start=1721
+  _globals['_SERVERINFO']._serialized_end=1860
+  _globals['_GENERATESERVICE']._serialized_start=2077
+  _globals['_GENERATESERVICE']._serialized_end=2322
 # @@protoc_insertion_point(module_scope)

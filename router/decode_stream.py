@@ -99,6 +99,12 @@ class DecodeStream(GenerationBase):
                         self._observe_components(
                             transfer=resp.transfer_time_ms, decode_queue=resp.queue_time_ms
                         )
+                    if decode_req.HasField("kv"):  # the client's last chunk says how it went
+                        self.kv_handover = generate_pb2.KvHandover(
+                            recomputed=resp.kv_recomputed,
+                            reason=resp.kv_recompute_reason,
+                            transfer_ms=resp.transfer_time_ms,
+                        )
                     if resp.kv_recomputed:  # the decode worker never took the lease: free it now
                         self._release_lease("kv_recomputed")
                     elif self.ctx.cfg.routing.release_lease_after_decode:

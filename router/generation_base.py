@@ -103,6 +103,7 @@ class GenerationBase:
         self.out = OutputStream(ctx.model, req)
         self.lease: tuple[Worker, str] | None = None  # prefill worker, lease id
         self.decode_took_lease = False
+        self.kv_handover: generate_pb2.KvHandover | None = None  # set by a decode after a pull
         self.outcome = "cancelled"  # what a cancellation leaves; set on every other end
         self._last_token_write: float | None = None
 
@@ -117,6 +118,8 @@ class GenerationBase:
         await self.context.write(chunk)
 
     async def _finish(self, chunk: generate_pb2.GenerateResponse) -> None:
+        if self.kv_handover is not None:
+            chunk.kv_handover.CopyFrom(self.kv_handover)
         await self._write(chunk)
         self.outcome = _OUTCOME[chunk.finish_reason]
         self.ctx.metrics.e2e_seconds.observe(time.monotonic() - self.arrival)

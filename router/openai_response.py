@@ -7,6 +7,9 @@
       .usage_chunk(usage)       stream_options.include_usage: the last chunk, no choices
       .full(chunks)             the non-streamed text_completion / chat.completion
 
+The last streamed chunk with a finish reason and the whole response carry "kv_handover"
+(recomputed, reason, transfer_ms) when the request went through a KV hand-over.
+
 Text is the router's own streamed text (stop strings and incremental detokenization applied
 once, in output.py), so both APIs and gRPC return the same characters. Logprobs: completions
 give {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}; chat gives
@@ -43,6 +46,13 @@ def usage_json(u: generate_pb2.Usage) -> dict[str, Any]:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens},
     }
+
+
+def kv_handover_json(k: generate_pb2.KvHandover) -> dict[str, Any]:
+    """splitserve's extension on the last chunk / the whole response (like vLLM's
+    kv_transfer_params): whether the decode worker recomputed the prompt instead of pulling its
+    KV, and why (docs/openai.md)."""
+    return {"recomputed": k.recomputed, "reason": k.reason, "transfer_ms": round(k.transfer_ms, 3)}
 
 
 class ResponseBuilder:
@@ -144,7 +154,10 @@ class ResponseBuilder:
             choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": chunk.text, "logprobs": lps, "finish_reason": finish}
-        return self._envelope([choice])
+        body = self._envelope([choice])
+        if finish is not None and chunk.HasField("kv_handover"):
+            body["kv_handover"] = kv_handover_json(chunk.kv_handover)
+        return body
 
     def usage_chunk(self, usage: generate_pb2.Usage) -> dict[str, Any]:
         body = self._envelope([])
@@ -172,7 +185,7 @@ class ResponseBuilder:
                 "finish_reason": FINISH.get(last.finish_reason),
             }
             obj = "text_completion"
-        return {
+        body = {
             "id": self.id,
             "object": obj,
             "created": self.created,
@@ -180,3 +193,6 @@ class ResponseBuilder:
             "choices": [choice],
             "usage": usage_json(last.usage),
         }
+        if last.HasField("kv_handover"):
+            body["kv_handover"] = kv_handover_json(last.kv_handover)
+        return body

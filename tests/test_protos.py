@@ -244,7 +244,8 @@ WIRE = {
     "StopReason": "stop_str=1 stop_token_id=2",
     "Usage": "prompt_tokens=1 cached_prompt_tokens=2 completion_tokens=3",
     "GenerateResponse": "request_id=1 text=2 token_ids=3 logprobs=4 finish_reason=5 "
-    "stop_reason=6 usage=7",
+    "stop_reason=6 usage=7 kv_handover=8",
+    "KvHandover": "recomputed=1 reason=2 transfer_ms=3",
     "AbortRequest": "request_id=1",
     "AbortResponse": "found=1",
     "GetServerInfoRequest": "",
@@ -270,7 +271,7 @@ WIRE = {
     "ReleaseLeaseResponse": "released=1",
     "DecodeRequest": "request_id=1 prompt_token_ids=2 first_token_id=3 sampling=4 kv=5",
     "DecodeResponse": "token_ids=1 logprobs=2 finish_reason=3 stop_reason=4 transfer_time_ms=5 "
-    "queue_time_ms=6 kv_recomputed=7",
+    "queue_time_ms=6 kv_recomputed=7 kv_recompute_reason=8",
     "GetLoadRequest": "max_prefix_hashes=1",
     "PrefixCacheSummary": "block_hashes=1 num_cached_blocks=2 block_keys=3",
     "WorkerLoad": "role=1 num_running=2 num_waiting=3 free_blocks=4 total_blocks=5 block_size=6 "

@@ -61,6 +61,11 @@ def test_corrupted_transfer_is_detected_and_never_served(cluster, oracle, procs,
             return bad, good, before, after_bad, after_good, released
 
     bad, good, before, after_bad, after_good, released = asyncio.run(body())
+    # the client sees the recompute, and why, on its last chunk; the clean pull says pulled
+    handover = bad.chunks[-1].kv_handover
+    assert bad.chunks[-1].HasField("kv_handover") and handover.recomputed, bad.chunks[-1]
+    assert handover.reason == reason or (fault == "truncate_payload" and handover.reason)
+    assert not good.chunks[-1].kv_handover.recomputed and good.chunks[-1].kv_handover.transfer_ms
     for t, prompt in ((bad, PROMPT), (good, PROMPT[:-1])):
         want = oracle(
             prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -43,18 +43,23 @@ def test_kv_pool_exhaustion_burst_queues_without_crash_or_hang(cluster, oracle, 
                 asyncio.gather(*(ledger.run(stub, p, sampling, timeout=120) for p in prompts)), 150
             )
             took = time.monotonic() - start
-            pressure = metric(
-                dm, "splitserve_kv_transfer_failures_total", reason="pool_full"
-            ) + metric(dm, "splitserve_decode_preemptions_total")
+            pool_full = metric(dm, "splitserve_kv_transfer_failures_total", reason="pool_full")
+            pressure = pool_full + metric(dm, "splitserve_decode_preemptions_total")
             alive = prefill.alive() and decode.alive()
             await finish_case(ledger, stub, oracle, [prefill.address], [decode.address], r)
-            return done, took, pressure, alive
+            return done, took, pressure, alive, pool_full
 
-    done, took, pressure, alive = asyncio.run(body())
+    done, took, pressure, alive, pool_full = asyncio.run(body())
     assert alive and health_status(decode.address) == health_status(prefill.address) == SERVING
     statuses = [t.status for t in done]
     assert set(statuses) <= {"OK/LENGTH", "RESOURCE_EXHAUSTED"}, statuses
     assert pressure > 0 or "RESOURCE_EXHAUSTED" in statuses  # the pools did run short
+    # every request recomputed for want of decode blocks says so on its last chunk
+    told = [t for t in done if t.status == "OK/LENGTH" and t.chunks[-1].kv_handover.recomputed]
+    everyone_served = set(statuses) == {"OK/LENGTH"}
+    assert (len(told) == pool_full if everyone_served else len(told) <= pool_full) and all(
+        t.chunks[-1].kv_handover.reason == "pool_full" for t in told
+    ), (pool_full, [t.chunks[-1].kv_handover for t in done if t.chunks])
     for p, t in zip(prompts, done):
         if t.status == "OK/LENGTH":
             assert (

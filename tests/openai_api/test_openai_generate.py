@@ -86,6 +86,14 @@ def test_completions_greedy_equal_offline_engine_and_grpc(stack, client, oracle)
     assert streamed[-1].usage.completion_tokens == 12 and streamed[-1].usage.prompt_tokens == len(
         ids
     )
+    # the hand-over is reported on the last chunk / the whole response: pulled, not recomputed
+    assert chunks[-1].HasField("kv_handover") and not chunks[-1].kv_handover.recomputed
+    assert chunks[-1].kv_handover.transfer_ms > 0 and not chunks[-1].kv_handover.reason
+    finish_chunk = next(c for c in streamed if c.choices and c.choices[0].finish_reason)
+    for body in (text, finish_chunk):
+        handover = body.model_extra["kv_handover"]
+        assert handover["recomputed"] is False and handover["reason"] == "", handover
+    assert all("kv_handover" not in c.model_extra for c in streamed if c is not finish_chunk)
     stack.assert_free()
 
 

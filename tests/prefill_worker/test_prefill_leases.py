@@ -256,3 +256,27 @@ def test_duplicate_in_flight_request_id_is_rejected(tiny_llama):
             await release(stub, await first)
 
     asyncio.run(body())
+
+
+def test_two_pulls_of_one_lease_pin_and_unpin_once_each(tiny_llama):
+    """A lease pulled twice at once (a decode worker's retry while its first pull still runs):
+    each pull pins the blocks once and gives its pin back, whichever ends first; the lease's
+    own reference goes with the delivered pull, and every block is free at the end."""
+
+    async def body():
+        async with serving(worker_config(tiny_llama)) as (worker, stub):
+            source = worker.kv_server.leases  # the listener's own lease source
+            alloc = worker.engine.allocator
+            resp = await stub.Prefill(prefill_request("twice", [1, 2, 3, 4, 5, 6, 7]))
+            lease = resp.kv.lease_id
+            blocks = source.begin_pull(lease, "twice")
+            base = [alloc.refcount(b) - 1 for b in blocks]  # before any pull
+            assert source.begin_pull(lease, "twice") == blocks
+            assert [alloc.refcount(b) for b in blocks] == [r + 2 for r in base]
+            source.end_pull(lease, delivered=False)  # the first attempt gave up
+            assert [alloc.refcount(b) for b in blocks] == [r + 1 for r in base]
+            assert len(worker.engine.leases) == 1  # the lease stays for the retry
+            source.end_pull(lease, delivered=True)  # the retry delivered: lease released
+            assert len(worker.engine.leases) == 0  # (serving() checks every block is free)
+
+    asyncio.run(body())

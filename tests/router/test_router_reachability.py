@@ -114,11 +114,21 @@ def test_unreachable_addresses_are_refused_at_registration(cluster, oracle, tiny
                 )
                 static = r2.registry.get(bad_address)
                 static_state = static.healthy, static.why
+                # a worker in rotation whose KV listener stops answering is evicted with its own
+                # reason: put it in rotation by hand (a listener cannot vanish from a live worker
+                # without the worker going, which evicts as "refused" first), then one probe
+                assert r2.metrics.evictions("prefill") == {}  # never healthy: no eviction
+                static.healthy = True
+                await wait_until(lambda: not static.healthy, 10, "KV-unreachable worker evicted")
+                evictions = r2.metrics.evictions("prefill")
         finally:
             await bad.stop(0.5)
-        return refused, sidecar, listed, served, pulls, static_state
+        return refused, sidecar, listed, served, pulls, static_state, evictions
 
-    refused, sidecar, listed, served, (failed_pulls, pulled), (healthy, why) = asyncio.run(body())
+    refused, sidecar, listed, served, (failed_pulls, pulled), (healthy, why), evictions = (
+        asyncio.run(body())
+    )
+    assert evictions == {"kv_unreachable": 1}, evictions
     for what, err in refused.items():
         assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, what
     assert f"cannot reach decode worker {nobody}" in refused["closed port"].details()
