@@ -1,8 +1,9 @@
 """Disaggregated vs colocated serving on one machine, in one run, on a mixed workload: long
 prompts arriving while many short-prompt sequences decode (the case disaggregation is for).
 
-For each mode it starts `splitserve serve` (1 prefill + 1 decode worker, or `--colocated`: one
-decode worker that also prefills), runs `splitserve bench` on the same JSONL workload and the
+For each mode it starts `splitserve serve` (1 prefill + 1 decode worker, which on one GPU run
+under MPS with serve's default shares; or `--colocated`: one decode worker that also prefills;
+with --also-timeslice also the two workers without MPS), runs `splitserve bench` on the same JSONL workload and the
 same Poisson arrivals, stops the services, and prints TTFT / ITL / TPOT p50 and p99 and goodput
 at the SLO side by side with the ratios. Writes JSON (--out).
 
@@ -49,6 +50,11 @@ def parse_args(argv=None):
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--slo", default="ttft:300,tpot:20")
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--also-timeslice",
+        action="store_true",
+        help="also run the disaggregated mode with --mps off (the two workers time-slice the GPU)",
+    )
     return p.parse_args(argv)
 
 
@@ -91,7 +97,7 @@ def run_mode(mode: str, args, workload: Path, tmp: Path) -> dict:
         "--no-http",
         "--start-timeout",
         "300",
-    ] + (["--colocated"] if mode == "colocated" else [])
+    ] + {"colocated": ["--colocated"], "disaggregated-timeslice": ["--mps", "off"]}.get(mode, [])
     log = open(tmp / f"serve_{mode}.log", "w")  # noqa: SIM115
     serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -145,9 +151,9 @@ def main(argv=None) -> int:
         tmp = Path(d)
         workload = tmp / "mixed.jsonl"
         write_workload(workload, args)
-        results = {
-            mode: run_mode(mode, args, workload, tmp) for mode in ("disaggregated", "colocated")
-        }
+        modes = ["disaggregated", "colocated"]
+        modes += ["disaggregated-timeslice"] if args.also_timeslice else []
+        results = {mode: run_mode(mode, args, workload, tmp) for mode in modes}
     dis, col = results["disaggregated"], results["colocated"]
     print(
         f"mixed workload: {args.num_prompts} requests at {args.request_rate}/s, {args.long_share:.0%} with "
@@ -164,6 +170,13 @@ def main(argv=None) -> int:
         a, b = dis[key], col[key]
         rows[key] = dict(disaggregated=a, colocated=b, ratio=b / a if a else None)
         print(f"{key:14s} {a:14.2f} {b:10.2f} {b / a if a else float('nan'):12.2f}x")
+    if "disaggregated-timeslice" in results:  # --mps off: what one GPU gives without MPS
+        ts = results["disaggregated-timeslice"]
+        for key, stat in METRICS:
+            rows[f"{key}_{stat}"]["disaggregated_timeslice"] = ts[key][stat]
+            print(f"{key + ' ' + stat:14s} time-sliced disaggregated {ts[key][stat]:10.2f}")
+        rows["goodput"]["disaggregated_timeslice"] = ts["goodput"]
+        print(f"goodput        time-sliced disaggregated {ts['goodput']:10.2f}")
     if args.out:
         Path(args.out).write_text(
             json.dumps({"config": vars(args), "rows": rows, "raw": results}, indent=2)

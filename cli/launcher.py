@@ -37,7 +37,8 @@ from splitserve.service.service_process import PARENT_ENV
 from splitserve.service.tls import TlsClientConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
-PORT_TAKEN = "cannot listen on"  # GrpcServer's message when the port is in use
+PORT_TAKEN = "cannot listen on"
+SLOW_EXIT_S = 2.0  # GrpcServer's message when the port is in use
 
 
 class StartError(RuntimeError):
@@ -102,6 +103,7 @@ class Launcher:
         host: str = "127.0.0.1",
         port: int | None = None,
         depends_on: tuple[Child, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> Child:
         child = Child(
             name,
@@ -113,6 +115,7 @@ class Launcher:
             depends_on=depends_on,
             log_path=self.log_dir / f"{name}.log",
             tls=self.tls,
+            env=dict(env or {}),
         )
         child.port = port or free_port(host)
         self.children.append(child)
@@ -130,7 +133,7 @@ class Launcher:
         child._log_start = child._log_file.tell()  # tails show the child's output, not the command
         # no preexec_fn (Python between fork and exec, next to live gRPC threads): the child sets
         # its own death signal from PARENT_ENV (service/service_process.py)
-        env = {**self._env, PARENT_ENV: str(os.getpid())}
+        env = {**self._env, **child.env, PARENT_ENV: str(os.getpid())}
         child.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
@@ -221,19 +224,25 @@ class Launcher:
         for child in children:
             if child.alive():
                 child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        sent = time.monotonic()
+        deadline = sent + grace_s
         for child in children:
             if child.proc is None or child.proc.returncode is not None:  # reaped already
                 child.close()
                 continue
             if not _exited_unreaped(child.proc, deadline):
                 self._say(f"{child.name} did not stop within {grace_s:.0f}s of SIGTERM; killing it")
+            elif (took := time.monotonic() - sent) > SLOW_EXIT_S:  # say it: a slow exit is a defect
+                self._say(f"{child.name} took {took:.1f}s to exit after SIGTERM (see its log)")
             # the child is a zombie or still running, so its process group id is still ours:
             # kill whatever it left behind in the group (or it, when it ignored SIGTERM)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.proc.pid, signal.SIGKILL)
             child.proc.wait()
+            closing = time.monotonic()
             child.close()
+            if (took := time.monotonic() - closing) > SLOW_EXIT_S:
+                self._say(f"closing {child.name}'s health channel took {took:.1f}s")
 
     def stop(
         self, grace_s: float = 30.0, first: tuple[str, ...] = ("router",)

@@ -54,6 +54,7 @@ class Child:
     started: float = 0.0
     retries: int = PORT_RETRIES
     tls: TlsClientConfig | None = None  # how its health is checked; None: plaintext
+    env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's (e.g. MPS share)
     _log_start: int = 0
     _log_file: object = field(default=None, repr=False)
     _channel: grpc.Channel | None = field(default=None, repr=False)

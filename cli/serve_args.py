@@ -57,6 +57,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-http", action="store_true", help="no OpenAI-compatible HTTP front")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (the workers' default: auto)")
     p.add_argument(
+        "--mps",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="when prefill and decode workers share a GPU, run them under NVIDIA MPS (joining a "
+        "running control daemon or starting a private one) so their kernels overlap; auto: when "
+        "MPS is installed, else they time-slice (default auto)",
+    )
+    p.add_argument(
+        "--prefill-sm-share",
+        type=int,
+        default=50,
+        metavar="PCT",
+        help="under MPS, the prefill workers' share of the SMs in percent; decode takes the rest "
+        "(default 50)",
+    )
+    p.add_argument(
+        "--prefill-memory-share",
+        type=int,
+        default=30,
+        metavar="PCT",
+        help="under MPS, the memory a prefill worker may pin in percent of the GPU's (weights, "
+        "KV pool, workspace); decode takes the rest (default 30)",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         metavar="N",

@@ -10,6 +10,7 @@ router as a launcher child with its argv, on the devices serve_placement.py give
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from splitserve.cli.launcher import Launcher
@@ -32,9 +33,12 @@ def build(
     http_port: int | None = None,
     placement: tuple[list[list[str]], list[list[str]]] | None = None,
     access: list[str] | None = None,
+    worker_env: Callable[[str], dict[str, str]] | None = None,
 ) -> None:
     """`placement`: serve_placement.worker_flags (computed here when None); `access`: the
-    router's key flags (serve_args.access_args)."""
+    router's key flags (serve_args.access_args); `worker_env(role)`: extra environment of each
+    prefill / decode worker (serve_mps.py: its MPS share)."""
+    env_of = worker_env or (lambda role: {})
     prefill_at, decode_at = placement or worker_flags(args, num_prefill, num_decode)
     common = ["--model", str(model), "--log-level", args.log_level]
     engine = [*common]
@@ -65,6 +69,7 @@ def build(
             [*engine, *prefill_at[i], *grace, *tls, *metrics()],
             SERVICES["prefill-worker"],
             host=args.host,
+            env=env_of("prefill"),
         )
         for i in range(num_prefill)
     ]
@@ -75,6 +80,7 @@ def build(
             [*engine, *decode_at[i], *grace, *tls, *metrics()],
             SERVICES["decode-worker"],
             host=args.host,
+            env=env_of("decode"),
         )
         for i in range(num_decode)
     ]

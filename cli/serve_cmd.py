@@ -42,6 +42,7 @@ from splitserve.cli.serve_args import (
     resolve_model,
 )
 from splitserve.cli.serve_children import build
+from splitserve.cli.serve_mps import plan_mps
 from splitserve.cli.serve_placement import worker_flags
 from splitserve.service.net import free_port, local_dial_host
 from splitserve.service.service_process import end_with_exit_now
@@ -104,16 +105,28 @@ def run(args: argparse.Namespace) -> int:
     access, api_key = access_args(args)
     if http_port == 0:
         http_port = free_port(args.host)
+    mps, why_not_mps = plan_mps(args, *placement)  # bad shares: refused before anything starts
     model = resolve_model(args.model)
     auto_logs = args.log_dir is None
     log_dir = (
         Path(tempfile.mkdtemp(prefix="splitserve-serve-")) if auto_logs else Path(args.log_dir)
     )
     end_with_exit_now()  # once children exist: gRPC's thread shutdown at exit must not hang it
-    launcher = Launcher(
-        log_dir, on_event=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True), tls=tls
-    )
-    build(launcher, args, model, num_prefill, num_decode, http_port, placement, access)
+    say = lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    launcher = Launcher(log_dir, on_event=say, tls=tls)
+    if why_not_mps:
+        say(why_not_mps)
+    if mps is not None:
+        mps.start(say)
+    try:
+        build(
+            launcher, args, model, num_prefill, num_decode, http_port, placement, access,
+            worker_env=mps.env if mps is not None else None,
+        )  # fmt: skip
+    except BaseException:
+        if mps is not None:
+            mps.stop()
+        raise
     router = launcher.children[-1]
     what = "colocated" if args.colocated else f"{num_prefill} prefill"
     print(
@@ -188,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         print("splitserve serve: stopping services", file=sys.stderr, flush=True)
         exits = launcher.stop(args.drain_grace_s + 5.0)
+        if mps is not None:  # after its clients: a private daemon quits once they are gone
+            mps.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
     unclean = [

@@ -49,8 +49,15 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+EXIT_STACKS_AFTER_S = 3.0
+
+
 def exit_now(code: int) -> None:
-    """Flush logs and stdio, then end the process without running finalisers."""
+    """Flush logs and stdio, then end the process without running finalisers. An exit still
+    running EXIT_STACKS_AFTER_S later (a thread holding a log handler's lock, or the GIL in C)
+    dumps every thread's stack into the log (faulthandler's C watchdog: it needs no GIL)."""
+    with contextlib.suppress(Exception):
+        faulthandler.dump_traceback_later(EXIT_STACKS_AFTER_S)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
