@@ -127,6 +127,7 @@ async def drive(args, launcher: Launcher, router, workers, vocab: int) -> dict:
         workers[1],
     ]  # decode, prefill, router, ...
     kills: list[dict] = []
+    burst_members: set[int] = set()  # requests started as part of a burst (not a new one)
     rss0 = {c.name: rss_mb(c.pid) for c in (router, *workers)}
     async with open_channel(router.address, router.tls) as ch:
         stub = generate_pb2_grpc.GenerateServiceStub(ch)
@@ -159,9 +160,11 @@ async def drive(args, launcher: Launcher, router, workers, vocab: int) -> dict:
                 victim = victims[len(kills) % len(victims)]
                 print(f"  killing {victim.name} ({victim.address})", flush=True)
                 kills.append(await kill_and_restart(launcher, victim, stub, router))
-            if burst:
+            if burst and i not in burst_members:
+                ledger.bursts += 1
                 print(f"  burst of {2 * args.concurrency} requests", flush=True)
-                burst_at |= set(range(i + 1, i + 2 * args.concurrency))
+                burst_members |= set(range(i + 1, i + 2 * args.concurrency))
+                burst_at |= burst_members
             await asyncio.sleep(0)
         await asyncio.gather(*tasks)
         elapsed = time.monotonic() - t0

@@ -17,6 +17,8 @@ class Ledger:
 
     def __init__(self) -> None:
         self.outcomes: dict[str, list[str]] = {}
+        self.aborted = 0  # streams that ended with finish reason ABORT after our Abort RPC
+        self.bursts = 0  # bursts started (drive counts them)
 
     def start(self, rid: str) -> None:
         self.outcomes[rid] = []
@@ -33,6 +35,8 @@ class Ledger:
             "failed_by_status": dict(ends),
             "lost": sum(not o for o in self.outcomes.values()),
             "duplicated": sum(len(o) > 1 for o in self.outcomes.values()),
+            "aborted": self.aborted,
+            "bursts": self.bursts,
         }
 
 
@@ -63,8 +67,10 @@ async def one_request(
                 call.cancel()
                 ledger.end(rid, "CANCELLED")
                 return
-            if abort_after is not None and tokens >= abort_after and not finished:
-                abort_after = None  # once; the stream then ends with its own last chunk (ABORT)
+            if chunk.finish_reason == generate_pb2.FINISH_REASON_ABORT and abort_after == 0:
+                ledger.aborted += 1
+            if abort_after and tokens >= abort_after and not finished:
+                abort_after = 0  # once; the stream then ends with its own last chunk (ABORT)
                 await stub.Abort(generate_pb2.AbortRequest(request_id=rid), timeout=10)
         # a finished stream carries exactly one final chunk; each extra one counts as a duplicate
         for _ in range(finished):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 
 from aiohttp import web
@@ -44,11 +45,16 @@ def _nothing() -> None:
 class _PeerErrorLog(logging.LoggerAdapter):
     """aiohttp's server logger, but a request its parser refuses (garbage bytes, a gRPC client's
     HTTP/2 preface, a bad header) is one INFO line instead of an ERROR with a traceback, so no
-    peer can fill the log with tracebacks; anything else keeps its traceback."""
+    peer can fill the log with tracebacks; anything else keeps its traceback. The line keeps the
+    refusal's description, not the bytes aiohttp quotes after it (a header line that is too long
+    or holds a control character may carry an API key)."""
 
     def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
         if isinstance(exc_info, HttpProcessingError):
-            why = " ".join(f"{type(exc_info).__name__}: {exc_info.message}".split())[:200]
+            text = str(exc_info.message)
+            cut = min((i for i in map(text.find, "'\"\n") if i >= 0), default=len(text))
+            described = re.sub(r"[\s:]*b?$", "", text[:cut])  # "...: b'<line>'" -> "..."
+            why = " ".join(f"{type(exc_info).__name__}: {described}".split())[:200]
             self.logger.info(msg + " (refused: %s)", *args, why)
         else:
             self.logger.exception(msg, *args, exc_info=exc_info, **kwargs)

@@ -118,3 +118,8 @@ def logs(front, cluster):
     for p, mark in marks:
         tail = p.log_path.read_bytes()[mark:].decode(errors="replace")
         assert "Traceback" not in tail, f"{p.name} logged a traceback:\n{tail[-20000:]}"
+
+
+# the credential fuzzers' keyed router and secret-requiring workers (fuzz_auth_support.py), for
+# test_fuzz_auth_router.py and test_fuzz_auth_workers.py (one set per module)
+from fuzz_auth_support import ended, g  # noqa: E402, F401

@@ -4,7 +4,9 @@ its os._exit) within 10 s of "stopping services", and every process is gone when
 while busy processes keep both cores loaded. A worker that hung at exit (garbage collection of
 a ucxx listener, gRPC threads) failed about 3 runs in 33 before service_process.py.
 
-What the 10 s bounds is the services' own stop. The kernel's teardown of a process that has
+What the 10 s bounds is the services' own stop; after it, each process must leave user space
+within EXIT_STACKS_AFTER_S (3 s: service_process.exit_now's watchdog dumps the stacks of a
+process still running Python then, which fails the test). The kernel's teardown of a process that has
 called os._exit is the VM's: on this 2-core Firecracker VM it took up to 5.3 s (os._exit at T,
 zombie at T + 5.3 s, while another process kept running undisturbed) and once over 10 s on
 fresh CI, so serve's whole exit (reaping included) has a 60 s hang guard instead.
@@ -120,6 +122,10 @@ def test_quick_start_exits_cleanly_under_load(tiny_llama, tmp_path):
             assert max(stops.values()) < STOPPED_WITHIN_S, (
                 f"run {i}: a service's stop took too long: {stops}\n{err}{_log_tails(run)}"
             )
+            # nothing of ours ran on after its stop: a process still in Python EXIT_STACKS_AFTER_S
+            # into exit_now would have dumped its threads' stacks into its log (faulthandler)
+            stuck = [log.name for log in run.glob("*.log") if "Timeout (" in log.read_text()]
+            assert not stuck, f"run {i}: still running after its exit began: {stuck}\n{err}"
             assert exit_s < EXITED_WITHIN_S, (
                 f"run {i}: serve's exit took {exit_s:.1f}s\n{err}{_log_tails(run)}"
             )
