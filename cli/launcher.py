@@ -7,8 +7,9 @@
                                                a child that lost its port to another binder is
                                                relaunched on a new one (and its dependents too)
       .check_alive()                           StartError when a child died while serving
-      .stop(grace_s)                           SIGTERM in order (router first, workers next),
-                                               wait, SIGKILL the stragglers' process groups
+      .stop(grace_s)                           SIGTERM in order (router first, workers next,
+                                               each stage once the previous one is exiting),
+                                               SIGKILL the stragglers' process groups, reap all
 
 No orphans: every child runs in its own process group (a terminal Ctrl-C reaches only the
 launcher, which stops the children in order) and sets PR_SET_PDEATHSIG=SIGTERM on itself at
@@ -60,14 +61,31 @@ def cli_argv(subcommand: str) -> list[str]:
     )
 
 
+_PF_EXITING = 0x4  # task flag: the process is in the kernel's exit path (include/linux/sched.h)
+
+
+def _exiting(pid: int) -> bool:
+    """Whether `pid` has left user space for good (its exit has begun in the kernel)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()
+        return int(after_name[6]) & _PF_EXITING != 0  # field 9, `flags`
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 def _exited_unreaped(proc: subprocess.Popen, deadline: float) -> bool:
-    """Waits until `proc` exits or `deadline`, leaving it unreaped (a zombie keeps its pid and
-    process group id, so a following killpg cannot hit a stranger); True when it exited."""
+    """Waits until `proc` has exited or is exiting, or `deadline`, leaving it unreaped (a zombie
+    keeps its pid and process group id, so a following killpg cannot hit a stranger); True when
+    it did. Exiting counts: the kernel's teardown of a process that has called _exit took up to
+    15 s on a loaded 2-core VM, time in which it runs none of our code."""
     while True:
         try:
             if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
                 return True
         except ChildProcessError:
+            return True
+        if _exiting(proc.pid):
             return True
         if time.monotonic() >= deadline:
             return False
@@ -220,7 +238,9 @@ class Launcher:
                 raise self._failed(child, "exited unexpectedly")
 
     # ---- stop --------------------------------------------------------------------------------------
-    def _terminate(self, children: list[Child], grace_s: float) -> None:
+    def _terminate(self, children: list[Child], grace_s: float, reap: bool = True) -> None:
+        """SIGTERM `children`, wait until each has exited or is exiting (else SIGKILL its group),
+        then reap them (`reap`), or leave that to the caller."""
         for child in children:
             if child.alive():
                 child.proc.send_signal(signal.SIGTERM)
@@ -238,11 +258,16 @@ class Launcher:
             # kill whatever it left behind in the group (or it, when it ignored SIGTERM)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(child.proc.pid, signal.SIGKILL)
+            if reap:
+                self._reap(child)
+
+    def _reap(self, child: Child) -> None:
+        if child.proc is not None:
             child.proc.wait()
-            closing = time.monotonic()
-            child.close()
-            if (took := time.monotonic() - closing) > SLOW_EXIT_S:
-                self._say(f"closing {child.name}'s health channel took {took:.1f}s")
+        closing = time.monotonic()
+        child.close()
+        if (took := time.monotonic() - closing) > SLOW_EXIT_S:
+            self._say(f"closing {child.name}'s health channel took {took:.1f}s")
 
     def stop(
         self, grace_s: float = 30.0, first: tuple[str, ...] = ("router",)
@@ -251,6 +276,8 @@ class Launcher:
         kill what is left after `grace_s` per stage. Idempotent; returns name -> exit code."""
         head = [c for c in self.children if c.subcommand in first]
         rest = [c for c in self.children if c.subcommand not in first]
-        for stage in (head, rest):
-            self._terminate(stage, grace_s)
+        for stage in (head, rest):  # the next stage starts once this one is out of user space
+            self._terminate(stage, grace_s, reap=False)
+        for child in self.children:  # the kernel tears them down at once: wait for the slowest
+            self._reap(child)
         return {c.name: (c.proc.returncode if c.proc is not None else None) for c in self.children}
