@@ -126,3 +126,37 @@ def test_rate_and_concurrency_limits_per_caller():
     limits.admit("x")
     second(), third()
     assert not CallerLimits(AuthConfig()).enabled
+
+
+def test_the_caller_table_is_bounded(monkeypatch):
+    """Past MAX_CALLERS, idle callers with full buckets make room; if every caller is busy a
+    newcomer is refused rather than the table growing without bound."""
+    import splitserve.router.caller_limits as caller_limits
+
+    monkeypatch.setattr(caller_limits, "MAX_CALLERS", 3)
+    clock = _Clock()
+    limits = CallerLimits(AuthConfig(rate_per_s=1.0, burst=1, max_concurrent=5), clock)
+    held = [limits.admit(f"busy{i}") for i in range(3)]
+    with pytest.raises(RequestError) as full:
+        limits.admit("newcomer")
+    assert full.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "too many distinct callers" in full.value.message and full.value.retry_after_s
+    held[0]()  # one caller goes idle, and its bucket refills
+    clock.now = 5.0
+    limits.admit("newcomer")()  # room made by dropping the idle one
+    assert len(limits._callers) == 3 and "busy0" not in limits._callers
+
+
+def test_an_open_control_listener_beyond_loopback_is_warned_about(tiny_llama, monkeypatch, caplog):
+    monkeypatch.setenv("SPLITSERVE_API_KEYS", KEY_A)
+    caplog.set_level("WARNING", logger="splitserve.router.auth")
+    for host, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
+        caplog.clear()
+        monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET", raising=False)
+        Authenticator(router_config(tiny_llama, control={"host": host, "port": 0}))
+        said = [r.getMessage() for r in caplog.records if "control listener" in r.getMessage()]
+        assert bool(said) == warned, (host, said)
+    monkeypatch.setenv("SPLITSERVE_CLUSTER_SECRET", KEY_B)  # a secret closes it: no warning
+    caplog.clear()
+    Authenticator(router_config(tiny_llama, control={"host": "0.0.0.0", "port": 0}))
+    assert not [r for r in caplog.records if "control listener" in r.getMessage()]

@@ -93,3 +93,47 @@ def test_a_worker_beyond_loopback_needs_a_cluster_secret(tiny_llama, monkeypatch
     assert refused.returncode == 2, refused.stderr
     lines = [line for line in refused.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "cluster secret" in lines[0] and "Traceback" not in refused.stderr
+
+
+def test_open_to_all_starts_a_worker_beyond_loopback_without_a_secret(tiny_llama, monkeypatch):
+    """--open-to-all is the explicit opt-out: the same worker starts, serves its health to anyone
+    and stops cleanly on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from grpc_health.v1 import health_pb2
+    from helpers_procs import cli_command, free_port, health_status
+
+    from splitserve.protos import worker_pb2, worker_pb2_grpc
+
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET", raising=False)
+    monkeypatch.delenv("SPLITSERVE_CLUSTER_SECRET_FILE", raising=False)
+    port = free_port()
+    argv = [
+        *cli_command("prefill-worker"),
+        *("--model", str(tiny_llama), "--device", "cpu", "--block-size", "4"),
+        *("--num-blocks", "32", "--host", "0.0.0.0", "--port", str(port), "--open-to-all"),
+    ]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
+    )
+    try:
+        deadline = time.monotonic() + 120
+        status = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            status = health_status(f"127.0.0.1:{port}", "splitserve.v1.PrefillWorker")
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                break
+            time.sleep(0.2)
+        assert status == health_pb2.HealthCheckResponse.SERVING, proc.poll()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # no secret needed
+            load = worker_pb2_grpc.PrefillWorkerStub(channel).GetLoad(
+                worker_pb2.GetLoadRequest(), timeout=10
+            )
+        assert load.total_blocks > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in out, out[-3000:]
