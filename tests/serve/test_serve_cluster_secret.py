@@ -13,8 +13,12 @@ from splitserve.service.credentials import CLUSTER_SECRET_ENV, CLUSTER_SECRET_FI
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    monkeypatch.delenv(CLUSTER_SECRET_ENV, raising=False)
-    monkeypatch.delenv(CLUSTER_SECRET_FILE_ENV, raising=False)
+    """Both variables absent, and restored afterwards even when the code under test sets one
+    behind monkeypatch's back (set first, so that monkeypatch records their original state: a
+    secret leaking into the rest of the session made every later worker demand it)."""
+    for name in (CLUSTER_SECRET_ENV, CLUSTER_SECRET_FILE_ENV):
+        monkeypatch.setenv(name, "recorded")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
