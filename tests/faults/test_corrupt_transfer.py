@@ -14,7 +14,17 @@ from router_helpers import greedy, router_config, running_router
 
 from splitserve.request.sampling_params import SamplingParams
 
-PROMPT = [1] + list(range(120, 150))  # 30 tokens: 8 blocks
+FAULTS = (  # each case 30 tokens: 8 blocks
+    "corrupt_payload",
+    "truncate_payload",
+    "misstate_payload_bytes",
+)
+
+
+def _prompt(fault: str) -> list[int]:
+    """A prompt of its own per case (same length): a truncated payload received into a staging
+    buffer that still held an earlier case's bytes of the same prompt came out whole once."""
+    return [1] + list(range(120 + 40 * FAULTS.index(fault), 150 + 40 * FAULTS.index(fault)))
 
 
 @pytest.mark.parametrize(
@@ -47,10 +57,10 @@ def test_corrupted_transfer_is_detected_and_never_served(cluster, oracle, procs,
             router_config(cluster.model, [prefill.address], [cluster.decode])
         ) as (r, stub):
             before = counts()
-            bad = await ledger.run(stub, PROMPT, greedy(10, ignore_eos=True))
+            bad = await ledger.run(stub, _prompt(fault), greedy(10, ignore_eos=True))
             after_bad = counts()
             good = await ledger.run(
-                stub, PROMPT[:-1], greedy(10, ignore_eos=True), request_id="clean-pull"
+                stub, _prompt(fault)[:-1], greedy(10, ignore_eos=True), request_id="clean-pull"
             )
             after_good = counts()
             await finish_case(ledger, stub, oracle, [prefill.address], [cluster.decode], r)
@@ -66,7 +76,7 @@ def test_corrupted_transfer_is_detected_and_never_served(cluster, oracle, procs,
     assert bad.chunks[-1].HasField("kv_handover") and handover.recomputed, bad.chunks[-1]
     assert handover.reason == reason or (fault == "truncate_payload" and handover.reason)
     assert not good.chunks[-1].kv_handover.recomputed and good.chunks[-1].kv_handover.transfer_ms
-    for t, prompt in ((bad, PROMPT), (good, PROMPT[:-1])):
+    for t, prompt in ((bad, _prompt(fault)), (good, _prompt(fault)[:-1])):
         want = oracle(
             prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
         ).token_ids
