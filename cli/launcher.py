@@ -38,8 +38,8 @@ from splitserve.service.service_process import PARENT_ENV
 from splitserve.service.tls import TlsClientConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
-PORT_TAKEN = "cannot listen on"
-SLOW_EXIT_S = 2.0  # GrpcServer's message when the port is in use
+PORT_TAKEN = "cannot listen on"  # GrpcServer's message when the port is in use
+SLOW_EXIT_S = 2.0  # a child slower than this to leave user space (or to close) is reported
 
 
 class StartError(RuntimeError):

@@ -2,8 +2,9 @@
 with its own share of the SMs and of the memory.
 
 Two processes on one GPU without MPS time-slice it: a long prefill holds the whole GPU for its
-slice and every decode step behind it waits (measured on an H200: TTFT p99 1.3 s against 94 ms
-under MPS, ITL p99 likewise; issue "Disaggregation that wins"). Under MPS their kernels run at
+slice and every decode step behind it waits. Measured on an H200 with warm caches (llama-3.2-1b,
+benchmarks/results/h200-2026-12-04/serving_mps.json) the two are within noise at 16 and 48 req/s;
+the gap MPS is for shows at higher load (issue "Disaggregation that wins"). Under MPS their kernels run at
 the same time, each on at most its share of the SMs (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), and
 each process may pin at most its share of the memory (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT), which
 also sizes its KV pool (the pool takes a fraction of what the process may still allocate).
