@@ -8,9 +8,10 @@ for its whole life (the last slot: plain greedy, for greedy rows and padding lan
 a slot once per admitted sequence (`write`); a step only says which slot each row uses. The
 prefill worker and the host paths build a small state per call (`from_rows`).
 
-`sample_step` is the whole sampling of one step, in torch ops plus one Triton launch on CUDA
-(the torch twin elsewhere), so it runs inside a captured graph: bias and bans, penalties,
-filters, the seeded race, raw logprobs when asked, then step += live and counts += the token.
+`sample_step` is the whole sampling of one step: on CUDA a fixed number of Triton launches
+(kernels/triton_sampling.py), elsewhere the torch twin, so it runs inside a captured graph:
+bias and bans, penalties, filters, the seeded race, then step += live and counts += the token,
+and raw logprobs when asked.
 """
 
 from __future__ import annotations
@@ -182,42 +183,43 @@ def sample_step(
     filters=False promises that no row has top-k / top-p (the GPU skips their searches)."""
     n = logits.shape[0]
     x = logits.clone() if logprobs is not None else logits  # processed in place: raw kept if asked
-    ban_on = state.step.index_select(0, slots) < state.min_tokens.index_select(0, slots)
-    sm.add_bias_and_bans(
-        x,
-        state.bias_ids.index_select(0, slots),
-        state.bias_vals.index_select(0, slots),
-        state.ban_ids.index_select(0, slots),
-        ban_on,
-    )
     tokens = out[:n]
-    if use_triton(x):
+    if use_triton(x):  # bias, bans, penalties, race and the slots' step / counts: all in-kernel
         from splitserve.kernels.triton_sampling import sample_rows
 
-        sample_rows(x, slots, tokens, state, filters)
+        sample_rows(x, slots, live, tokens, state, state.frozen_slot, filters)
     else:
-        g = lambda t: t.index_select(0, slots)  # noqa: E731
-        pen = g(state.has_pen).bool().unsqueeze(1)
-        penalised = sm.apply_penalties(
-            x, g(state.counts), g(state.prompt_seen), g(state.rep), g(state.freq), g(state.pres)
-        )
-        x.copy_(torch.where(pen, penalised, x))  # in place, as the kernel does
-        tokens.copy_(
-            sm.sample_rows_torch(
-                x,
-                g(state.temperature),
-                g(state.top_k),
-                g(state.top_p),
-                g(state.min_p),
-                g(state.seed),
-                g(state.step),
-            )
-        )
+        _sample_torch(x, slots, live, state, tokens)
     if logprobs is not None:
         sampled, top, ids = sm.raw_logprobs(logits, tokens, MAX_LOGPROBS)
         logprobs.sampled[:n].copy_(sampled)
         logprobs.top[:n].copy_(top)
         logprobs.top_ids[:n].copy_(ids)
+
+
+def _sample_torch(
+    x: torch.Tensor, slots: torch.Tensor, live: torch.Tensor, state: SamplingState, tokens
+) -> None:
+    """The torch twin of kernels/triton_sampling.py: the same tokens, with sorts."""
+    g = lambda t: t.index_select(0, slots)  # noqa: E731
+    ban_on = g(state.step) < g(state.min_tokens)
+    sm.add_bias_and_bans(x, g(state.bias_ids), g(state.bias_vals), g(state.ban_ids), ban_on)
+    pen = g(state.has_pen).bool().unsqueeze(1)
+    penalised = sm.apply_penalties(
+        x, g(state.counts), g(state.prompt_seen), g(state.rep), g(state.freq), g(state.pres)
+    )
+    x.copy_(torch.where(pen, penalised, x))  # in place, as the kernel does
+    tokens.copy_(
+        sm.sample_rows_torch(
+            x,
+            g(state.temperature),
+            g(state.top_k),
+            g(state.top_p),
+            g(state.min_p),
+            g(state.seed),
+            g(state.step),
+        )
+    )
     if state.frozen_slot >= 0:  # greedy rows and padding lanes leave the greedy slot as it is
         live = live * (slots != state.frozen_slot)
     state.step.index_add_(0, slots, live)
