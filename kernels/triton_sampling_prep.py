@@ -31,7 +31,7 @@ from splitserve.kernels.triton_sampling_common import (
     zkey,
 )
 
-MIN64 = -9223372036854775808
+MIN64: tl.constexpr = tl.constexpr(-9223372036854775808)
 
 
 @triton.jit
