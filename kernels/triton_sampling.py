@@ -2,11 +2,13 @@
 has the rules and the torch twin; this is the same result on the GPU, capturable).
 
     prep    (row x chunk)  bias, min_tokens bans and penalties in place; row max; greedy rows
-                           done; top-k rows done from per-chunk candidate lists
-                           (kernels/triton_sampling_prep.py)
-    race    (row x chunk)  the seeded race by rejection: round 1 races every random row left,
-                           round 2 (filters only) checks top-p candidates
-    exact   (row)          filters only: loops over whatever is left, exactly
+                           done (kernels/triton_sampling_prep.py)
+    radix   (row x chunk)  filters only, 4 launches: the k-th largest z of top-k rows, 8 bits
+                           at a time (kernels/triton_sampling_topk.py)
+    race    (row x chunk)  the seeded race by rejection: round 1 races every random row left
+                           (rows without top-p are done), round 2 (filters only) checks the
+                           top-p candidates without drawing noise
+    exact   (row)          filters only: races and checks the few rows left, in a loop
                            (kernels/triton_sampling_race.py)
 
 A row's token is the argmax over its kept set of z + Gumbel(hash(seed, step, token)) whichever
@@ -22,9 +24,9 @@ import torch
 from splitserve.kernels.triton_common import pow2
 from splitserve.kernels.triton_sampling_prep import prep_kernel
 from splitserve.kernels.triton_sampling_race import exact_kernel, race_kernel
+from splitserve.kernels.triton_sampling_topk import radix_kernel
 
-CHUNK = 4096  # tokens per program; each top-k row keeps CHUNK // 32 candidates per chunk
-RACE_ROUNDS = 2  # race launches in a filtered step before the exact loop
+CHUNK = 4096  # tokens per program
 
 
 def sample_rows(
@@ -46,13 +48,13 @@ def sample_rows(
         return
     s, dev = state, x.device
     chunk = chunk or min(CHUNK, pow2(vocab))
-    kmax = max(2, chunk // 32)
     c = -(-vocab // chunk)
     f32, i64 = torch.float32, torch.int64
     part_v = torch.empty(n, c, dtype=f32, device=dev)
     part_i = torch.empty(n, c, dtype=i64, device=dev)
     part_e = torch.empty(n, c, dtype=f32, device=dev)
-    cand_list = torch.empty(n, c, kmax, dtype=i64, device=dev)
+    krem = torch.empty(n, dtype=i64, device=dev)
+    prefix = torch.empty(n, dtype=i64, device=dev)
     ticket = torch.zeros(n, dtype=torch.int32, device=dev)
     status = torch.ones(n, dtype=torch.int32, device=dev)
     m = torch.empty(n, dtype=f32, device=dev)
@@ -64,24 +66,30 @@ def sample_rows(
     cp = pow2(c)
     prep_kernel[(n, c)](
         *common,
-        s.temperature, s.top_k, s.top_p, s.min_p, s.seed, s.step, s.min_tokens,
+        s.temperature, s.top_k, s.min_p, s.step, s.min_tokens,
         s.has_pen, s.rep, s.freq, s.pres, s.counts, s.prompt_seen, s.counts.stride(0),
         s.bias_ids, s.bias_vals, s.bias_ids.shape[1], s.ban_ids, s.ban_ids.shape[1],
-        part_v, part_i, cand_list, ticket, m, status, lo, c,
-        CHUNK=chunk, WP=pow2(s.bias_ids.shape[1]), BP=pow2(s.ban_ids.shape[1]), KMAX=kmax,
-        CP=cp, UP=pow2(c * kmax), num_warps=8,
+        part_v, part_i, ticket, m, status, lo, krem, prefix, c,
+        CHUNK=chunk, WP=pow2(s.bias_ids.shape[1]), BP=pow2(s.ban_ids.shape[1]), CP=cp,
+        num_warps=8,
     )  # fmt: skip
+    if filters:
+        hist = torch.empty(n, c, 256, dtype=torch.int32, device=dev)
+        for shift in (24, 16, 8, 0):
+            radix_kernel[(n, c)](
+                x, x.stride(0), vocab, slots, s.temperature, m, status, lo, krem, prefix,
+                hist, ticket, c, CHUNK=chunk, SHIFT=shift, CP=cp, num_warps=8,
+            )  # fmt: skip
     row_state = (m, status, lo, cand, zc, mass)
     block = min(chunk, 1024)
-    for _ in range(RACE_ROUNDS if filters else 1):
+    for race in (True, False)[: 2 if filters else 1]:
         race_kernel[(n, c)](
             *common, s.temperature, s.top_p, s.seed, s.step, s.counts, s.counts.stride(0),
             *row_state, part_v, part_i, part_e, ticket, c, chunk,
-            BLOCK=block, CP=cp, num_warps=4,
+            BLOCK=block, CP=cp, RACE=race, num_warps=4,
         )  # fmt: skip
     if filters:
         exact_kernel[(n,)](
-            *common, s.temperature, s.top_k, s.top_p, s.seed, s.step, s.counts,
-            s.counts.stride(0), *row_state, c, chunk,
-            BLOCK=block, CP=cp, NPIV=16, num_warps=8,
+            *common, s.temperature, s.top_p, s.seed, s.step, s.counts, s.counts.stride(0),
+            *row_state, c, chunk, BLOCK=block, CP=cp, num_warps=8,
         )  # fmt: skip

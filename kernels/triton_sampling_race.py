@@ -10,11 +10,11 @@ argmax over S) or every token with z <= z_w is out of S too, and the next round 
 the survivors; a candidate passes with probability >= top_p, so rounds are few.
 
 `race_kernel` (program per row chunk, the last one of a row decides): status 0 races over
-{z >= lo} (and sums the kept mass when top-p is on); status 3 checks the candidate. A
-graph launches it a fixed number of times; `exact_kernel` (one program per row) then loops
-until its rows are done, and also finds top-k thresholds the candidate lists could not
-(16-ary search over the order-preserving key). Both sum chunk partials in the same order, so
-a row's result does not depend on which of them decided it, nor on its batch.
+{z >= lo} (and sums the kept mass when top-p is on); status 3 checks the candidate (and,
+with RACE, races after it). A filtered step launches it twice (race, then check only:
+most candidates pass, so the second pass skips the noise); `exact_kernel` (one program per
+row) then loops until the few rows left are done. Both sum chunk partials in the same order,
+so a row's result does not depend on which of them decided it, nor on its batch.
 """
 
 from __future__ import annotations
@@ -28,15 +28,14 @@ from splitserve.kernels.triton_sampling_common import (
     last_program,
     neg_log_neg_log_u,
     noise_keys,
-    unkey,
-    zkey,
 )
 
 
 @triton.jit
-def _chunk_pass(xr, c, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2, BLOCK: tl.constexpr):
+def _chunk_pass(xr, c, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2,
+                BLOCK: tl.constexpr, RACE: tl.constexpr):  # fmt: skip
     """Over chunk c: the best z + Gumbel and its first index among tokens with z >= lo and
-    (any_z or z > zc), and the sum of their exp(z) when need_mass."""
+    (any_z or z > zc) (when RACE), and the sum of their exp(z) when need_mass."""
     offs = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int64)
@@ -48,10 +47,11 @@ def _chunk_pass(xr, c, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2, BLOC
         mask = idx < end
         z = (tl.load(xr + idx, mask=mask, other=0.0) - m) / temp
         racing = mask & (z >= lo) & (any_z | (z > zc))
-        score = tl.where(racing, z - neg_log_neg_log_u(idx, k1, k2), float("-inf"))
-        better = score > best
-        best_i = tl.where(better, idx.to(tl.int64), best_i)
-        best = tl.where(better, score, best)
+        if RACE:
+            score = tl.where(racing, z - neg_log_neg_log_u(idx, k1, k2), float("-inf"))
+            better = score > best
+            best_i = tl.where(better, idx.to(tl.int64), best_i)
+            best = tl.where(better, score, best)
         if need_mass:
             acc += tl.where(racing, tl.exp(z), 0.0)
     top = tl.max(best, axis=0)
@@ -64,12 +64,15 @@ def race_kernel(
     temp_ptr, topp_ptr, seed_ptr, step_ptr, counts_ptr, stride_c,
     m_ptr, status_ptr, lo_ptr, cand_ptr, zc_ptr, mass_ptr,
     part_s_ptr, part_i_ptr, part_e_ptr, ticket_ptr, C, CHUNK,
-    BLOCK: tl.constexpr, CP: tl.constexpr,
+    BLOCK: tl.constexpr, CP: tl.constexpr, RACE: tl.constexpr,
 ):  # fmt: skip
+    """RACE: status-0 rows race (and sum their kept mass), status-3 rows check their candidate
+    and race the survivors; else only status-3 rows, checked (a rejected one keeps its
+    candidate: exact_kernel races after it)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     status = tl.load(status_ptr + row)
-    if (status == 0) | (status == 3):
+    if ((status == 0) & RACE) | (status == 3):
         slot = tl.load(slot_ptr + row).to(tl.int64)
         temp = tl.load(temp_ptr + slot)
         top_p = tl.load(topp_ptr + slot)
@@ -78,7 +81,7 @@ def race_kernel(
         k1, k2 = noise_keys(tl.load(seed_ptr + slot), tl.load(step_ptr + slot))
         best, best_i, mass = _chunk_pass(
             xr, c, CHUNK, V, m, temp, tl.load(lo_ptr + row), tl.load(zc_ptr + row),
-            status == 0, top_p < 1.0, k1, k2, BLOCK,
+            status == 0, top_p < 1.0, k1, k2, BLOCK, RACE,
         )  # fmt: skip
         base = row * C
         tl.store(part_s_ptr + base + c, best)
@@ -98,10 +101,10 @@ def race_kernel(
                 else:
                     finish(row, slot, win, out_ptr, live_ptr, frozen, step_ptr, counts_ptr,
                            stride_c, status_ptr)  # fmt: skip
-            elif (total < top_p * tl.load(mass_ptr + row)) | (win >= V):  # the candidate is in S
+            elif (total < top_p * tl.load(mass_ptr + row)) | (RACE & (win >= V)):  # cand in S
                 finish(row, slot, tl.load(cand_ptr + row), out_ptr, live_ptr, frozen, step_ptr,
                        counts_ptr, stride_c, status_ptr)  # fmt: skip
-            else:
+            elif RACE:
                 tl.store(cand_ptr + row, win)
                 tl.store(zc_ptr + row, (tl.load(xr + win) - m) / temp)
 
@@ -115,7 +118,9 @@ def _row_pass(xr, C, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2,
     i = tl.full([CP], V, tl.int64)
     e = tl.zeros([CP], tl.float32)
     for c in range(0, C):
-        b, bi, me = _chunk_pass(xr, c, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2, BLOCK)
+        b, bi, me = _chunk_pass(
+            xr, c, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2, BLOCK, True
+        )
         s = tl.where(cs == c, b, s)
         i = tl.where(cs == c, bi, i)
         e = tl.where(cs == c, me, e)
@@ -124,41 +129,16 @@ def _row_pass(xr, C, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2,
 
 
 @triton.jit
-def _top_k_key(xr, V, m, temp, top_k, BLOCK: tl.constexpr, NPIV: tl.constexpr):
-    """The largest key t with count(zkey(z) >= t) >= top_k: the k-th largest z's key."""
-    offs = tl.arange(0, BLOCK)[:, None]
-    j = tl.arange(0, NPIV)[None, :].to(tl.int64)
-    lo = tl.full((), -2147483648, tl.int64)  # every key is >= lo: count V >= k
-    hi = tl.full((), 1, tl.int64)  # z <= +0, key 0: nothing is >= 1
-    while hi - lo > 1:
-        piv = lo + ((hi - lo) * j) // NPIV
-        cnt = tl.zeros([BLOCK, NPIV], tl.int32)
-        for start in range(0, V, BLOCK):
-            idx = start + offs
-            mask = idx < V
-            z = (tl.load(xr + idx, mask=mask, other=0.0) - m) / temp
-            k = tl.where(mask, zkey(z), -2147483649)
-            cnt += (k >= piv).to(tl.int32)
-        ok = tl.sum(cnt, axis=0) >= top_k
-        pv = tl.reshape(piv, [NPIV])
-        new_lo = tl.max(tl.where(ok, pv, lo), axis=0)
-        hi = tl.min(tl.where(ok, hi, pv), axis=0)
-        lo = new_lo
-    return lo
-
-
-@triton.jit
 def exact_kernel(
     x_ptr, stride_x, V, slot_ptr, live_ptr, out_ptr, frozen,
-    temp_ptr, topk_ptr, topp_ptr, seed_ptr, step_ptr, counts_ptr, stride_c,
+    temp_ptr, topp_ptr, seed_ptr, step_ptr, counts_ptr, stride_c,
     m_ptr, status_ptr, lo_ptr, cand_ptr, zc_ptr, mass_ptr, C, CHUNK,
-    BLOCK: tl.constexpr, CP: tl.constexpr, NPIV: tl.constexpr,
+    BLOCK: tl.constexpr, CP: tl.constexpr,
 ):  # fmt: skip
-    """One program per row: finishes rows still waiting (status 2: top-k undecided; 3: a
-    candidate to check), looping over the whole row as often as it takes."""
+    """One program per row: finishes the rows whose top-p candidate is still unchecked or was
+    rejected (status 3), looping over the whole row as often as it takes."""
     row = tl.program_id(0).to(tl.int64)
-    status = tl.load(status_ptr + row)
-    if (status == 2) | (status == 3):
+    if tl.load(status_ptr + row) == 3:
         slot = tl.load(slot_ptr + row).to(tl.int64)
         temp = tl.load(temp_ptr + slot)
         top_p = tl.load(topp_ptr + slot)
@@ -169,13 +149,7 @@ def exact_kernel(
         cand = tl.load(cand_ptr + row)
         zc = tl.load(zc_ptr + row)
         mass = tl.load(mass_ptr + row)
-        if status == 2:
-            kz = unkey(_top_k_key(xr, V, m, temp, tl.load(topk_ptr + slot), BLOCK, NPIV))
-            lo = tl.maximum(lo, kz)
-            cand, mass = _row_pass(xr, C, CHUNK, V, m, temp, lo, zc, True, top_p < 1.0, k1, k2,
-                                   BLOCK, CP)  # fmt: skip
-            zc = (tl.load(xr + cand) - m) / temp
-        waiting = top_p < 1.0
+        waiting = True
         while waiting:
             win, above = _row_pass(xr, C, CHUNK, V, m, temp, lo, zc, False, True, k1, k2,
                                    BLOCK, CP)  # fmt: skip

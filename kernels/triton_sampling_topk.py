@@ -1,0 +1,63 @@
+"""The top-k threshold of the sampler (kernels/triton_sampling.py) by radix select, no sort.
+
+The k-th largest z = (x - m) / T of a row, as its order-preserving key made unsigned
+(u = zkey(z) + 2^31, 32 bits), is found 8 bits per launch, most significant first: each
+program (row, chunk) counts, among its tokens whose u matches the digits found so far, how
+many fall in each of the 256 values of the next digit; the last program of the row sums the
+chunks' counts and keeps the digit holding the k-th largest (counting down from the top),
+and how many of the k lie above it. After the fourth launch the prefix is the k-th largest
+key exactly (ties included: the filter keeps z >= it, every token tied at the k-th stays, as
+the twin's rule); the row's lower bound becomes max(min-p floor, that z) and it goes on to
+the race (status 0). Counts are integers, so the result does not depend on order at all.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from splitserve.kernels.triton_sampling_common import last_program, unkey, zkey
+
+
+@triton.jit
+def radix_kernel(
+    x_ptr, stride_x, V, slot_ptr, temp_ptr, m_ptr, status_ptr, lo_ptr, krem_ptr, prefix_ptr,
+    hist_ptr, ticket_ptr, C, CHUNK: tl.constexpr, SHIFT: tl.constexpr, CP: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    if tl.load(status_ptr + row) == 2:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        temp = tl.load(temp_ptr + slot)
+        m = tl.load(m_ptr + row)
+        prefix = tl.load(prefix_ptr + row)
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        mask = offs < V
+        z = (tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0) - m) / temp
+        u = zkey(z) + 2147483648
+        match = mask & ((u >> (SHIFT + 8)) == prefix)
+        digit = tl.where(match, (u >> SHIFT) & 255, 256).to(tl.int32)
+        hist = tl.histogram(digit, 512)
+        d = tl.arange(0, 512)
+        tl.store(hist_ptr + (row * C + c) * 256 + d, hist, mask=d < 256)
+        if last_program(ticket_ptr, row, C):
+            cs = tl.arange(0, CP)[:, None]
+            b = tl.arange(0, 256)[None, :]
+            parts = tl.load(
+                hist_ptr + (row * C + cs) * 256 + b, mask=cs < C, other=0, cache_modifier=".cg"
+            )
+            counts = tl.sum(parts, axis=0)
+            krem = tl.load(krem_ptr + row)
+            total = tl.sum(counts, axis=0)
+            at_or_above = total - tl.cumsum(counts, axis=0) + counts
+            bins = tl.arange(0, 256)
+            pick = tl.max(tl.where(at_or_above >= krem, bins, -1), axis=0)
+            above = tl.sum(tl.where(bins > pick, counts, 0), axis=0)
+            tl.store(krem_ptr + row, krem - above)
+            prefix = prefix * 256 + pick
+            if SHIFT == 0:  # the whole key is known: the k-th largest z
+                kz = unkey(prefix - 2147483648)
+                tl.store(lo_ptr + row, tl.maximum(tl.load(lo_ptr + row), kz))
+                tl.store(status_ptr + row, 0)
+            else:
+                tl.store(prefix_ptr + row, prefix)
