@@ -3,8 +3,10 @@ has the rules and the torch twin; this is the same result on the GPU, capturable
 
     prep    (row x chunk)  bias, min_tokens bans and penalties in place; row max; greedy rows
                            done (kernels/triton_sampling_prep.py)
-    radix   (row x chunk)  filters only, 4 launches: the k-th largest z of top-k rows, 8 bits
-                           at a time (kernels/triton_sampling_topk.py)
+    compact (row x chunk)  filters only: top-k rows list the tokens above their bound, the
+                           last program reads the k-th largest (kernels/triton_sampling_topk.py)
+    radix   (row x chunk)  filters only, 4 launches: the k-th largest of the rows compaction
+                           could not serve (a near-constant row), 8 bits at a time
     race    (row x chunk)  the seeded race by rejection: round 1 races every random row left
                            (rows without top-p are done), round 2 (filters only) checks the
                            top-p candidates without drawing noise
@@ -24,9 +26,11 @@ import torch
 from splitserve.kernels.triton_common import pow2
 from splitserve.kernels.triton_sampling_prep import prep_kernel
 from splitserve.kernels.triton_sampling_race import exact_kernel, race_kernel
-from splitserve.kernels.triton_sampling_topk import radix_kernel
+from splitserve.kernels.triton_sampling_topk import compact_kernel, radix_kernel
 
 CHUNK = 4096  # tokens per program
+SUB = 64  # tokens per sub-block of a top-k row's bound
+CAP = 1024  # most tokens a top-k row's compaction lists (more: the radix select)
 
 
 def sample_rows(
@@ -55,6 +59,9 @@ def sample_rows(
     part_e = torch.empty(n, c, dtype=f32, device=dev)
     krem = torch.empty(n, dtype=i64, device=dev)
     prefix = torch.empty(n, dtype=i64, device=dev)
+    nsub = max(1, chunk // SUB)
+    submax = torch.empty(n, c, nsub, dtype=f32, device=dev)
+    zt = torch.empty(n, dtype=f32, device=dev)
     ticket = torch.zeros(n, dtype=torch.int32, device=dev)
     status = torch.ones(n, dtype=torch.int32, device=dev)
     m = torch.empty(n, dtype=f32, device=dev)
@@ -69,11 +76,17 @@ def sample_rows(
         s.temperature, s.top_k, s.min_p, s.step, s.min_tokens,
         s.has_pen, s.rep, s.freq, s.pres, s.counts, s.prompt_seen, s.counts.stride(0),
         s.bias_ids, s.bias_vals, s.bias_ids.shape[1], s.ban_ids, s.ban_ids.shape[1],
-        part_v, part_i, ticket, m, status, lo, krem, prefix, c,
+        part_v, part_i, ticket, m, status, lo, krem, prefix, submax, zt, c,
         CHUNK=chunk, WP=pow2(s.bias_ids.shape[1]), BP=pow2(s.ban_ids.shape[1]), CP=cp,
-        num_warps=8,
+        NSUB=nsub, SP=pow2(c * nsub), num_warps=8,
     )  # fmt: skip
     if filters:
+        count = torch.zeros(n, dtype=torch.int32, device=dev)
+        listed = torch.empty(n, CAP, dtype=i64, device=dev)
+        compact_kernel[(n, c)](
+            x, x.stride(0), vocab, slots, s.temperature, m, status, lo, zt, krem,
+            count, listed, ticket, c, CHUNK=chunk, CAP=CAP, num_warps=8,
+        )  # fmt: skip
         hist = torch.empty(n, c, 256, dtype=torch.int32, device=dev)
         for shift in (24, 16, 8, 0):
             radix_kernel[(n, c)](
@@ -91,5 +104,5 @@ def sample_rows(
     if filters:
         exact_kernel[(n,)](
             *common, s.temperature, s.top_p, s.seed, s.step, s.counts, s.counts.stride(0),
-            *row_state, c, chunk, BLOCK=block, CP=cp, num_warps=8,
+            *row_state, c, chunk, BLOCK=chunk, CP=cp, num_warps=16,
         )  # fmt: skip

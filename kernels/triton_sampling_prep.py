@@ -4,10 +4,13 @@ rows done.
 Program (row, c) owns chunk c of the row: it applies the row's logit bias and min_tokens bans
 that fall in its chunk (stores, then a barrier, then the chunk is read), the penalties (in
 place: the later passes read the processed logits), and stores the chunk's max and its first
-index. The last program of the row (triton_sampling_common.last_program) reduces the row max
-m and its first index: a greedy row is finished with it; a top-k row goes to the radix select
-(status 2), any other random row to the race (status 0), with the min-p floor as its lower
-bound on z = (x - m) / T.
+index; a top-k row also stores the max of each of its chunk's NSUB sub-blocks. The last
+program of the row (triton_sampling_common.last_program) reduces the row max m and its first
+index: a greedy row is finished with it; a top-k row takes the k-th largest sub-block max as
+a lower bound on its k-th largest token (k sub-blocks hold a token at least that large) and
+goes to the compaction (status 4; status 2, the radix select, when k exceeds the sub-blocks);
+any other random row goes to the race (status 0). Every random row's lower bound on
+z = (x - m) / T starts at its min-p floor.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ def prep_kernel(
     temp_ptr, topk_ptr, minp_ptr, step_ptr, mint_ptr,
     pen_ptr, rep_ptr, freq_ptr, pres_ptr, counts_ptr, seen_ptr, stride_c,
     bias_id_ptr, bias_val_ptr, W, ban_ptr, B,
-    part_v_ptr, part_i_ptr, ticket_ptr, m_ptr, status_ptr, lo_ptr, krem_ptr, prefix_ptr, C,
+    part_v_ptr, part_i_ptr, ticket_ptr, m_ptr, status_ptr, lo_ptr, krem_ptr, prefix_ptr,
+    submax_ptr, zt_ptr, C,
     CHUNK: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, CP: tl.constexpr,
+    NSUB: tl.constexpr, SP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -60,19 +65,34 @@ def prep_kernel(
     m_c = tl.max(v, axis=0)
     tl.store(part_v_ptr + row * C + c, m_c)
     tl.store(part_i_ptr + row * C + c, tl.min(tl.where(v == m_c, offs, V), axis=0))
+    temp = tl.load(temp_ptr + slot)
+    top_k = tl.load(topk_ptr + slot)
+    if (temp > 0) & (top_k > 0):  # sub-block maxima: a cheap lower bound on the k-th largest
+        sub = tl.max(tl.reshape(v, [NSUB, CHUNK // NSUB]), axis=1)
+        tl.store(submax_ptr + (row * C + c) * NSUB + tl.arange(0, NSUB), sub)
     if last_program(ticket_ptr, row, C):
         m, first = first_best(part_v_ptr, part_i_ptr, row * C, C, V, CP)
         tl.store(m_ptr + row, m)
         min_p = tl.load(minp_ptr + slot)
         floor = tl.where(min_p > 0, tl.log(tl.maximum(min_p, 1e-38)), float("-inf"))
         tl.store(lo_ptr + row, floor)
-        top_k = tl.load(topk_ptr + slot)
-        if tl.load(temp_ptr + slot) == 0:
+        if temp == 0:
             finish(row, slot, first, out_ptr, live_ptr, frozen, step_ptr, counts_ptr, stride_c,
                    status_ptr)  # fmt: skip
-        elif top_k > 0:  # the radix select (triton_sampling_topk.py) finds the k-th largest
+        elif top_k > 0:  # the k-th largest z: triton_sampling_topk.py
             tl.store(krem_ptr + row, top_k)
             tl.store(prefix_ptr + row, 0)
-            tl.store(status_ptr + row, 2)
+            tl.store(status_ptr + row, 2)  # radix select, unless the bound below applies
+            if top_k <= C * NSUB:  # k sub-blocks reach the k-th sub-block max: >= k tokens
+                u = tl.arange(0, SP)
+                sub = tl.load(
+                    submax_ptr + row * C * NSUB + u, mask=u < C * NSUB, other=float("-inf"),
+                    cache_modifier=".cg",
+                )  # fmt: skip
+                kth = tl.max(
+                    tl.where(u == top_k - 1, tl.sort(sub, descending=True), float("-inf")), axis=0
+                )
+                tl.store(zt_ptr + row, (kth - m) / temp)
+                tl.store(status_ptr + row, 4)
         else:
             tl.store(status_ptr + row, 0)

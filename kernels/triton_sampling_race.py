@@ -13,8 +13,9 @@ the survivors; a candidate passes with probability >= top_p, so rounds are few.
 {z >= lo} (and sums the kept mass when top-p is on); status 3 checks the candidate (and,
 with RACE, races after it). A filtered step launches it twice (race, then check only:
 most candidates pass, so the second pass skips the noise); `exact_kernel` (one program per
-row) then loops until the few rows left are done. Both sum chunk partials in the same order,
-so a row's result does not depend on which of them decided it, nor on its batch.
+row, whole chunks per step: its loads are what bound it) then loops until the few rows left
+are done. Which launch decides a row depends on that row alone, so its token never depends
+on its batch.
 """
 
 from __future__ import annotations

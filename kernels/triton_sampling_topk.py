@@ -1,6 +1,13 @@
-"""The top-k threshold of the sampler (kernels/triton_sampling.py) by radix select, no sort.
+"""The top-k threshold of the sampler (kernels/triton_sampling.py), without a vocabulary sort.
 
-The k-th largest z = (x - m) / T of a row, as its order-preserving key made unsigned
+`compact_kernel` (status 4): the first pass gave a lower bound z_t on the k-th largest z (the
+k-th largest sub-block max), so the tokens with z >= z_t are few (about k on any row but a
+nearly constant one) and hold every token the filter keeps. Each program appends its own
+(packed key, index) to the row's list (one atomic for its offset); the last program sorts
+the list (order-free: the result does not depend on who appended first) and reads the k-th.
+A list longer than CAP leaves the row to the radix select (status 2).
+
+`radix_kernel` (status 2): the k-th largest z = (x - m) / T of a row, as its order-preserving key made unsigned
 (u = zkey(z) + 2^31, 32 bits), is found 8 bits per launch, most significant first: each
 program (row, chunk) counts, among its tokens whose u matches the digits found so far, how
 many fall in each of the 256 values of the next digit; the last program of the row sums the
@@ -17,6 +24,44 @@ import triton
 import triton.language as tl
 
 from splitserve.kernels.triton_sampling_common import last_program, unkey, zkey
+
+MIN64: tl.constexpr = tl.constexpr(-9223372036854775808)
+
+
+@triton.jit
+def compact_kernel(
+    x_ptr, stride_x, V, slot_ptr, temp_ptr, m_ptr, status_ptr, lo_ptr, zt_ptr, krem_ptr,
+    count_ptr, list_ptr, ticket_ptr, C, CHUNK: tl.constexpr, CAP: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    if tl.load(status_ptr + row) == 4:
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        temp = tl.load(temp_ptr + slot)
+        m = tl.load(m_ptr + row)
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        mask = offs < V
+        z = (tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0) - m) / temp
+        sel = mask & (z >= tl.load(zt_ptr + row))
+        ones = sel.to(tl.int32)
+        base = tl.atomic_add(count_ptr + row, tl.sum(ones, axis=0), sem="relaxed")
+        pos = base + tl.cumsum(ones, axis=0) - 1
+        packed = (zkey(z) << 32) | (0xFFFFFFFF - offs.to(tl.int64))
+        tl.store(list_ptr + row * CAP + pos, packed, mask=sel & (pos < CAP))
+        if last_program(ticket_ptr, row, C):
+            total = tl.atomic_add(count_ptr + row, 0)
+            if total <= CAP:
+                u = tl.arange(0, CAP)
+                got = tl.load(
+                    list_ptr + row * CAP + u, mask=u < total, other=MIN64, cache_modifier=".cg"
+                )
+                srt = tl.sort(got, descending=True)
+                kth = tl.max(tl.where(u == tl.load(krem_ptr + row) - 1, srt, MIN64), axis=0)
+                kz = unkey(kth >> 32)
+                tl.store(lo_ptr + row, tl.maximum(tl.load(lo_ptr + row), kz))
+                tl.store(status_ptr + row, 0)
+            else:
+                tl.store(status_ptr + row, 2)
 
 
 @triton.jit
