@@ -9,7 +9,8 @@ has the rules and the torch twin; this is the same result on the GPU, capturable
                            could not serve (a near-constant row), 8 bits at a time
     race    (row x chunk)  the seeded race by rejection: round 1 races every random row left
                            (rows without top-p are done), round 2 (filters only) checks the
-                           top-p candidates without drawing noise
+                           top-p candidates without drawing noise, rounds 3-5 check and race
+                           the rows still undecided
     exact   (row)          filters only: races and checks the few rows left, in a loop
                            (kernels/triton_sampling_race.py)
 
@@ -31,6 +32,10 @@ from splitserve.kernels.triton_sampling_topk import compact_kernel, radix_kernel
 CHUNK = 4096  # tokens per program
 SUB = 64  # tokens per sub-block of a top-k row's bound
 CAP = 1024  # most tokens a top-k row's compaction lists (more: the radix select)
+# race launches of a filtered step (True: race, False: only check the top-p candidates): a
+# candidate passes with probability >= top_p, and a launch costs work only for the rows still
+# undecided, so a few rounds leave almost nothing to the slow single-program loop
+RACE_ROUNDS = (True, False, True, True, True)
 
 
 def sample_rows(
@@ -95,7 +100,7 @@ def sample_rows(
             )  # fmt: skip
     row_state = (m, status, lo, cand, zc, mass)
     block = min(chunk, 1024)
-    for race in (True, False)[: 2 if filters else 1]:
+    for race in RACE_ROUNDS if filters else RACE_ROUNDS[:1]:
         race_kernel[(n, c)](
             *common, s.temperature, s.top_p, s.seed, s.step, s.counts, s.counts.stride(0),
             *row_state, part_v, part_i, part_e, ticket, c, chunk,

@@ -11,8 +11,8 @@ the survivors; a candidate passes with probability >= top_p, so rounds are few.
 
 `race_kernel` (program per row chunk, the last one of a row decides): status 0 races over
 {z >= lo} (and sums the kept mass when top-p is on); status 3 checks the candidate (and,
-with RACE, races after it). A filtered step launches it twice (race, then check only:
-most candidates pass, so the second pass skips the noise); `exact_kernel` (one program per
+with RACE, races after it). A filtered step launches it a few times (race, then check only:
+most candidates pass, so that pass skips the noise; then check-and-race); `exact_kernel` (one program per
 row, whole chunks per step: its loads are what bound it) then loops until the few rows left
 are done. Which launch decides a row depends on that row alone, so its token never depends
 on its batch.

@@ -57,11 +57,17 @@ def logits_for(n: int, seed: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("chunk,cap", [(64, 64), (128, 128), (512, 64), (128, 8)])
-def test_every_path_gives_the_twin_token(chunk, cap, monkeypatch):
+@pytest.mark.parametrize(
+    "chunk,cap,rounds",
+    [(64, 64, (True,)), (128, 128, (True, False)), (512, 64, None), (128, 8, (True, True))],
+)
+def test_every_path_gives_the_twin_token(chunk, cap, rounds, monkeypatch):
     """chunk 64: one 64-token sub-block per chunk, so top_k > 5 takes the radix select; cap 8:
-    most top-k compactions overflow into it too. (Small caps keep the interpreter quick.)"""
+    most top-k compactions overflow into it too; fewer race rounds leave more top-p rows to the
+    exact loop. (Small caps keep the interpreter quick.)"""
     monkeypatch.setattr(ts, "CAP", cap)
+    if rounds:
+        monkeypatch.setattr(ts, "RACE_ROUNDS", rounds)
     rng = random.Random(chunk + cap)
     for trial in range(4):
         params = [random_params(rng) for _ in range(24)]
