@@ -7,6 +7,7 @@ conftest.py."""
 
 from __future__ import annotations
 
+import re
 import secrets
 
 import pytest
@@ -17,13 +18,19 @@ from router_helpers import MAX_MODEL_LEN, SERVING
 CONTROL = "splitserve.v1.RouterControl"
 
 
+def control_address(log: str) -> str:
+    """The control listener's address, from the router's start-up line (--control-port 0)."""
+    found = re.search(r"worker registration on (\S+?),", log)
+    assert found, log
+    return found[1]
+
+
 @pytest.fixture(scope="module")
 def ctl(cluster, tmp_path_factory):
     """A router with a control listener, its Front (public side) and the control address."""
     work = tmp_path_factory.mktemp("fuzz_control")
     secret = secrets.token_urlsafe(24)
     (work / "cluster-secret").write_text(secret)
-    control = f"127.0.0.1:{free_port()}"
     with ProcessGroup(work) as procs:
         http_port, metrics = free_port(), free_port()
         proc = procs.router(
@@ -31,8 +38,9 @@ def ctl(cluster, tmp_path_factory):
             *("--prefill", cluster.prefill, "--decode", cluster.decode, "--model-name", "tiny"),
             *("--http-port", str(http_port), "--metrics-port", str(metrics)),
             *("--max-model-len", str(MAX_MODEL_LEN), "--cluster-secret-file", str(work / "cluster-secret")),
-            *("--control-host", "127.0.0.1", "--control-port", control.rsplit(":", 1)[1]),
+            *("--control-host", "127.0.0.1", "--control-port", "0"),
         )  # fmt: skip
+        control = control_address(proc.log())
         assert health_status(control, CONTROL) == SERVING, proc.log()
         yield Front(proc, http_port, metrics, secret), control
         assert proc.stop() == 0, proc.log()[-20000:]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 
 import grpc
@@ -22,7 +23,6 @@ from splitserve.protos import generate_pb2, generate_pb2_grpc, router_pb2, route
 from splitserve.request.sampling_params import SamplingParams
 from splitserve.router.registration import keep_registered
 from splitserve.service.grpc_service import channel_options
-from splitserve.service.net import free_port
 from splitserve.service.tls import TlsClientConfig, open_channel
 
 PROMPT = [1, 44, 45, 46, 200, 201, 202]
@@ -54,22 +54,23 @@ def _run(cluster, oracle, procs, tmp_path, caplog) -> None:
     trusting = TlsClientConfig(ca_file=pki.ca)
     secret = secrets.token_urlsafe(24)
     (tmp_path / "cluster-secret").write_text(secret)
-    control = f"127.0.0.1:{free_port()}"
     router = procs.router(
         cluster.model,
         *("--prefill", cluster.prefill, "--max-model-len", str(MAX_MODEL_LEN)),
         *("--tls-cert-file", pki.server_cert, "--tls-key-file", pki.server_key),
-        *("--control-host", "127.0.0.1", "--control-port", control.rsplit(":", 1)[1]),
+        *("--control-host", "127.0.0.1", "--control-port", "0"),
         *("--cluster-secret-file", str(tmp_path / "cluster-secret"), "--poll-interval-s", "0.2"),
         wait=False,
         tls=trusting,
     )
 
-    async def control_up() -> bool:
+    async def started() -> bool:  # the start-up line names the control listener (port 0)
         assert router.alive(), router.log()
-        return health_status(control, CONTROL, tls=trusting) == SERVING
+        return "worker registration on " in router.log()
 
-    asyncio.run(wait_until(control_up, 90, "RouterControl SERVING on the control port over TLS"))
+    asyncio.run(wait_until(started, 90, "the router's start-up line"))
+    control = re.search(r"worker registration on (\S+?),", router.log())[1]
+    assert health_status(control, CONTROL, tls=trusting) == SERVING
     assert health_status(control, CONTROL) is None  # plaintext gets no answer at all
 
     # a stranger's CA and plaintext: no handshake, so no RouterControl call at all
