@@ -92,14 +92,17 @@ def test_concurrency_limit_per_caller_end_to_end(stack):
         calls = []
         for i in range(n):
             rid = f"{HOLD}-grpc-{secrets.token_hex(4)}-{i}"
-            call = stub.Generate(ids_request(CLEAN_PROMPT, greedy(8), rid), metadata=_md(keys["a"]))
+            request = ids_request(CLEAN_PROMPT, greedy(8), rid)
+            call = stub.Generate(request, metadata=_md(keys["a"]), timeout=300)  # never a hang
             assert next(call).request_id == rid
             calls.append(call)
         return calls
 
     def refused(stub) -> None:
         """Key A's next request, gRPC and HTTP, is refused and says how to get in."""
-        call = stub.Generate(ids_request(CLEAN_PROMPT, greedy(4)), metadata=_md(keys["a"]))
+        call = stub.Generate(
+            ids_request(CLEAN_PROMPT, greedy(4)), metadata=_md(keys["a"]), timeout=60
+        )
         with pytest.raises(grpc.RpcError) as err:
             list(call)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
