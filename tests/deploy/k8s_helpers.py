@@ -21,10 +21,12 @@ ENTRYPOINT = ["splitserve"]  # the image's; a container without `command` runs i
 SECRET = "splitserve-secrets"  # API keys, admin keys, cluster secret (kustomization.yaml)
 
 
-def load_docs() -> list[tuple[str, dict]]:
+def load_docs(folder: Path = K8S) -> list[tuple[str, dict]]:
+    """(file name, document) of every manifest in `folder` (a copy with TLS on, in
+    test_tls_deploy.py)."""
     return [
         (p.name, d)
-        for p in sorted(K8S.glob("*.yaml"))
+        for p in sorted(folder.glob("*.yaml"))
         if p.name != "kustomization.yaml"
         for d in yaml.safe_load_all(p.read_text())
         if d
@@ -43,11 +45,11 @@ CONTAINERS = [
 ]
 
 
-def of_kind(kind: str) -> dict[str, dict]:
-    return {d["metadata"]["name"]: d for _, d in DOCS if d["kind"] == kind}
+def of_kind(kind: str, docs: list[tuple[str, dict]] | None = None) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for _, d in docs or DOCS if d["kind"] == kind}
 
 
-def secret_keys() -> set[str]:
+def secret_keys(secret: str = SECRET) -> set[str]:
     """The keys of the Secret as the `kubectl create secret generic` in kustomization.yaml's
     header makes it."""
     header = "\n".join(
@@ -55,10 +57,17 @@ def secret_keys() -> set[str]:
         for line in (K8S / "kustomization.yaml").read_text().splitlines()
         if line.startswith("#")
     )
-    command = re.search(rf"kubectl create secret generic {SECRET}((?:.*\\\n)*.*)", header)
-    assert command, f"kustomization.yaml's header does not say how to create {SECRET}"
+    command = re.search(rf"kubectl create secret generic {secret}((?:.*\\\n)*.*)", header)
+    assert command, f"kustomization.yaml's header does not say how to create {secret}"
     argv = shlex.split(command[1].replace("\\\n", " "))
-    return {a.split("=", 2)[1] for a in argv if a.startswith(("--from-literal=", "--from-file="))}
+    keys = set()
+    for a in argv:
+        kind, _, value = a.partition("=")
+        if kind == "--from-literal":  # KEY=VALUE
+            keys.add(value.split("=", 1)[0])
+        elif kind == "--from-file":  # [KEY=]PATH: the key is the file's name unless given
+            keys.add(value.split("=", 1)[0] if "=" in value else Path(value).name)
+    return keys
 
 
 def secret_file(dep: dict, c: dict, path: str) -> tuple[str, str]:
@@ -127,7 +136,7 @@ def parse_argv(argv: list[str]) -> tuple[str, argparse.Namespace]:
         raise AssertionError(f"`{' '.join(argv)}` does not parse") from None
 
 
-def service_config(dep: dict, c: dict, ns: argparse.Namespace, tmp_path: Path):
+def service_config(dep: dict, c: dict, ns: argparse.Namespace, tmp_path: Path, docs=None):
     """The service's effective config as its `run()` builds it: --config (read from the mounted
     ConfigMap) with the flags on top."""
     from splitserve.cli import decode_worker_cmd, prefill_worker_cmd, router_cmd
@@ -146,7 +155,7 @@ def service_config(dep: dict, c: dict, ns: argparse.Namespace, tmp_path: Path):
         volume = next(
             v for v in dep["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
         )
-        data = of_kind("ConfigMap")[volume["configMap"]["name"]]["data"]
+        data = of_kind("ConfigMap", docs)[volume["configMap"]["name"]]["data"]
         path = tmp_path / ns.command
         path.write_text(data[ns.config.removeprefix(mount["mountPath"] + "/")])
     if ns.command == "router":

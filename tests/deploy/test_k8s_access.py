@@ -59,3 +59,28 @@ def test_router_starts_with_the_secret_and_refuses_without_it(tmp_path, monkeypa
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ValueError, match="without API keys"):
         Authenticator(cfg.model_copy(update={"auth": bare}))
+
+
+def test_public_service_exposes_neither_metrics_nor_control_port(tmp_path):
+    """The Service clients reach (not headless: it load-balances, and an Ingress or a
+    LoadBalancer points at it) names the router's gRPC and HTTP ports and nothing else: not the
+    metrics port (no key) nor the control port (worker registration), by number or by name."""
+    router_dep, main = _router()
+    cfg = service_config(router_dep, main, parse_argv(container_argv(main))[1], tmp_path)
+    named = {p["name"]: p["containerPort"] for p in main["ports"]}
+    private = {cfg.server.metrics_port, cfg.control.port}
+    assert None not in private and private <= set(named.values())
+    selects_router = [
+        (name, svc)
+        for name, svc in of_kind("Service").items()
+        if svc["spec"]["selector"].items()
+        <= router_dep["spec"]["template"]["metadata"]["labels"].items()
+    ]
+    public = [(n, s) for n, s in selects_router if s["spec"].get("clusterIP") != "None"]
+    assert [n for n, _ in public] == ["splitserve-router"], public
+    ((_, svc),) = public
+    assert svc["spec"].get("type", "ClusterIP") == "ClusterIP"  # exposed on purpose, by an Ingress
+    targets = {named.get(p["targetPort"], p["targetPort"]) for p in svc["spec"]["ports"]}
+    ports = {p["port"] for p in svc["spec"]["ports"]}
+    assert not (targets | ports) & private, (targets, ports, private)
+    assert targets == ports == {cfg.server.port, cfg.http.port}

@@ -123,3 +123,7 @@ def logs(front, cluster):
 # the credential fuzzers' keyed router and secret-requiring workers (fuzz_auth_support.py), for
 # test_fuzz_auth_router.py and test_fuzz_auth_workers.py (one set per module)
 from fuzz_auth_support import ended, g  # noqa: E402, F401
+
+# the control-listener fuzzers' router (fuzz_control_support.py), for test_fuzz_control.py and
+# test_fuzz_metrics_ports.py (one per module)
+from fuzz_control_support import ctl, ended_ctl  # noqa: E402, F401
