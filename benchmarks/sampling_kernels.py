@@ -33,8 +33,10 @@ def main() -> int:
     for b in [int(s) for s in args.batch_sizes.split(",")]:
         for mode in ("temp_top_p", "seeded_top_k", "penalties", "logprobs5", "mixed"):
             params = [mode_params(mode, i, 64) for i in range(b)]
-            rows = [RowInit(p, list(range(1, 200)), list(range(5, 40)), 7 + i, 35)
-                    for i, p in enumerate(params)]
+            rows = [
+                RowInit(p, list(range(1, 200)), list(range(5, 40)), 7 + i, 35)
+                for i, p in enumerate(params)
+            ]
             state = SamplingState.from_rows(rows, args.vocab, (2,), dev)
             logits = torch.randn(b, args.vocab, device=dev) * args.scale
             slots = torch.arange(b, device=dev)
@@ -43,7 +45,9 @@ def main() -> int:
             filters = any(has_filters(p) for p in params)
             from splitserve.engine.sampling_state import LogprobBuffers
 
-            lp = LogprobBuffers.empty(b, args.vocab, dev) if mode in ("logprobs5", "mixed") else None
+            lp = (
+                LogprobBuffers.empty(b, args.vocab, dev) if mode in ("logprobs5", "mixed") else None
+            )
             for _ in range(3):
                 sample_step(logits.clone(), slots, live, state, out, lp, filters)
             torch.cuda.synchronize()
@@ -58,9 +62,14 @@ def main() -> int:
                     per[e.name[:60]] += e.device_time_total / args.iters / 1000.0
             total = sum(per.values())
             row = {"batch": b, "mode": mode, "gpu_ms": total, "kernels_ms": dict(per)}
-            print(f"batch={b} {mode}: {total:.3f} ms  " + ", ".join(
-                f"{k.split('(')[0][:28]}={v:.3f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:8]),
-                flush=True)
+            print(
+                f"batch={b} {mode}: {total:.3f} ms  "
+                + ", ".join(
+                    f"{k.split('(')[0][:28]}={v:.3f}"
+                    for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:8]
+                ),
+                flush=True,
+            )
             rows_out.append(row)
     if args.out:
         with open(args.out, "w") as f:
