@@ -10,9 +10,9 @@ Per row, from fp32 logits x (vLLM's order):
                 keep tokens whose mass strictly above them is < top_p of the kept mass
                 token = argmax over kept of z + Gumbel(seed, step, token)
 
-Nothing here sorts the vocabulary on the GPU: there the filters are thresholds found by a
-16-ary search inside one Triton kernel per row (kernels/triton_sampling.py). `sample_rows_torch`
-is the reference for CPU tensors; it sorts, with exactly the same keep rules.
+Nothing sorts the vocabulary on the GPU: there top-k is a bounded, compacted select and the
+race runs by rejection (kernels/triton_sampling.py). `sample_rows_torch` is the reference for
+CPU tensors; it sorts, with exactly the same keep rules.
 
 The noise is counter-based: two rounds of the lowbias32 integer hash keyed by (seed, step,
 token), done in int64 with 32-bit masks, so the torch path and the Triton kernel produce the

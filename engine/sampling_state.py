@@ -190,7 +190,13 @@ def sample_step(
         sample_rows(x, slots, live, tokens, state, state.frozen_slot, filters)
     else:
         _sample_torch(x, slots, live, state, tokens)
-    if logprobs is not None:
+    if logprobs is not None and use_triton(x):
+        from splitserve.kernels.triton_logprobs import raw_logprobs_device
+
+        raw_logprobs_device(
+            logits, tokens, logprobs.sampled[:n], logprobs.top[:n], logprobs.top_ids[:n]
+        )
+    elif logprobs is not None:
         sampled, top, ids = sm.raw_logprobs(logits, tokens, MAX_LOGPROBS)
         logprobs.sampled[:n].copy_(sampled)
         logprobs.top[:n].copy_(top)

@@ -88,3 +88,18 @@ def finish(row, slot, tok, out_ptr, live_ptr, frozen, step_ptr, counts_ptr, stri
         cell = counts_ptr + slot * stride_c + tok
         tl.store(cell, tl.load(cell) + live.to(tl.int32))
     tl.store(status_ptr + row, 1)
+
+
+@triton.jit
+def sorted_list(list_ptr, total, S: tl.constexpr):
+    """The first S entries of a list of `total` int64 (padded with the minimum), descending."""
+    u = tl.arange(0, S)
+    got = tl.load(list_ptr + u, mask=u < total, other=-9223372036854775808, cache_modifier=".cg")
+    return tl.sort(got, descending=True)
+
+
+@triton.jit
+def kth_of_list(list_ptr, total, k, S: tl.constexpr):
+    """The k-th largest (1-based) of a list of total <= S int64 entries."""
+    srt = sorted_list(list_ptr, total, S)
+    return tl.max(tl.where(tl.arange(0, S) == k - 1, srt, -9223372036854775808), axis=0)

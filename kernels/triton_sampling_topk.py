@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from splitserve.kernels.triton_sampling_common import last_program, unkey, zkey
+from splitserve.kernels.triton_sampling_common import kth_of_list, last_program, unkey, zkey
 
 MIN64: tl.constexpr = tl.constexpr(-9223372036854775808)
 
@@ -50,13 +50,13 @@ def compact_kernel(
         tl.store(list_ptr + row * CAP + pos, packed, mask=sel & (pos < CAP))
         if last_program(ticket_ptr, row, C):
             total = tl.atomic_add(count_ptr + row, 0)
-            if total <= CAP:
-                u = tl.arange(0, CAP)
-                got = tl.load(
-                    list_ptr + row * CAP + u, mask=u < total, other=MIN64, cache_modifier=".cg"
-                )
-                srt = tl.sort(got, descending=True)
-                kth = tl.max(tl.where(u == tl.load(krem_ptr + row) - 1, srt, MIN64), axis=0)
+            if total <= CAP:  # (a short list, the usual case, sorts in a small block)
+                lst = list_ptr + row * CAP
+                krem = tl.load(krem_ptr + row)
+                if (total <= 128) & (total <= CAP):
+                    kth = kth_of_list(lst, total, krem, 128)
+                else:
+                    kth = kth_of_list(lst, total, krem, CAP)
                 kz = unkey(kth >> 32)
                 tl.store(lo_ptr + row, tl.maximum(tl.load(lo_ptr + row), kz))
                 tl.store(status_ptr + row, 0)
