@@ -26,7 +26,7 @@ from splitserve.kernels.dispatch import use_triton
 from splitserve.request.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "rep", "freq", "pres")
-_INT_FIELDS = ("top_k", "has_pen", "seed", "step", "min_tokens")
+_INT_FIELDS = ("top_k", "has_pen", "seed", "step", "min_tokens", "wants_logprobs")
 
 
 def has_filters(p: SamplingParams) -> bool:
@@ -60,6 +60,7 @@ class SamplingState:
         self.temperature, self.top_p, self.min_p = z(f32, slots), z(f32, slots), z(f32, slots)
         self.rep, self.freq, self.pres = z(f32, slots), z(f32, slots), z(f32, slots)
         self.top_k, self.has_pen = z(i32, slots), z(i32, slots)
+        self.wants_logprobs = z(i32, slots)  # the device logprobs skip the other rows
         self.seed, self.step, self.min_tokens = z(i64, slots), z(i64, slots), z(i64, slots)
         self.counts = z(i32, slots, vocab)
         self.prompt_seen = z(torch.uint8, slots, vocab)
@@ -105,6 +106,7 @@ class SamplingState:
             "seed": [_as_int64(r.seed) for r in rows],
             "step": [r.step for r in rows],
             "min_tokens": [p.min_tokens for p in ps],
+            "wants_logprobs": [int(p.logprobs is not None) for p in ps],
         }
         for name, vals in floats.items():
             getattr(self, name).index_copy_(0, idx, put(vals, torch.float32))
@@ -194,7 +196,13 @@ def sample_step(
         from splitserve.kernels.triton_logprobs import raw_logprobs_device
 
         raw_logprobs_device(
-            logits, tokens, logprobs.sampled[:n], logprobs.top[:n], logprobs.top_ids[:n]
+            logits,
+            tokens,
+            logprobs.sampled[:n],
+            logprobs.top[:n],
+            logprobs.top_ids[:n],
+            slots,
+            state.wants_logprobs,
         )
     elif logprobs is not None:
         sampled, top, ids = sm.raw_logprobs(logits, tokens, MAX_LOGPROBS)

@@ -26,12 +26,14 @@ CHUNK, SUB, CAP = 4096, 64, 1024
 
 @triton.jit
 def _stats_kernel(
-    x_ptr, stride_x, V, part_m_ptr, part_s_ptr, submax_ptr, lse_ptr, bound_ptr, ticket_ptr, C,
+    x_ptr, stride_x, V, slot_ptr, want_ptr, part_m_ptr, part_s_ptr, submax_ptr, lse_ptr, bound_ptr, ticket_ptr, C,
     NTOP: tl.constexpr, CHUNK: tl.constexpr, NSUB: tl.constexpr, CP: tl.constexpr,
     SP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
+    if tl.load(want_ptr + tl.load(slot_ptr + row)) == 0:  # the row asked for no logprobs
+        return
     offs = c * CHUNK + tl.arange(0, CHUNK)
     v = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=float("-inf"))
     m_c = tl.max(v, axis=0)
@@ -68,12 +70,14 @@ def _emit_top(srt, lse, top_ptr, top_id_ptr, row, NTOP: tl.constexpr, S: tl.cons
 
 @triton.jit
 def _top_kernel(
-    x_ptr, stride_x, V, tok_ptr, lse_ptr, bound_ptr, count_ptr, list_ptr, ticket_ptr,
+    x_ptr, stride_x, V, slot_ptr, want_ptr, tok_ptr, lse_ptr, bound_ptr, count_ptr, list_ptr, ticket_ptr,
     sampled_ptr, top_ptr, top_id_ptr, C,
     NTOP: tl.constexpr, CHUNK: tl.constexpr, CAP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
+    if tl.load(want_ptr + tl.load(slot_ptr + row)) == 0:
+        return
     xr = x_ptr + row * stride_x
     offs = c * CHUNK + tl.arange(0, CHUNK)
     mask = offs < V
@@ -110,9 +114,16 @@ def _top_kernel(
 
 
 def raw_logprobs_device(
-    logits: torch.Tensor, tokens: torch.Tensor, sampled: torch.Tensor, top, top_ids
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    sampled: torch.Tensor,
+    top: torch.Tensor,
+    top_ids: torch.Tensor,
+    slots: torch.Tensor,
+    wants: torch.Tensor,
 ) -> None:
-    """sampled [n], top [n, N], top_ids [n, N] of the raw fp32 logits [n, V] (N <= V)."""
+    """sampled [n], top [n, N], top_ids [n, N] of the raw fp32 logits [n, V] (N <= V), for the
+    rows whose state slot wants them (wants[slots[r]] != 0; the others are left as they are)."""
     n, vocab = logits.shape
     ntop = top.shape[1]
     if n == 0:
@@ -129,12 +140,12 @@ def raw_logprobs_device(
     )
     submax = torch.empty(n, c, nsub, dtype=f32, device=dev)
     _stats_kernel[(n, c)](
-        logits, logits.stride(0), vocab, part_m, part_s, submax, lse, bound, ticket, c,
+        logits, logits.stride(0), vocab, slots, wants, part_m, part_s, submax, lse, bound, ticket, c,
         NTOP=ntop, CHUNK=chunk, NSUB=nsub, CP=pow2(c), SP=pow2(c * nsub), num_warps=8,
     )  # fmt: skip
     count = torch.zeros(n, dtype=torch.int32, device=dev)
     listed = torch.empty(n, CAP, dtype=torch.int64, device=dev)
     _top_kernel[(n, c)](
-        logits, logits.stride(0), vocab, tokens, lse, bound, count, listed, ticket,
+        logits, logits.stride(0), vocab, slots, wants, tokens, lse, bound, count, listed, ticket,
         sampled, top, top_ids, c, NTOP=ntop, CHUNK=chunk, CAP=CAP, num_warps=8,
     )  # fmt: skip

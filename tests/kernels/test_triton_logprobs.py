@@ -19,8 +19,21 @@ def device_logprobs(x: torch.Tensor, tokens: torch.Tensor):
     sampled = torch.empty(n)
     top = torch.empty(n, N)
     ids = torch.empty(n, N, dtype=torch.int64)
-    tlp.raw_logprobs_device(x, tokens, sampled, top, ids)
+    slots = torch.arange(n)
+    tlp.raw_logprobs_device(x, tokens, sampled, top, ids, slots, torch.ones(n, dtype=torch.int32))
     return sampled, top, ids
+
+
+def test_rows_that_ask_for_none_are_left_alone():
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(4))
+    tokens = torch.tensor([1, 2, 3])
+    sampled, top, ids = torch.full((3,), 7.0), torch.full((3, N), 7.0), torch.full((3, N), -1)
+    wants = torch.tensor([0, 1, 0], dtype=torch.int32)
+    tlp.raw_logprobs_device(x, tokens, sampled, top, ids, torch.tensor([2, 1, 0]), wants)
+    want_s, want_top, want_ids = raw_logprobs(x, tokens, N)
+    assert sampled[[0, 2]].tolist() == [7.0, 7.0] and (ids[[0, 2]] == -1).all()  # slots 2, 0
+    assert torch.allclose(sampled[1], want_s[1], atol=1e-5)
+    assert ids[1].tolist() == want_ids[1].tolist()
 
 
 @pytest.mark.parametrize("chunk,sub,cap", [(64, 16, 256), (128, 32, 32), (512, 64, 1024)])
@@ -69,7 +82,8 @@ def test_device_logprobs_on_the_gpu_at_llama_vocabulary():
         torch.empty(64, N, device="cuda"),
         torch.empty(64, N, dtype=torch.int64, device="cuda"),
     )
-    tlp.raw_logprobs_device(x, tokens, sampled, top, ids)
+    slots, wants = torch.arange(64, device="cuda"), torch.ones(64, dtype=torch.int32, device="cuda")
+    tlp.raw_logprobs_device(x, tokens, sampled, top, ids, slots, wants)
     want_s, want_top, want_ids = raw_logprobs(x, tokens, N)
     assert torch.allclose(sampled, want_s, atol=1e-4) and torch.allclose(top, want_top, atol=1e-4)
     assert ids[3].tolist() == list(range(N)) and ids[7].tolist() == list(range(1000, 1000 + N))
