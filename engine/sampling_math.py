@@ -124,7 +124,7 @@ def sample_rows_torch(
     greedy_tok = x.argmax(dim=-1)
     m = x.amax(dim=-1, keepdim=True)
     t = torch.where(temperature > 0, temperature, 1.0).unsqueeze(1)
-    z = (x - m) / t
+    z = (x - m) * (1.0 / t)  # the kernels multiply by the reciprocal too (one division a row)
     thr = _keep_threshold(z, top_k, top_p, min_p)
     k1, k2 = noise_keys(seed, step)
     score = torch.where(z >= thr, z + gumbel(k1, k2, x.shape[1]), float("-inf"))

@@ -92,7 +92,7 @@ def prep_kernel(
                 kth = tl.max(
                     tl.where(u == top_k - 1, tl.sort(sub, descending=True), float("-inf")), axis=0
                 )
-                tl.store(zt_ptr + row, (kth - m) / temp)
+                tl.store(zt_ptr + row, (kth - m) * (1.0 / temp))
                 tl.store(status_ptr + row, 4)
         else:
             tl.store(status_ptr + row, 0)

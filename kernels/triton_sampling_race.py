@@ -43,10 +43,11 @@ def _chunk_pass(xr, c, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2,
     acc = tl.zeros([BLOCK], tl.float32)
     start0 = c * CHUNK
     end = tl.minimum(start0 + CHUNK, V)
+    rt = 1.0 / temp  # z = (x - m) * (1 / T) everywhere, as the twin computes it
     for start in range(start0, end, BLOCK):
         idx = start + offs
         mask = idx < end
-        z = (tl.load(xr + idx, mask=mask, other=0.0) - m) / temp
+        z = (tl.load(xr + idx, mask=mask, other=0.0) - m) * rt
         racing = mask & (z >= lo) & (any_z | (z > zc))
         if RACE:
             score = tl.where(racing, z - neg_log_neg_log_u(idx, k1, k2), float("-inf"))
@@ -98,7 +99,7 @@ def race_kernel(
                     tl.store(mass_ptr + row, total)
                     tl.store(status_ptr + row, 3)
                     tl.store(cand_ptr + row, win)
-                    tl.store(zc_ptr + row, (tl.load(xr + win) - m) / temp)
+                    tl.store(zc_ptr + row, (tl.load(xr + win) - m) * (1.0 / temp))
                 else:
                     finish(row, slot, win, out_ptr, live_ptr, frozen, step_ptr, counts_ptr,
                            stride_c, status_ptr)  # fmt: skip
@@ -107,7 +108,7 @@ def race_kernel(
                        counts_ptr, stride_c, status_ptr)  # fmt: skip
             elif RACE:
                 tl.store(cand_ptr + row, win)
-                tl.store(zc_ptr + row, (tl.load(xr + win) - m) / temp)
+                tl.store(zc_ptr + row, (tl.load(xr + win) - m) * (1.0 / temp))
 
 
 @triton.jit
@@ -158,6 +159,6 @@ def exact_kernel(
                 waiting = False
             else:
                 cand = win
-                zc = (tl.load(xr + win) - m) / temp
+                zc = (tl.load(xr + win) - m) * (1.0 / temp)
         finish(row, slot, cand, out_ptr, live_ptr, frozen, step_ptr, counts_ptr, stride_c,
                status_ptr)  # fmt: skip

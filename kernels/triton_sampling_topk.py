@@ -41,7 +41,7 @@ def compact_kernel(
         m = tl.load(m_ptr + row)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         mask = offs < V
-        z = (tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0) - m) / temp
+        z = (tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0) - m) * (1.0 / temp)
         sel = mask & (z >= tl.load(zt_ptr + row))
         ones = sel.to(tl.int32)
         base = tl.atomic_add(count_ptr + row, tl.sum(ones, axis=0), sem="relaxed")
@@ -78,7 +78,7 @@ def radix_kernel(
         prefix = tl.load(prefix_ptr + row)
         offs = c * CHUNK + tl.arange(0, CHUNK)
         mask = offs < V
-        z = (tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0) - m) / temp
+        z = (tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0) - m) * (1.0 / temp)
         u = zkey(z) + 2147483648
         match = mask & ((u >> (SHIFT + 8)) == prefix)
         digit = tl.where(match, (u >> SHIFT) & 255, 256).to(tl.int32)
