@@ -5,8 +5,8 @@ program per row chunk, no vocabulary sort.
     stats  each chunk: its max, its sum of exp(x - max) and the max of each of its sub-blocks;
            the row's last program: lse, and the N-th largest sub-block max as a lower bound on
            the N-th largest logit (N sub-blocks hold a logit at least that large)
-    top    each chunk appends its logits >= the bound to the row's list (one atomic for its
-           offset); the last program sorts the list (its order does not matter), writes the top
+    top    each chunk appends its logits >= the bound to the row's list (one atomic per
+           logit listed); the last program sorts the list (its order does not matter), writes the top
            N (ties: lower id first) and the sampled token's logprob. A row whose list
            overflows (a near-constant row) takes N exact passes instead, in that program.
 """
@@ -21,7 +21,7 @@ from splitserve.kernels.triton_common import pow2
 from splitserve.kernels.triton_sampling_common import last_program, sorted_list, unkey, zkey
 
 MIN64: tl.constexpr = tl.constexpr(-9223372036854775808)
-CHUNK, SUB, CAP = 4096, 64, 1024
+CHUNK, SUB, CAP = 4096, 128, 1024
 
 
 @triton.jit
@@ -83,9 +83,8 @@ def _top_kernel(
     mask = offs < V
     v = tl.load(xr + offs, mask=mask, other=float("-inf"))
     sel = mask & (v >= tl.load(bound_ptr + row))
-    ones = sel.to(tl.int32)
-    base = tl.atomic_add(count_ptr + row, tl.sum(ones, axis=0), sem="relaxed")
-    pos = base + tl.cumsum(ones, axis=0) - 1
+    # a slot per selected logit (few per chunk: one atomic each, no scan of the chunk)
+    pos = tl.atomic_add(count_ptr + row + tl.zeros_like(offs), 1, mask=sel, sem="relaxed")
     packed = (zkey(v) << 32) | (0xFFFFFFFF - offs.to(tl.int64))
     tl.store(list_ptr + row * CAP + pos, packed, mask=sel & (pos < CAP))
     if last_program(ticket_ptr, row, C):

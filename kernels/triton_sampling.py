@@ -30,7 +30,7 @@ from splitserve.kernels.triton_sampling_race import exact_kernel, race_kernel
 from splitserve.kernels.triton_sampling_topk import compact_kernel, radix_kernel
 
 CHUNK = 4096  # tokens per program
-SUB = 64  # tokens per sub-block of a top-k row's bound
+SUB = 128  # tokens per sub-block of a top-k row's bound (k up to V / SUB)
 CAP = 1024  # most tokens a top-k row's compaction lists (more: the radix select)
 # race launches of a filtered step (True: race, False: only check the top-p candidates): a
 # candidate passes with probability >= top_p, and a launch costs work only for the rows still

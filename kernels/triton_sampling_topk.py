@@ -3,7 +3,7 @@
 `compact_kernel` (status 4): the first pass gave a lower bound z_t on the k-th largest z (the
 k-th largest sub-block max), so the tokens with z >= z_t are few (about k on any row but a
 nearly constant one) and hold every token the filter keeps. Each program appends its own
-(packed key, index) to the row's list (one atomic for its offset); the last program sorts
+(packed key, index) to the row's list (one atomic per token listed); the last program sorts
 the list (order-free: the result does not depend on who appended first) and reads the k-th.
 A list longer than CAP leaves the row to the radix select (status 2).
 
@@ -43,9 +43,8 @@ def compact_kernel(
         mask = offs < V
         z = (tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0) - m) * (1.0 / temp)
         sel = mask & (z >= tl.load(zt_ptr + row))
-        ones = sel.to(tl.int32)
-        base = tl.atomic_add(count_ptr + row, tl.sum(ones, axis=0), sem="relaxed")
-        pos = base + tl.cumsum(ones, axis=0) - 1
+        # a slot per selected token (few per chunk: one atomic each, no scan of the chunk)
+        pos = tl.atomic_add(count_ptr + row + tl.zeros_like(offs), 1, mask=sel, sem="relaxed")
         packed = (zkey(z) << 32) | (0xFFFFFFFF - offs.to(tl.int64))
         tl.store(list_ptr + row * CAP + pos, packed, mask=sel & (pos < CAP))
         if last_program(ticket_ptr, row, C):
