@@ -31,8 +31,9 @@ class SamplingParams(BaseModel):
     - penalties follow vLLM: `repetition_penalty` over prompt and output tokens
       (divides positive logits, multiplies negative ones), `presence_penalty` /
       `frequency_penalty` over output tokens only (subtracted from the logits).
-    - `seed` makes the request's tokens reproducible wherever and with whatever it is
-      batched (see sampler.py).
+    - `seed` makes the request's tokens a function of its logits, seed and step only, so the
+      same alone or in any batch; under bf16 the logits themselves can differ in a last bit by
+      batch size, so there it holds up to that rounding (see sampler.py, docs/sampling.md).
     - `logprobs` n: return the sampled token's logprob plus the n most likely tokens.
     - `logit_bias` {token id: bias in [-100, 100]} is added to the raw logits (OpenAI);
       `min_tokens` bans EOS and `stop_token_ids` (and stops no request) before that many

@@ -160,12 +160,16 @@ def test_workers_refuse_callers_without_a_certificate_from_their_client_ca(tls_s
         ),
         "plaintext": None,
     }
-    for name, tls in callers.items():
-        with open_channel(tls_stack.prefill, tls, aio=False) as channel:
-            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-            with pytest.raises(grpc.RpcError) as err:
-                stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, name
+    workers = {
+        tls_stack.prefill: worker_pb2_grpc.PrefillWorkerStub,
+        tls_stack.decode: worker_pb2_grpc.DecodeWorkerStub,
+    }
+    for address, stub_class in workers.items():
+        for name, tls in callers.items():
+            with open_channel(address, tls, aio=False) as channel:
+                with pytest.raises(grpc.RpcError) as err:
+                    stub_class(channel).GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE, (address, name)
     tls_stack.assert_free()  # the router's certificate is let in
 
 
