@@ -57,6 +57,16 @@ def unkey(k):
 
 
 @triton.jit
+def chunk_z(x_ptr, stride_x, V, slot_ptr, temp_ptr, m_ptr, row, c, CHUNK: tl.constexpr):
+    """Chunk c of a random row: token ids, the in-vocabulary mask and z = (x - m) * (1 / T)."""
+    temp = tl.load(temp_ptr + tl.load(slot_ptr + row).to(tl.int64))
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < V
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    return offs, mask, (x - tl.load(m_ptr + row)) * (1.0 / temp)
+
+
+@triton.jit
 def last_program(ticket_ptr, row, C):
     """True in the last of row's C programs to get here (after their stores); rewinds the ticket."""
     tl.debug_barrier()  # every thread of this program has stored its partials

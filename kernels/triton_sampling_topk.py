@@ -23,7 +23,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from splitserve.kernels.triton_sampling_common import kth_of_list, last_program, unkey, zkey
+from splitserve.kernels.triton_sampling_common import (
+    chunk_z,
+    kth_of_list,
+    last_program,
+    unkey,
+    zkey,
+)
 
 MIN64: tl.constexpr = tl.constexpr(-9223372036854775808)
 
@@ -36,12 +42,7 @@ def compact_kernel(
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     if tl.load(status_ptr + row) == 4:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        temp = tl.load(temp_ptr + slot)
-        m = tl.load(m_ptr + row)
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        mask = offs < V
-        z = (tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0) - m) * (1.0 / temp)
+        offs, mask, z = chunk_z(x_ptr, stride_x, V, slot_ptr, temp_ptr, m_ptr, row, c, CHUNK)
         sel = mask & (z >= tl.load(zt_ptr + row))
         # a slot per selected token (few per chunk: one atomic each, no scan of the chunk)
         pos = tl.atomic_add(count_ptr + row + tl.zeros_like(offs), 1, mask=sel, sem="relaxed")
@@ -52,7 +53,7 @@ def compact_kernel(
             if total <= CAP:  # (a short list, the usual case, sorts in a small block)
                 lst = list_ptr + row * CAP
                 krem = tl.load(krem_ptr + row)
-                if (total <= 128) & (total <= CAP):
+                if total <= 128:
                     kth = kth_of_list(lst, total, krem, 128)
                 else:
                     kth = kth_of_list(lst, total, krem, CAP)
@@ -71,13 +72,8 @@ def radix_kernel(
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     if tl.load(status_ptr + row) == 2:
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        temp = tl.load(temp_ptr + slot)
-        m = tl.load(m_ptr + row)
         prefix = tl.load(prefix_ptr + row)
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        mask = offs < V
-        z = (tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0) - m) * (1.0 / temp)
+        offs, mask, z = chunk_z(x_ptr, stride_x, V, slot_ptr, temp_ptr, m_ptr, row, c, CHUNK)
         u = zkey(z) + 2147483648
         match = mask & ((u >> (SHIFT + 8)) == prefix)
         digit = tl.where(match, (u >> SHIFT) & 255, 256).to(tl.int32)

@@ -68,56 +68,24 @@ def procs(tmp_path):
 
 
 # ---- the fuzz suite's router (test_fuzz_*.py): one for the package, like the workers ------------
-import secrets  # noqa: E402
-import time  # noqa: E402
-
-from fuzz_support import MODEL, Front, _http, _worker_procs  # noqa: E402
-from helpers_procs import free_port  # noqa: E402
-from router_helpers import MAX_MODEL_LEN  # noqa: E402
+from fuzz_router import no_new_tracebacks, start_secret_router  # noqa: E402
+from fuzz_support import _worker_procs  # noqa: E402
 
 
 @pytest.fixture(scope="package")
 def front(cluster, tmp_path_factory):
     work = tmp_path_factory.mktemp("fuzz_front")
-    secret = secrets.token_urlsafe(24)
-    (work / "cluster-secret").write_text(secret)
     with ProcessGroup(work) as procs:
-        http_port, metrics = free_port(), free_port()
-        proc = procs.router(
-            cluster.model,
-            "--prefill",
-            cluster.prefill,
-            "--decode",
-            cluster.decode,
-            "--http-port",
-            str(http_port),
-            "--metrics-port",
-            str(metrics),
-            "--model-name",
-            MODEL,
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--cluster-secret-file",
-            str(work / "cluster-secret"),
-        )
-        f = Front(proc, http_port, metrics, secret)
-        deadline = time.monotonic() + 30
-        while _http(f, "GET", "/health")[0] != 200:
-            assert time.monotonic() < deadline, proc.log()
-            time.sleep(0.1)
+        f = start_secret_router(procs, cluster, work)
         yield f
-        assert proc.stop() == 0 and "Traceback" not in proc.log(), proc.log()[-20000:]
+        assert f.proc.stop() == 0 and "Traceback" not in f.proc.log(), f.proc.log()[-20000:]
 
 
 @pytest.fixture
 def logs(front, cluster):
     """The router's and the workers' logs from here on must hold no traceback."""
-    procs = [front.proc, *_worker_procs(cluster)]
-    marks = [(p, len(p.log_path.read_bytes())) for p in procs]
-    yield
-    for p, mark in marks:
-        tail = p.log_path.read_bytes()[mark:].decode(errors="replace")
-        assert "Traceback" not in tail, f"{p.name} logged a traceback:\n{tail[-20000:]}"
+    with no_new_tracebacks([front.proc, *_worker_procs(cluster)]):
+        yield
 
 
 # the credential fuzzers' keyed router and secret-requiring workers (fuzz_auth_support.py), for

@@ -8,12 +8,12 @@ conftest.py."""
 from __future__ import annotations
 
 import re
-import secrets
 
 import pytest
-from fuzz_support import Front, _end, _worker_procs
-from helpers_procs import ProcessGroup, free_port, health_status
-from router_helpers import MAX_MODEL_LEN, SERVING
+from fuzz_router import no_new_tracebacks, start_secret_router
+from fuzz_support import _end, _worker_procs
+from helpers_procs import ProcessGroup, health_status
+from router_helpers import SERVING
 
 CONTROL = "splitserve.v1.RouterControl"
 
@@ -29,33 +29,22 @@ def control_address(log: str) -> str:
 def ctl(cluster, tmp_path_factory):
     """A router with a control listener, its Front (public side) and the control address."""
     work = tmp_path_factory.mktemp("fuzz_control")
-    secret = secrets.token_urlsafe(24)
-    (work / "cluster-secret").write_text(secret)
     with ProcessGroup(work) as procs:
-        http_port, metrics = free_port(), free_port()
-        proc = procs.router(
-            cluster.model,
-            *("--prefill", cluster.prefill, "--decode", cluster.decode, "--model-name", "tiny"),
-            *("--http-port", str(http_port), "--metrics-port", str(metrics)),
-            *("--max-model-len", str(MAX_MODEL_LEN), "--cluster-secret-file", str(work / "cluster-secret")),
-            *("--control-host", "127.0.0.1", "--control-port", "0"),
-        )  # fmt: skip
-        control = control_address(proc.log())
-        assert health_status(control, CONTROL) == SERVING, proc.log()
-        yield Front(proc, http_port, metrics, secret), control
-        assert proc.stop() == 0, proc.log()[-20000:]
-        assert "Traceback" not in proc.log(), proc.log()[-20000:]
+        front = start_secret_router(
+            procs, cluster, work, "--control-host", "127.0.0.1", "--control-port", "0"
+        )
+        control = control_address(front.proc.log())
+        assert health_status(control, CONTROL) == SERVING, front.proc.log()
+        yield front, control
+        assert front.proc.stop() == 0, front.proc.log()[-20000:]
+        assert "Traceback" not in front.proc.log(), front.proc.log()[-20000:]
 
 
 @pytest.fixture
 def ended_ctl(ctl, cluster, oracle):
     """The end of every test (module docstring), the logs read from the test's start on."""
     front, control = ctl
-    procs = [front.proc, *_worker_procs(cluster)]
-    marks = [(p, len(p.log_path.read_bytes())) for p in procs]
-    yield
-    assert health_status(control, CONTROL) == SERVING
-    _end(front, cluster, oracle)
-    for p, mark in marks:
-        tail = p.log_path.read_bytes()[mark:].decode(errors="replace")
-        assert "Traceback" not in tail, f"{p.name} logged a traceback:\n{tail[-20000:]}"
+    with no_new_tracebacks([front.proc, *_worker_procs(cluster)]):
+        yield
+        assert health_status(control, CONTROL) == SERVING
+        _end(front, cluster, oracle)
