@@ -50,11 +50,22 @@ def noise_keys(seed: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def gumbel(k1: torch.Tensor, k2: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[n, vocab] float32 Gumbel noise from per-row keys [n] (int64)."""
+    """[n, vocab] float32 Gumbel noise -log(-log(u)) from per-row keys [n] (int64). -log(u) for
+    u >= 1/2 is 2 atanh(v / (2 - v)), v = 1 - u, by its series (to w^15, error < 1e-9): the
+    kernel computes it so (its fast log is accurate only in absolute terms near 1), and this
+    twin the same way, op for op."""
     idx = torch.arange(vocab, device=k1.device, dtype=torch.int64)
     h = hash32(hash32((idx.unsqueeze(0) + k1.unsqueeze(1)) & M32) ^ k2.unsqueeze(1))
-    u = ((h >> 8).to(torch.float32) + 0.5) * _INV24  # (0, 1), exact in float32
-    return -torch.log(-torch.log(u))
+    k = h >> 8
+    u = (k.to(torch.float32) + 0.5) * _INV24  # (0, 1), exact in float32
+    v = ((16777215 - k).to(torch.float32) + 0.5) * _INV24  # 1 - u, exact
+    w = v / (2.0 - v)
+    w2 = w * w
+    p = w2 * (1.0 / 15.0) + (1.0 / 13.0)
+    for c in (1.0 / 11.0, 1.0 / 9.0, 1.0 / 7.0, 1.0 / 5.0, 1.0 / 3.0, 1.0):
+        p = p * w2 + c
+    e = torch.where(u < 0.5, -torch.log(u), 2.0 * w * p)
+    return -torch.log(e)
 
 
 def add_bias_and_bans(

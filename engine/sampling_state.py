@@ -180,32 +180,34 @@ def sample_step(
     filters: bool = True,
 ) -> None:
     """out[:n] = the tokens of fp32 logits [n, V] whose rows use state slots `slots` [n]
-    (`logits` is overwritten with the processed values unless logprobs are asked for);
-    `live` [n] (int64, 0 for padding lanes) advances the slots' steps and counts.
-    filters=False promises that no row has top-k / top-p (the GPU skips their searches)."""
+    (`logits` is overwritten with the processed values; with `logprobs`, raw logprobs of the
+    rows whose slot asked: on CUDA the sampler's first pass saves any chunk it changes of those
+    rows, elsewhere the raw logits are copied first); `live` [n] (int64, 0 for padding lanes)
+    advances the slots' steps and counts. filters=False promises that no row has top-k /
+    top-p (the GPU skips their searches)."""
     n = logits.shape[0]
-    x = logits.clone() if logprobs is not None else logits  # processed in place: raw kept if asked
     tokens = out[:n]
-    if use_triton(x):  # bias, bans, penalties, race and the slots' step / counts: all in-kernel
-        from splitserve.kernels.triton_sampling import sample_rows
+    if use_triton(logits):  # bias, bans, penalties, race and the slots' step / counts: in-kernel
+        from splitserve.kernels import triton_logprobs as tlp
+        from splitserve.kernels.triton_sampling import sample_rows, split_of
 
-        sample_rows(x, slots, live, tokens, state, state.frozen_slot, filters)
-    else:
-        _sample_torch(x, slots, live, state, tokens)
-    if logprobs is not None and use_triton(x):
-        from splitserve.kernels.triton_logprobs import raw_logprobs_device
-
-        raw_logprobs_device(
-            logits,
-            tokens,
-            logprobs.sampled[:n],
-            logprobs.top[:n],
-            logprobs.top_ids[:n],
-            slots,
-            state.wants_logprobs,
-        )
-    elif logprobs is not None:
-        sampled, top, ids = sm.raw_logprobs(logits, tokens, MAX_LOGPROBS)
+        lp = None
+        if logprobs is not None:
+            chunk, sub = split_of(logits.shape[1])
+            width = logprobs.top.shape[1]
+            lp = tlp.LogprobScratch.empty(
+                n, logits.shape[1], width, logits.device, True, chunk, sub
+            )
+        sample_rows(logits, slots, live, tokens, state, state.frozen_slot, filters, lp=lp)
+        if lp is not None:
+            lpb = logprobs
+            tlp.top_pass(logits, tokens, lpb.sampled[:n], lpb.top[:n], lpb.top_ids[:n], slots,
+                         state.wants_logprobs, lp, side=True)  # fmt: skip
+        return
+    raw = logits.clone() if logprobs is not None else None  # processed in place: raw kept
+    _sample_torch(logits, slots, live, state, tokens)
+    if logprobs is not None:
+        sampled, top, ids = sm.raw_logprobs(raw, tokens, MAX_LOGPROBS)
         logprobs.sampled[:n].copy_(sampled)
         logprobs.top[:n].copy_(top)
         logprobs.top_ids[:n].copy_(ids)

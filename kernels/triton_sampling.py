@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.kernels.triton_common import pow2
+from splitserve.kernels.triton_common import interpreting, pow2
 from splitserve.kernels.triton_sampling_prep import prep_kernel
 from splitserve.kernels.triton_sampling_race import exact_kernel, race_kernel
 from splitserve.kernels.triton_sampling_topk import compact_kernel, radix_kernel
@@ -38,6 +38,12 @@ CAP = 1024  # most tokens a top-k row's compaction lists (more: the radix select
 RACE_ROUNDS = (True, False, True, True, True)
 
 
+def split_of(vocab: int, chunk: int | None = None) -> tuple[int, int]:
+    """(tokens per program, tokens per sub-block) of a row of `vocab` logits."""
+    chunk = chunk or min(CHUNK, pow2(vocab))
+    return chunk, min(SUB, chunk)
+
+
 def sample_rows(
     x: torch.Tensor,
     slots: torch.Tensor,
@@ -47,16 +53,19 @@ def sample_rows(
     frozen_slot: int = -1,
     filters: bool = True,
     chunk: int | None = None,
+    lp=None,
 ) -> None:
     """out[r] = token of row r of the fp32 logits x [n, V] (bias, bans and penalties applied
     to x in place) under state slot slots[r]; slots' step and counts advance by live[r]
     (none for frozen_slot). filters=False promises no row has top-k / top-p. `chunk` (a
-    power of two) overrides the split, for tests."""
+    power of two) overrides the split, for tests. `lp` (triton_logprobs.LogprobScratch, same
+    chunking): the first pass also takes the raw logprob stats of the rows that want them.
+    """
     n, vocab = x.shape
     if n == 0:
         return
     s, dev = state, x.device
-    chunk = chunk or min(CHUNK, pow2(vocab))
+    chunk, _ = split_of(vocab, chunk)
     c = -(-vocab // chunk)
     f32, i64 = torch.float32, torch.int64
     part_v = torch.empty(n, c, dtype=f32, device=dev)
@@ -76,14 +85,20 @@ def sample_rows(
     mass = torch.ones(n, dtype=f32, device=dev)
     common = (x, x.stride(0), vocab, slots, live, out, frozen_slot)
     cp = pow2(c)
+    if lp is not None:
+        assert lp.chunk == chunk and lp.nsub == nsub, "logprob scratch chunked like the sampler"
+        lp_args = (s.wants_logprobs, lp.part_m, lp.part_s, lp.submax, lp.lse, lp.bound, lp.side,
+                   lp.mod)  # fmt: skip
+    else:
+        lp_args = (s.wants_logprobs,) + (m,) * 7  # never read (LOGPROBS=False)
     prep_kernel[(n, c)](
         *common,
         s.temperature, s.top_k, s.min_p, s.step, s.min_tokens,
         s.has_pen, s.rep, s.freq, s.pres, s.counts, s.prompt_seen, s.counts.stride(0),
         s.bias_ids, s.bias_vals, s.bias_ids.shape[1], s.ban_ids, s.ban_ids.shape[1],
         part_v, part_i, ticket, m, status, lo, krem, prefix, submax, zt, c,
-        CHUNK=chunk, WP=pow2(s.bias_ids.shape[1]), BP=pow2(s.ban_ids.shape[1]), CP=cp,
-        NSUB=nsub, SP=pow2(c * nsub), num_warps=8,
+        *lp_args, CHUNK=chunk, WP=pow2(s.bias_ids.shape[1]), BP=pow2(s.ban_ids.shape[1]), CP=cp,
+        NSUB=nsub, SP=pow2(c * nsub), LOGPROBS=lp is not None, NTOP=lp.ntop if lp else 1, num_warps=8,
     )  # fmt: skip
     if filters:
         count = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -99,15 +114,16 @@ def sample_rows(
                 hist, ticket, c, CHUNK=chunk, SHIFT=shift, CP=cp, num_warps=8,
             )  # fmt: skip
     row_state = (m, status, lo, cand, zc, mass)
+    fast = not interpreting()  # the GPU's approximate log (the interpreter has none)
     block = min(chunk, 1024)
     for race in RACE_ROUNDS if filters else RACE_ROUNDS[:1]:
         race_kernel[(n, c)](
             *common, s.temperature, s.top_p, s.seed, s.step, s.counts, s.counts.stride(0),
             *row_state, part_v, part_i, part_e, ticket, c, chunk,
-            BLOCK=block, CP=cp, RACE=race, num_warps=4,
+            BLOCK=block, CP=cp, RACE=race, FAST=fast, num_warps=4,
         )  # fmt: skip
     if filters:
         exact_kernel[(n,)](
             *common, s.temperature, s.top_p, s.seed, s.step, s.counts, s.counts.stride(0),
-            *row_state, c, chunk, BLOCK=chunk, CP=cp, num_warps=16,
+            *row_state, c, chunk, BLOCK=chunk, CP=cp, FAST=fast, num_warps=16,
         )  # fmt: skip

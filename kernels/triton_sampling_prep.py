@@ -1,16 +1,18 @@
 """Pass 1 of the sampler (kernels/triton_sampling.py): logits processing, the row max, greedy
 rows done.
 
-Program (row, c) owns chunk c of the row: it applies the row's logit bias and min_tokens bans
-that fall in its chunk (stores, then a barrier, then the chunk is read), the penalties (in
-place: the later passes read the processed logits), and stores the chunk's max and its first
-index; a top-k row also stores the max of each of its chunk's NSUB sub-blocks. The last
-program of the row (triton_sampling_common.last_program) reduces the row max m and its first
-index: a greedy row is finished with it; a top-k row takes the k-th largest sub-block max as
-a lower bound on its k-th largest token (k sub-blocks hold a token at least that large) and
-goes to the compaction (status 4; status 2, the radix select, when k exceeds the sub-blocks);
-any other random row goes to the race (status 0). Every random row's lower bound on
-z = (x - m) / T starts at its min-p floor.
+Program (row, c) owns chunk c of the row. It loads the raw chunk (in a step that reports
+logprobs, the rows that asked take their raw stats from it here, triton_logprobs.chunk_stats,
+and a chunk about to change is saved to the side buffer first); applies the row's logit bias
+and min_tokens bans that fall in its chunk, when there are any (stores, a barrier, the chunk
+read again); the penalties (in place: the later passes read the processed logits); and stores
+the chunk's max and its first index; a top-k row also stores the max of each of its chunk's
+NSUB sub-blocks. The last program of the row (triton_sampling_common.last_program) reduces
+the row max m and its first index: a greedy row is finished with it; a top-k row takes the
+k-th largest sub-block max as a lower bound on its k-th largest token (k sub-blocks hold a
+token at least that large) and goes to the compaction (status 4; status 2, the radix select,
+when k exceeds the sub-blocks); any other random row goes to the race (status 0). Every
+random row's lower bound on z = (x - m) / T starts at its min-p floor.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from splitserve.kernels.triton_logprobs import chunk_stats, row_stats
 from splitserve.kernels.triton_sampling_common import finish, first_best, last_program
 
 
@@ -29,8 +32,9 @@ def prep_kernel(
     bias_id_ptr, bias_val_ptr, W, ban_ptr, B,
     part_v_ptr, part_i_ptr, ticket_ptr, m_ptr, status_ptr, lo_ptr, krem_ptr, prefix_ptr,
     submax_ptr, zt_ptr, C,
+    want_ptr, lp_m_ptr, lp_s_ptr, lp_sub_ptr, lse_ptr, bound_ptr, side_ptr, mod_ptr,
     CHUNK: tl.constexpr, WP: tl.constexpr, BP: tl.constexpr, CP: tl.constexpr,
-    NSUB: tl.constexpr, SP: tl.constexpr,
+    NSUB: tl.constexpr, SP: tl.constexpr, LOGPROBS: tl.constexpr, NTOP: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -38,23 +42,35 @@ def prep_kernel(
     xr = x_ptr + row * stride_x
     start = c * CHUNK
     end = tl.minimum(start + CHUNK, V)
-    # logit bias, then min_tokens bans, on the ids of this chunk (a bias of 0 is a free slot)
+    offs = start + tl.arange(0, CHUNK)
+    mask = offs < end
+    v = tl.load(xr + offs, mask=mask, other=float("-inf"))  # raw
+    # this chunk's logit bias (a bias of 0 is a free slot) and, before min_tokens, its bans
     j = tl.arange(0, WP)
     bid = tl.load(bias_id_ptr + slot * W + j, mask=j < W, other=-1).to(tl.int64)
     bval = tl.load(bias_val_ptr + slot * W + j, mask=j < W, other=0.0)
     mine = (bid >= start) & (bid < end) & (bval != 0.0)
-    tl.store(xr + bid, tl.load(xr + bid, mask=mine, other=0.0) + bval, mask=mine)
-    tl.debug_barrier()
-    step = tl.load(step_ptr + slot)
-    if step < tl.load(mint_ptr + slot):
-        jb = tl.arange(0, BP)
-        ban = tl.load(ban_ptr + slot * B + jb, mask=jb < B, other=-1).to(tl.int64)
-        tl.store(xr + ban, float("-inf"), mask=(ban >= start) & (ban < end))
-    tl.debug_barrier()
-    offs = start + tl.arange(0, CHUNK)
-    mask = offs < end
-    v = tl.load(xr + offs, mask=mask, other=float("-inf"))
-    if tl.load(pen_ptr + slot) != 0:
+    jb = tl.arange(0, BP)
+    ban = tl.load(ban_ptr + slot * B + jb, mask=jb < B, other=-1).to(tl.int64)
+    ban_end = tl.where(tl.load(step_ptr + slot) < tl.load(mint_ptr + slot), end, start)
+    banned = (ban >= start) & (ban < ban_end)  # none once min_tokens is reached
+    in_memory = (tl.sum(mine.to(tl.int32), axis=0) + tl.sum(banned.to(tl.int32), axis=0)) > 0
+    pen = tl.load(pen_ptr + slot) != 0
+    if LOGPROBS:  # raw stats (triton_logprobs.py) of the rows that asked, before any change
+        if tl.load(want_ptr + slot) != 0:
+            chunk_stats(v, row, c, C, lp_m_ptr, lp_s_ptr, lp_sub_ptr, CHUNK, NSUB)
+            changed = in_memory | pen
+            if changed:  # the top pass reads this chunk's raw logits from the side buffer
+                tl.store(side_ptr + row * V + offs, v, mask=mask)
+            tl.store(mod_ptr + row * C + c, changed.to(tl.int32))
+    if in_memory:  # bias, then bans, in memory (stores, a barrier, the chunk read again)
+        tl.debug_barrier()
+        tl.store(xr + bid, tl.load(xr + bid, mask=mine, other=0.0) + bval, mask=mine)
+        tl.debug_barrier()
+        tl.store(xr + ban, float("-inf"), mask=banned)
+        tl.debug_barrier()
+        v = tl.load(xr + offs, mask=mask, other=float("-inf"))
+    if pen:
         rep = tl.load(rep_ptr + slot)
         cnt = tl.load(counts_ptr + slot * stride_c + offs, mask=mask, other=0)
         seen = (tl.load(seen_ptr + slot * stride_c + offs, mask=mask, other=0) != 0) | (cnt > 0)
@@ -73,6 +89,10 @@ def prep_kernel(
     if last_program(ticket_ptr, row, C):
         m, first = first_best(part_v_ptr, part_i_ptr, row * C, C, V, CP)
         tl.store(m_ptr + row, m)
+        if LOGPROBS:
+            if tl.load(want_ptr + slot) != 0:
+                row_stats(row, C, lp_m_ptr, lp_s_ptr, lp_sub_ptr, lse_ptr, bound_ptr, NTOP, NSUB,
+                          CP, SP)  # fmt: skip
         min_p = tl.load(minp_ptr + slot)
         floor = tl.where(min_p > 0, tl.log(tl.maximum(min_p, 1e-38)), float("-inf"))
         tl.store(lo_ptr + row, floor)

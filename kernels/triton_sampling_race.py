@@ -34,7 +34,7 @@ from splitserve.kernels.triton_sampling_common import (
 
 @triton.jit
 def _chunk_pass(xr, c, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2,
-                BLOCK: tl.constexpr, RACE: tl.constexpr):  # fmt: skip
+                BLOCK: tl.constexpr, RACE: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """Over chunk c: the best z + Gumbel and its first index among tokens with z >= lo and
     (any_z or z > zc) (when RACE), and the sum of their exp(z) when need_mass."""
     offs = tl.arange(0, BLOCK)
@@ -50,7 +50,7 @@ def _chunk_pass(xr, c, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2,
         z = (tl.load(xr + idx, mask=mask, other=0.0) - m) * rt
         racing = mask & (z >= lo) & (any_z | (z > zc))
         if RACE:
-            score = tl.where(racing, z - neg_log_neg_log_u(idx, k1, k2), float("-inf"))
+            score = tl.where(racing, z - neg_log_neg_log_u(idx, k1, k2, FAST), float("-inf"))
             better = score > best
             best_i = tl.where(better, idx.to(tl.int64), best_i)
             best = tl.where(better, score, best)
@@ -66,7 +66,7 @@ def race_kernel(
     temp_ptr, topp_ptr, seed_ptr, step_ptr, counts_ptr, stride_c,
     m_ptr, status_ptr, lo_ptr, cand_ptr, zc_ptr, mass_ptr,
     part_s_ptr, part_i_ptr, part_e_ptr, ticket_ptr, C, CHUNK,
-    BLOCK: tl.constexpr, CP: tl.constexpr, RACE: tl.constexpr,
+    BLOCK: tl.constexpr, CP: tl.constexpr, RACE: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     """RACE: status-0 rows race (and sum their kept mass), status-3 rows check their candidate
     and race the survivors; else only status-3 rows, checked (a rejected one keeps its
@@ -83,7 +83,7 @@ def race_kernel(
         k1, k2 = noise_keys(tl.load(seed_ptr + slot), tl.load(step_ptr + slot))
         best, best_i, mass = _chunk_pass(
             xr, c, CHUNK, V, m, temp, tl.load(lo_ptr + row), tl.load(zc_ptr + row),
-            status == 0, top_p < 1.0, k1, k2, BLOCK, RACE,
+            status == 0, top_p < 1.0, k1, k2, BLOCK, RACE, FAST,
         )  # fmt: skip
         base = row * C
         tl.store(part_s_ptr + base + c, best)
@@ -113,7 +113,7 @@ def race_kernel(
 
 @triton.jit
 def _row_pass(xr, C, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2,
-              BLOCK: tl.constexpr, CP: tl.constexpr):  # fmt: skip
+              BLOCK: tl.constexpr, CP: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     """_chunk_pass over every chunk of the row, combined as race_kernel combines them."""
     cs = tl.arange(0, CP)
     s = tl.full([CP], float("-inf"), tl.float32)
@@ -121,7 +121,7 @@ def _row_pass(xr, C, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2,
     e = tl.zeros([CP], tl.float32)
     for c in range(0, C):
         b, bi, me = _chunk_pass(
-            xr, c, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2, BLOCK, True
+            xr, c, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2, BLOCK, True, FAST
         )
         s = tl.where(cs == c, b, s)
         i = tl.where(cs == c, bi, i)
@@ -135,7 +135,7 @@ def exact_kernel(
     x_ptr, stride_x, V, slot_ptr, live_ptr, out_ptr, frozen,
     temp_ptr, topp_ptr, seed_ptr, step_ptr, counts_ptr, stride_c,
     m_ptr, status_ptr, lo_ptr, cand_ptr, zc_ptr, mass_ptr, C, CHUNK,
-    BLOCK: tl.constexpr, CP: tl.constexpr,
+    BLOCK: tl.constexpr, CP: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     """One program per row: finishes the rows whose top-p candidate is still unchecked or was
     rejected (status 3), looping over the whole row as often as it takes."""
@@ -154,7 +154,7 @@ def exact_kernel(
         waiting = True
         while waiting:
             win, above = _row_pass(xr, C, CHUNK, V, m, temp, lo, zc, False, True, k1, k2,
-                                   BLOCK, CP)  # fmt: skip
+                                   BLOCK, CP, FAST)  # fmt: skip
             if (above < top_p * mass) | (win >= V):
                 waiting = False
             else:

@@ -68,6 +68,32 @@ def test_triton_kernel_matches_torch_twin(seed):
     assert got == want
 
 
+LOGPROB_ROWS = [
+    SP(logprobs=5, repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3),
+    SP(logprobs=3, logit_bias={7: 50.0, 5000: -20.0}, temperature=0),
+    SP(logprobs=2, min_tokens=3, max_tokens=9, top_k=4),
+    SP(logprobs=0, top_p=0.5, seed=4),
+    SP(temperature=0, logit_bias={1: 9.0}),  # asks for none: left as it is
+]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_step_logprobs_are_raw_although_the_sampler_changed_the_logits(seed):
+    """Penalties, bias and bans change chunks in place: the device logprobs (stats taken in the
+    first pass, changed chunks read from the side buffer) still equal the twin's raw ones."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(LOGPROB_ROWS), 9000, generator=g) * 2  # three 4096-token chunks
+    outputs = [[7, 7, 5000, 4100], [7], [0, 1], [3], [1]]
+    want, _, want_lp = run(logits, LOGPROB_ROWS, outputs=outputs)
+    got, _, got_lp = run(logits, LOGPROB_ROWS, outputs=outputs, triton=True)
+    assert got == want
+    asked = [0, 1, 2, 3]
+    assert torch.allclose(got_lp.sampled[asked], want_lp.sampled[asked], atol=1e-5)
+    assert torch.allclose(got_lp.top[asked], want_lp.top[asked], atol=1e-5)
+    assert got_lp.top_ids[asked].tolist() == want_lp.top_ids[asked].tolist()
+    assert got_lp.top_ids[4].abs().sum() == 0  # zeros as allocated: not computed
+
+
 def reference_processed(x: list[float], p: SP, prompt, output, step) -> list[float]:
     """Plain Python: bias, min_tokens bans, repetition, frequency, presence (vLLM's order)."""
     x = list(x)
