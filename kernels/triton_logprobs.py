@@ -90,12 +90,11 @@ def _raw_chunk(xr, side_r, mod_ptr, row, C, c, SIDE: tl.constexpr):
 
 @triton.jit
 def _emit_top(srt, lse, top_ptr, top_id_ptr, row, NTOP: tl.constexpr, S: tl.constexpr):
-    """The first NTOP entries of a sorted packed list: logprob (value - lse) and id."""
+    """The first NTOP entries of a sorted packed list: logprob (value - lse) and id, stored
+    straight from the sorted block."""
     u = tl.arange(0, S)
-    for k in tl.static_range(NTOP):
-        p = tl.max(tl.where(u == k, srt, MIN64), axis=0)
-        tl.store(top_ptr + row * NTOP + k, unkey(p >> 32) - lse)
-        tl.store(top_id_ptr + row * NTOP + k, 0xFFFFFFFF - (p & 0xFFFFFFFF))
+    tl.store(top_ptr + row * NTOP + u, unkey(srt >> 32) - lse, mask=u < NTOP)
+    tl.store(top_id_ptr + row * NTOP + u, 0xFFFFFFFF - (srt & 0xFFFFFFFF), mask=u < NTOP)
 
 
 @triton.jit

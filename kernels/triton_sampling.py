@@ -4,7 +4,9 @@ has the rules and the torch twin; this is the same result on the GPU, capturable
     prep    (row x chunk)  bias, min_tokens bans and penalties in place; row max; greedy rows
                            done (kernels/triton_sampling_prep.py)
     compact (row x chunk)  filters only: top-k rows list the tokens above their bound, the
-                           last program reads the k-th largest (kernels/triton_sampling_topk.py)
+                           last program reads the k-th largest and, without top-p, races the
+                           listed tokens at or above it: the row is done
+                           (kernels/triton_sampling_topk.py)
     radix   (row x chunk)  filters only, 4 launches: the k-th largest of the rows compaction
                            could not serve (a near-constant row), 8 bits at a time
     race    (row x chunk)  the seeded race by rejection: round 1 races every random row left
@@ -36,6 +38,7 @@ CAP = 1024  # most tokens a top-k row's compaction lists (more: the radix select
 # candidate passes with probability >= top_p, and a launch costs work only for the rows still
 # undecided, so a few rounds leave almost nothing to the slow single-program loop
 RACE_ROUNDS = (True, False, True, True, True)
+RACE_SPAN = 4  # chunks per race program
 
 
 def split_of(vocab: int, chunk: int | None = None) -> tuple[int, int]:
@@ -100,12 +103,14 @@ def sample_rows(
         *lp_args, CHUNK=chunk, WP=pow2(s.bias_ids.shape[1]), BP=pow2(s.ban_ids.shape[1]), CP=cp,
         NSUB=nsub, SP=pow2(c * nsub), LOGPROBS=lp is not None, NTOP=lp.ntop if lp else 1, num_warps=8,
     )  # fmt: skip
+    fast = not interpreting()  # the GPU's approximate log (the interpreter has none)
     if filters:
         count = torch.zeros(n, dtype=torch.int32, device=dev)
         listed = torch.empty(n, CAP, dtype=i64, device=dev)
         compact_kernel[(n, c)](
-            x, x.stride(0), vocab, slots, s.temperature, m, status, lo, zt, krem,
-            count, listed, ticket, c, CHUNK=chunk, CAP=CAP, num_warps=8,
+            *common, s.temperature, s.top_p, s.seed, s.step, s.counts, s.counts.stride(0),
+            m, status, lo, zt, krem, count, listed, ticket, c, CHUNK=chunk, CAP=CAP, FAST=fast,
+            num_warps=8,
         )  # fmt: skip
         hist = torch.empty(n, c, 256, dtype=torch.int32, device=dev)
         for shift in (24, 16, 8, 0):
@@ -114,13 +119,16 @@ def sample_rows(
                 hist, ticket, c, CHUNK=chunk, SHIFT=shift, CP=cp, num_warps=8,
             )  # fmt: skip
     row_state = (m, status, lo, cand, zc, mass)
-    fast = not interpreting()  # the GPU's approximate log (the interpreter has none)
     block = min(chunk, 1024)
+    # the race's programs loop over RACE_SPAN chunks each: fewer, longer programs pay the
+    # per-program start (dependent loads, the ticket's fence) fewer times
+    rchunk = chunk * RACE_SPAN
+    rc = -(-vocab // rchunk)
     for race in RACE_ROUNDS if filters else RACE_ROUNDS[:1]:
-        race_kernel[(n, c)](
+        race_kernel[(n, rc)](
             *common, s.temperature, s.top_p, s.seed, s.step, s.counts, s.counts.stride(0),
-            *row_state, part_v, part_i, part_e, ticket, c, chunk,
-            BLOCK=block, CP=cp, RACE=race, FAST=fast, num_warps=4,
+            *row_state, part_v, part_i, part_e, ticket, rc, rchunk,
+            BLOCK=block, CP=pow2(rc), RACE=race, FAST=fast, num_warps=4,
         )  # fmt: skip
     if filters:
         exact_kernel[(n,)](

@@ -131,10 +131,3 @@ def sorted_list(list_ptr, total, S: tl.constexpr):
     u = tl.arange(0, S)
     got = tl.load(list_ptr + u, mask=u < total, other=-9223372036854775808, cache_modifier=".cg")
     return tl.sort(got, descending=True)
-
-
-@triton.jit
-def kth_of_list(list_ptr, total, k, S: tl.constexpr):
-    """The k-th largest (1-based) of a list of total <= S int64 entries."""
-    srt = sorted_list(list_ptr, total, S)
-    return tl.max(tl.where(tl.arange(0, S) == k - 1, srt, -9223372036854775808), axis=0)

@@ -39,7 +39,7 @@ def _chunk_pass(xr, c, CHUNK, V, m, temp, lo, zc, any_z, need_mass, k1, k2,
     (any_z or z > zc) (when RACE), and the sum of their exp(z) when need_mass."""
     offs = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
-    best_i = tl.zeros([BLOCK], tl.int64)
+    best_i = tl.zeros([BLOCK], tl.int64) + V  # no racer: V (a finished loop, never token 0)
     acc = tl.zeros([BLOCK], tl.float32)
     start0 = c * CHUNK
     end = tl.minimum(start0 + CHUNK, V)
