@@ -67,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="",
         help=f"measure these sampling modes against greedy instead ('all' = {','.join(MODES)})",
     )
+    p.add_argument(
+        "--repeats", type=int, default=3, help="--sampling: rounds per mode (the median is kept)"
+    )
     p.add_argument("--out", help="write the JSON result here")
     return p.parse_args(argv)
 
@@ -159,7 +162,14 @@ def main(argv=None) -> int:
             engine, sizes, ("greedy", *modes[modes[0] == "greedy" :]), args, log
         )
         return write_out(
-            args, torch, {"context": args.context, "steps": args.steps, "results": results}
+            args,
+            torch,
+            {
+                "context": args.context,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "results": results,
+            },
         )
     eager_runner = GraphRunner(engine.runner, max(sizes))
     bw = copy_bandwidth(torch, args.device, (2 << 30) if args.device == "cuda" else (64 << 20))

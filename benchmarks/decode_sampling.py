@@ -9,9 +9,13 @@ Modes (every row of the batch in that mode; "mixed": a quarter each of the four 
     penalties       repetition 1.1, frequency 0.5, presence 0.5, temperature 1
     logprobs5       temperature 1, logprobs 5
     mixed           the four above, a quarter each
+
+Each figure is the median of --repeats rounds (greedy and every mode timed in each round).
 """
 
 from __future__ import annotations
+
+import statistics
 
 from decode_timing import engine_time
 
@@ -44,12 +48,19 @@ def engine_step_ms(engine, batch: int, mode: str, args) -> float:
 
 
 def sampling_results(engine, sizes, modes, args, log) -> list[dict]:
+    """Per batch size: `args.repeats` rounds, each timing greedy and then every mode (so slow
+    drift of the machine reaches all modes alike); a mode's figure is its median over rounds."""
     rows = []
+    repeats = max(1, getattr(args, "repeats", 3))
     for b in sizes:
         engine_step_ms(engine, b, "greedy", args)  # warm the loop at this size
-        greedy = engine_step_ms(engine, b, "greedy", args)
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        for _ in range(repeats):
+            for mode in modes:
+                times[mode].append(engine_step_ms(engine, b, mode, args))
+        greedy = statistics.median(times["greedy"])
         for mode in modes:
-            ms = greedy if mode == "greedy" else engine_step_ms(engine, b, mode, args)
+            ms = statistics.median(times[mode])
             row = {"batch": b, "mode": mode, "engine_step_ms": ms, "ratio_to_greedy": ms / greedy}
             log(f"  batch={b} mode={mode} engine_step_ms={ms:.3f} ratio={ms / greedy:.3f}")
             rows.append(row)

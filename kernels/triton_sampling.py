@@ -39,6 +39,7 @@ CAP = 1024  # most tokens a top-k row's compaction lists (more: the radix select
 # undecided, so a few rounds leave almost nothing to the slow single-program loop
 RACE_ROUNDS = (True, False, True, True, True)
 RACE_SPAN = 4  # chunks per race program
+RACE_WARPS = 4
 
 
 def split_of(vocab: int, chunk: int | None = None) -> tuple[int, int]:
@@ -128,7 +129,7 @@ def sample_rows(
         race_kernel[(n, rc)](
             *common, s.temperature, s.top_p, s.seed, s.step, s.counts, s.counts.stride(0),
             *row_state, part_v, part_i, part_e, ticket, rc, rchunk,
-            BLOCK=block, CP=pow2(rc), RACE=race, FAST=fast, num_warps=4,
+            BLOCK=block, CP=pow2(rc), RACE=race, FAST=fast, num_warps=RACE_WARPS,
         )  # fmt: skip
     if filters:
         exact_kernel[(n,)](
