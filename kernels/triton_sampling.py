@@ -38,7 +38,7 @@ CAP = 1024  # most tokens a top-k row's compaction lists (more: the radix select
 # candidate passes with probability >= top_p, and a launch costs work only for the rows still
 # undecided, so a few rounds leave almost nothing to the slow single-program loop
 RACE_ROUNDS = (True, False, True, True, True)
-RACE_SPAN = 4  # chunks per race program
+RACE_SPAN = 2  # chunks per race program (2, 4 warps: the best of spans 2-8, warps 4-8 at batch 256)
 RACE_WARPS = 4
 
 
