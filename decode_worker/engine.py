@@ -36,6 +36,7 @@ from splitserve.decode_worker.recompute import recompute_kv, sample_first_tokens
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.prefill_warmup import warm_up_prefill
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.errors import RequestError
@@ -88,7 +89,12 @@ class DecodeEngine:
 
     # ---- start-up --------------------------------------------------------------------------------
     def warm_up(self) -> list[int]:
-        """Captures the decode graphs (CUDA with cuda_graph on); returns the captured sizes."""
+        """Warms the local prefill (recompute, colocated prompts) and first-token sampling in
+        every shape (engine/prefill_warmup.py), then captures the decode graphs (CUDA with
+        cuda_graph on); returns the captured sizes. Only the null block is written, and zeroed."""
+        sc = self.cfg.engine.scheduler
+        warm_up_prefill(self.runner, self.sampler, sc.max_num_batched_tokens, self.max_batch_size)
+        self.runner.zero_kv()
         if self.cfg.cuda_graph and self.runner.device.type == "cuda":
             sizes = capture_sizes(self.cfg, self.max_batch_size, self.allocator.num_usable)
             self.graphs.capture(sizes, self.cfg.warmup_steps)

@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from splitserve.engine.model_runner import ModelRunner, PrefillChunk
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.prefill_warmup import warm_up_prefill
 from splitserve.engine.sampler import SampleOutput, Sampler
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.leases import Lease, LeaseTable
@@ -36,7 +37,7 @@ from splitserve.prefill_worker.prefill_step import (
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import PrefillScheduler, ScheduledChunk
-from splitserve.request.block_allocator import NULL_BLOCK, BlockAllocator
+from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.block_hash import block_keys
 from splitserve.request.errors import RequestError
 from splitserve.request.sampling_params import SamplingParams
@@ -90,9 +91,10 @@ class PrefillEngine:
         self._update_gauges()
 
     def _warmup(self) -> None:
-        bs = self.runner.block_size
-        # the null block takes the scribbles
-        self.runner.prefill([PrefillChunk([0] * bs, 0, [NULL_BLOCK])])
+        """Every prefill shape and sampler variant (engine/prefill_warmup.py), into the null
+        block; then the pool is zeroed."""
+        sc = self.cfg.engine.scheduler
+        warm_up_prefill(self.runner, self.sampler, sc.max_num_batched_tokens, sc.max_batch_size)
         self.runner.zero_kv()
 
     async def stop(self) -> None:
