@@ -206,7 +206,7 @@ class PrefillEngine:
         )
         start, loop = time.perf_counter(), asyncio.get_running_loop()
         try:
-            sampled = await loop.run_in_executor(
+            sampled, sampling_s = await loop.run_in_executor(
                 self._executor, run_step, self.runner, self.sampler, chunks, rows, infos, delay
             )
         finally:
@@ -214,9 +214,13 @@ class PrefillEngine:
             self.progress += 1
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.batch_tokens.observe(sum(c.end - c.start for c in batch))
-        self._after_step(batch, sampled)
+        if sampled is not None:
+            self.metrics.sampling_seconds.observe(sampling_s)
+        self._after_step(batch, sampled, sampling_s)
 
-    def _after_step(self, batch: list[ScheduledChunk], sampled: SampleOutput | None) -> None:
+    def _after_step(
+        self, batch: list[ScheduledChunk], sampled: SampleOutput | None, sampling_s: float = 0.0
+    ) -> None:
         firsts = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled else iter(())
         for c in batch:
             seq = c.seq
@@ -229,7 +233,14 @@ class PrefillEngine:
             if first is not None:  # the prompt is done: a lease (or its blocks freed), the result
                 self.scheduler.remove(seq)
                 finish_prefill(
-                    seq, *first, self.eos, self.max_model_len, self.cache, self.leases, self.metrics
+                    seq,
+                    *first,
+                    self.eos,
+                    self.max_model_len,
+                    self.cache,
+                    self.leases,
+                    self.metrics,
+                    sampling_s,
                 )
         self._update_gauges()
 

@@ -30,6 +30,12 @@ class PrefillMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.sampling_seconds = Histogram(
+            "splitserve_prefill_sampling_seconds",
+            "first-token sampling per step that finished prompts (device time)",
+            buckets=(0.0001, 0.00025, 0.0005, *_LATENCY),
+            registry=r,
+        )
         self.queue_seconds = Histogram(
             "splitserve_prefill_queue_seconds", "arrival to admission", buckets=_LATENCY, registry=r
         )

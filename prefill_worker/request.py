@@ -50,3 +50,5 @@ class PrefillResult:
     lease: Lease | None  # None exactly when finish_reason is set
     queue_time_s: float = 0.0  # arrival to admission
     compute_time_s: float = 0.0  # admission to the first token
+    sampling_time_s: float = 0.0  # the first token's sampling (part of compute_time_s)
+    handover_start_s: float = 0.0  # arrival to the lease grant (0: no lease)
