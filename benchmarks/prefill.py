@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no-engine", action="store_true", help="skip the end-to-end engine measurement"
     )
     p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument(
+        "--fast-out", default=None, help="also write issue 31's table here (prefill_fast.py)"
+    )
+    p.add_argument("--fast-cases", default="1x128,1x1024,8x1024,1x8192")
+    p.add_argument("--first-prompt-len", type=int, default=3072)
     return p.parse_args(argv)
 
 
@@ -276,6 +282,21 @@ def main(argv=None) -> int:
                 else ""
             ),
             file=sys.stderr,
+        )
+    if args.fast_out:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import prefill_fast
+
+        prefill_fast.write(
+            args,
+            SimpleNamespace(**globals()),
+            bench,
+            runner,
+            worker_cfg,
+            hf,
+            peak,
+            model_dir,
+            result,
         )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
