@@ -103,6 +103,8 @@ class ModelRunner:
             )
         self.tp = tp
         self.mirror = None  # Callable[[tuple], None] on rank 0 of a tensor-parallel worker
+        # engine/prefill_graphs.PrefillGraphs: bucketed, piecewise-captured prefill steps
+        self.prefill_graphs = None
         self.device = resolve_device(cfg.device)
         if tp.enabled:
             self.device = rank_device(self.device, tp.rank)
@@ -192,6 +194,14 @@ class ModelRunner:
             max_query_len=max(len(c.token_ids) for c in chunks),
         )
         last = self._to_device([c - 1 for c in cu[1:]], torch.int64)
+        if self.prefill_graphs is not None and self.prefill_graphs.bucket(len(ids)):
+            return self.prefill_graphs.run(  # padded to a bucket, replayed (prefill_graphs.py)
+                self._to_device(ids, torch.int64),
+                self._to_device(pos, torch.int64),
+                meta.slot_mapping,
+                meta,
+                last,
+            )
         return self.model.logits(
             self._to_device(ids, torch.int64),
             self._to_device(pos, torch.int64),
