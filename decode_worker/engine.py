@@ -36,6 +36,7 @@ from splitserve.decode_worker.recompute import recompute_kv, sample_first_tokens
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
 from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.prefill_graphs import capture_prefill_graphs
 from splitserve.engine.prefill_warmup import warm_up_prefill
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
@@ -89,15 +90,18 @@ class DecodeEngine:
 
     # ---- start-up --------------------------------------------------------------------------------
     def warm_up(self) -> list[int]:
-        """Warms the local prefill (recompute, colocated prompts) and first-token sampling in
-        every shape (engine/prefill_warmup.py), then captures the decode graphs (CUDA with
-        cuda_graph on); returns the captured sizes. Only the null block is written, and zeroed."""
+        """Decode graphs + the local prefill's piecewise graphs in one pool (CUDA, cuda_graph),
+        then every local-prefill shape and first-token sampler variant (prefill_warmup.py);
+        returns the captured decode sizes. Only the null block is written, then zeroed."""
         sc = self.cfg.engine.scheduler
-        warm_up_prefill(self.runner, self.sampler, sc.max_num_batched_tokens, self.max_batch_size)
-        self.runner.zero_kv()
         if self.cfg.cuda_graph and self.runner.device.type == "cuda":
             sizes = capture_sizes(self.cfg, self.max_batch_size, self.allocator.num_usable)
             self.graphs.capture(sizes, self.cfg.warmup_steps)
+            # the local prefill's pieces share the decode graphs' pool (one pool per worker)
+            local = self.cfg.prefill_graph_sizes
+            capture_prefill_graphs(self.runner, local, sc.max_num_batched_tokens, self.graphs.pool)
+        warm_up_prefill(self.runner, self.sampler, sc.max_num_batched_tokens, self.max_batch_size)
+        self.runner.zero_kv()
         return self.graphs.captured_sizes
 
     # ---- requests --------------------------------------------------------------------------------

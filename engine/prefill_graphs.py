@@ -134,6 +134,12 @@ class PrefillGraphs:
         )
 
     def release(self) -> None:
+        """Drops every graph (idempotent); eager steps from here on."""
+        if self._graphs and self.kv_cache.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_cache.device)  # no replay may still use the pool
+        for pieces in self._graphs.values():
+            for g in pieces:
+                g.reset()
         self._graphs.clear()
         self.pool = None
 
@@ -175,3 +181,21 @@ class PrefillGraphs:
         self.num_steps += 1
         self.num_replays += graphs is not None
         return self.model.final_logits(self.hidden[:t], self.residual[:t], rows)
+
+
+def capture_prefill_graphs(
+    runner, sizes: Sequence[int] | None, max_num_batched_tokens: int, pool=None
+) -> PrefillGraphs | None:
+    """Captures `runner`'s piecewise prefill graphs (sizes None: default_sizes of the budget)
+    into `pool` and routes its bucketed steps through them; None where graphs do not apply
+    (not CUDA, tensor parallel: followers replay commands eagerly, no sizes)."""
+    if runner.device.type != "cuda" or runner.tp.enabled:
+        return None
+    wanted = [s for s in (sizes or default_sizes(max_num_batched_tokens)) if s >= 1]
+    if not wanted:
+        return None
+    graphs = PrefillGraphs(runner.model, runner.kv_cache, runner.cos_sin, wanted)
+    with torch.cuda.device(runner.device):
+        graphs.capture(pool)
+    runner.prefill_graphs = graphs
+    return graphs

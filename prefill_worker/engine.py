@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.prefill_warmup import warm_up_prefill
 from splitserve.engine.sampler import SampleOutput, Sampler
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.leases import Lease, LeaseTable
@@ -37,6 +36,7 @@ from splitserve.prefill_worker.prefill_step import (
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import PrefillScheduler, ScheduledChunk
+from splitserve.prefill_worker.startup import release_graphs, warm_up
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.block_hash import block_keys
 from splitserve.request.errors import RequestError
@@ -86,16 +86,10 @@ class PrefillEngine:
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         if self.cfg.warmup:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._warmup)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, warm_up, self.cfg, self.runner, self.sampler)
         self._task = asyncio.create_task(self._loop(), name="prefill-engine")
         self._update_gauges()
-
-    def _warmup(self) -> None:
-        """Every prefill shape and sampler variant (engine/prefill_warmup.py), into the null
-        block; then the pool is zeroed."""
-        sc = self.cfg.engine.scheduler
-        warm_up_prefill(self.runner, self.sampler, sc.max_num_batched_tokens, sc.max_batch_size)
-        self.runner.zero_kv()
 
     async def stop(self) -> None:
         """Ends the loop after its current step; queued requests get UNAVAILABLE; leases go.
@@ -114,6 +108,7 @@ class PrefillEngine:
         for lease in self.leases.pop_all():
             self.cache.free(lease.block_ids)
         self._executor.shutdown(wait=True)
+        release_graphs(self.runner)
         self._update_gauges()
 
     # ---- requests (called on the loop thread) -----------------------------------------------
@@ -214,13 +209,13 @@ class PrefillEngine:
             self.progress += 1
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.batch_tokens.observe(sum(c.end - c.start for c in batch))
-        if sampled is not None:
+        if sampled is not None:  # the first tokens' sampling, for the metric and their replies
             self.metrics.sampling_seconds.observe(sampling_s)
-        self._after_step(batch, sampled, sampling_s)
+            for c in batch:
+                c.seq.sampling_time_s = sampling_s
+        self._after_step(batch, sampled)
 
-    def _after_step(
-        self, batch: list[ScheduledChunk], sampled: SampleOutput | None, sampling_s: float = 0.0
-    ) -> None:
+    def _after_step(self, batch: list[ScheduledChunk], sampled: SampleOutput | None) -> None:
         firsts = iter(zip(sampled.token_ids, sampled.logprobs)) if sampled else iter(())
         for c in batch:
             seq = c.seq
@@ -233,14 +228,7 @@ class PrefillEngine:
             if first is not None:  # the prompt is done: a lease (or its blocks freed), the result
                 self.scheduler.remove(seq)
                 finish_prefill(
-                    seq,
-                    *first,
-                    self.eos,
-                    self.max_model_len,
-                    self.cache,
-                    self.leases,
-                    self.metrics,
-                    sampling_s,
+                    seq, *first, self.eos, self.max_model_len, self.cache, self.leases, self.metrics
                 )
         self._update_gauges()
 

@@ -105,7 +105,6 @@ def finish_prefill(
     cache: PrefixCache,
     leases: LeaseTable,
     metrics: PrefillMetrics,
-    sampling_s: float = 0.0,
 ) -> None:
     """`seq`'s prompt is computed and `token_id` is its first token (`seq` already left the
     scheduler): its blocks become a lease, or are freed when that token already ends the request;
@@ -139,7 +138,7 @@ def finish_prefill(
             lease,
             queue_time_s=admitted - seq.arrival,
             compute_time_s=now - admitted,
-            sampling_time_s=sampling_s,
+            sampling_time_s=seq.sampling_time_s,
             handover_start_s=0.0 if lease is None else time.perf_counter() - seq.arrival,
         )
     )

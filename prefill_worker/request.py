@@ -32,6 +32,7 @@ class PrefillSeq:
     num_cached: int = 0  # of those, served from the prefix cache
     num_registered: int = 0  # full blocks published to the prefix cache
     aborted: bool = False
+    sampling_time_s: float = 0.0  # its first token's sampling (set by the step that samples it)
 
     @property
     def num_remaining(self) -> int:
