@@ -29,15 +29,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitserve.decode_worker.config import DecodeWorkerConfig, capture_sizes
+from splitserve.decode_worker.config import DecodeWorkerConfig
 from splitserve.decode_worker.graph_runner import GraphRunner, StepHandle
 from splitserve.decode_worker.metrics import DecodeMetrics
 from splitserve.decode_worker.recompute import recompute_kv, sample_first_tokens
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
+from splitserve.decode_worker.startup import warm_up
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.prefill_graphs import capture_prefill_graphs
-from splitserve.engine.prefill_warmup import warm_up_prefill
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.errors import RequestError
@@ -90,19 +89,8 @@ class DecodeEngine:
 
     # ---- start-up --------------------------------------------------------------------------------
     def warm_up(self) -> list[int]:
-        """Decode graphs + the local prefill's piecewise graphs in one pool (CUDA, cuda_graph),
-        then every local-prefill shape and first-token sampler variant (prefill_warmup.py);
-        returns the captured decode sizes. Only the null block is written, then zeroed."""
-        sc = self.cfg.engine.scheduler
-        if self.cfg.cuda_graph and self.runner.device.type == "cuda":
-            sizes = capture_sizes(self.cfg, self.max_batch_size, self.allocator.num_usable)
-            self.graphs.capture(sizes, self.cfg.warmup_steps)
-            # the local prefill's pieces share the decode graphs' pool (one pool per worker)
-            local = self.cfg.prefill_graph_sizes
-            capture_prefill_graphs(self.runner, local, sc.max_num_batched_tokens, self.graphs.pool)
-        warm_up_prefill(self.runner, self.sampler, sc.max_num_batched_tokens, self.max_batch_size)
-        self.runner.zero_kv()
-        return self.graphs.captured_sizes
+        """Graphs and every shape, before SERVING (startup.py); the captured decode sizes."""
+        return warm_up(self)
 
     # ---- requests --------------------------------------------------------------------------------
     def _new_sequence(
