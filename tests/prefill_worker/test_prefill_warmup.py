@@ -92,6 +92,10 @@ def test_the_counting_hook_counts_and_keeps_a_hook_installed_before_it():
     runtime.jit_post_compile_hook(key=(), fn=Info())
     assert compile_counter.compilations() == before + 1
     assert compile_counter.by_kernel()["my_kernel"] == per_kernel.get("my_kernel", 0) + 1
+    seen = []  # a hook someone installed first still runs, and its answer is kept
+    chained = compile_counter._counted(lambda **kw: seen.append(kw["key"]) or "theirs")
+    assert chained(key=(7,), fn=Info()) == "theirs" and seen == [(7,)]
+    assert compile_counter.compilations() == before + 2
 
 
 def _served(runner) -> list[list[WarmSeq]]:
