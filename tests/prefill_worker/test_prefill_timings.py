@@ -1,11 +1,12 @@
 """The per-request timings a Prefill reply carries: queue, compute, the first token's sampling
-(part of compute) and the start of the hand-over (arrival to the lease grant)."""
+(part of compute) and the start of the hand-over (arrival to the lease grant); and the wait from
+the lease grant to the first pull of its KV (a metric: it happens after the reply)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from prefill_helpers import prefill_request, release, serving, worker_config
+from prefill_helpers import prefill_request, serving, worker_config
 
 from splitserve.protos import generate_pb2
 
@@ -22,7 +23,14 @@ def test_reply_reports_sampling_and_the_start_of_the_hand_over(tiny_llama):
             # the lease comes after queue + compute, and not absurdly later (huge margin: CI)
             assert resp.queue_time_ms + resp.compute_time_ms <= resp.handover_start_ms
             assert resp.handover_start_ms < resp.queue_time_ms + resp.compute_time_ms + 5000
-            await release(stub, resp)
+            source = worker.kv_server.leases  # the listener's own lease source: a pull's start
+            waits = "splitserve_prefill_handover_wait_seconds_count"
+            source.begin_pull(resp.kv.lease_id, "a")
+            source.begin_pull(resp.kv.lease_id, "a")  # a concurrent retry starts nothing new
+            assert worker.metrics.registry.get_sample_value(waits) == 1
+            source.end_pull(resp.kv.lease_id, delivered=False)
+            source.end_pull(resp.kv.lease_id, delivered=True)  # delivered: the lease is released
+            assert len(worker.engine.leases) == 0
             done = await stub.Prefill(prefill_request("b", [5, 6, 7], ONE_TOKEN))
             assert not done.HasField("kv") and done.handover_start_ms == 0
             assert done.sampling_time_ms > 0
