@@ -67,11 +67,12 @@ def test_graph_replays_match_the_eager_step_on_20_random_packed_batches(pair):
         assert graphed.prefill_graphs.num_replays == replays + 1
         torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
         top2 = want.topk(2, dim=-1).values
-        for i in range(want.shape[0]):  # identical unless the eager top-2 tie within bf16 noise
+        for i in range(want.shape[0]):  # identical unless the eager top two tie at bf16 precision
             rows += 1
-            if top2[i, 0] - top2[i, 1] > 2 * TOL:
+            margin = float(top2[i, 0] - top2[i, 1])
+            if margin > float(want[i].abs().max()) * 2**-7:
                 decisive += 1
-                assert int(got[i].argmax()) == int(want[i].argmax())
+                assert int(got[i].argmax()) == int(want[i].argmax()), (margin, chunks)
         # a chunk's prefix blocks hold what each runner wrote earlier: compare only new tokens
         for c in chunks:
             flat = lambda r, t=c.block_table: r.kv_cache[:, :, t].flatten(2, 3)  # noqa: E731
@@ -82,7 +83,7 @@ def test_graph_replays_match_the_eager_step_on_20_random_packed_batches(pair):
                 atol=TOL,
                 rtol=TOL,
             )
-    assert decisive >= 0.8 * rows, (decisive, rows)
+    assert decisive >= 0.9 * rows, (decisive, rows)
 
 
 def test_a_step_above_the_largest_bucket_runs_eagerly(pair):
