@@ -13,6 +13,8 @@ It reports tokens/s, MFU = (2 * matmul params * tokens + causal attention FLOPs)
 bf16 matmul rate measured in the same run (8192^3 GEMMs), and the ratio to transformers.
 
     python benchmarks/prefill.py --out results/prefill.json             # H200: llama-3.2-1b shape
+    python benchmarks/prefill.py --lengths 1024,8192 --mixed "" --out results/prefill.json \
+        --fast-out results/prefill_fast.json    # + issue 31's table (prefill_fast.py)
     python benchmarks/prefill.py --preset tiny --device cpu --lengths 32 --mixed 8,16 --iters 1
 """
 
