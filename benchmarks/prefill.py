@@ -13,14 +13,14 @@ It reports tokens/s, MFU = (2 * matmul params * tokens + causal attention FLOPs)
 bf16 matmul rate measured in the same run (8192^3 GEMMs), and the ratio to transformers.
 
     python benchmarks/prefill.py --out results/prefill.json             # H200: llama-3.2-1b shape
-    python benchmarks/prefill.py --lengths 1024,8192 --mixed "" --out results/prefill.json \
-        --fast-out results/prefill_fast.json    # + issue 31's table (prefill_fast.py)
+    python benchmarks/prefill.py ... --fast-out results/prefill_fast.json   # + prefill_fast.py
     python benchmarks/prefill.py --preset tiny --device cpu --lengths 32 --mixed 8,16 --iters 1
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import os
@@ -66,12 +66,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--no-engine", action="store_true", help="skip the end-to-end engine measurement"
     )
     p.add_argument("--out", default=None, help="write the JSON result here")
-    p.add_argument(
-        "--fast-out", default=None, help="also write issue 31's table here (prefill_fast.py)"
-    )
-    p.add_argument("--fast-cases", default="1x128,1x1024,8x1024,1x8192")
-    p.add_argument("--first-prompt-len", type=int, default=3072)
+    _fast().add_arguments(p)
     return p.parse_args(argv)
+
+
+def _fast():
+    """benchmarks/prefill_fast.py (issue 31's table), beside this file (loaded by path: the
+    folder on sys.path would shadow Hugging Face's `kernels` with benchmarks/kernels.py)."""
+    path = Path(__file__).resolve().parent / "prefill_fast.py"
+    spec = importlib.util.spec_from_file_location("prefill_fast", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _ints(text: str) -> list[int]:
@@ -286,20 +292,8 @@ def main(argv=None) -> int:
             file=sys.stderr,
         )
     if args.fast_out:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import prefill_fast
-
-        prefill_fast.write(
-            args,
-            SimpleNamespace(**globals()),
-            bench,
-            runner,
-            worker_cfg,
-            hf,
-            peak,
-            model_dir,
-            result,
-        )
+        base = SimpleNamespace(**globals())
+        _fast().write(args, base, bench, runner, worker_cfg, hf, peak, model_dir, result)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

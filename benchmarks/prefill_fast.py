@@ -32,6 +32,12 @@ SERVING_LINE = re.compile(
 SERVING_COMPILES = re.compile(r'splitserve_kernel_compilations_total\{phase="serving"\} ([\d.]+)')
 
 
+def add_arguments(p) -> None:
+    p.add_argument("--fast-out", default=None, help="also write issue 31's table here")
+    p.add_argument("--fast-cases", default="1x128,1x1024,8x1024,1x8192")
+    p.add_argument("--first-prompt-len", type=int, default=3072)
+
+
 def parse_cases(text: str) -> list[tuple[str, list[int]]]:
     """'1x128,8x1024' -> [('1x128', [128]), ('8x1024', [1024] * 8)]."""
     out = []
