@@ -85,8 +85,9 @@ class DecoderLayer(nn.Module):
         q = ops.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
         return q, residual
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """[T, Hq, D] queries over the paged cache (varlen prefill or decode) -> [T, Hq, D]."""
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, out=None) -> torch.Tensor:
+        """[T, Hq, D] queries over the paged cache (varlen prefill or decode) -> [T, Hq, D]
+        (prefill: into `out` when given)."""
         if meta.is_prefill:
             return ops.prefill_attention(
                 q,
@@ -97,6 +98,7 @@ class DecoderLayer(nn.Module):
                 meta.context_lens,
                 meta.max_query_len,
                 self.scale,
+                out,
             )
         return ops.paged_decode_attention(
             q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale

@@ -177,7 +177,7 @@ class PrefillGraphs:
             if self.on_layer_kv is not None:
                 self.on_layer_kv(i)
             kv, layer = self.kv_cache[i], self.model.layers[i]
-            self.attn[:t].copy_(layer.attention(self.q[:t], kv[0], kv[1], meta))
+            layer.attention(self.q[:t], kv[0], kv[1], meta, out=self.attn[:t])
         self.num_steps += 1
         self.num_replays += graphs is not None
         return self.model.final_logits(self.hidden[:t], self.residual[:t], rows)
