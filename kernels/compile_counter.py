@@ -14,10 +14,14 @@ An existing hook is kept and called first.
 
 from __future__ import annotations
 
+import logging
 import threading
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _count = 0
+_serving = False  # set once a worker serves: a compilation from then on is logged
 _installed: str | None = None  # which hook we hold, once installed
 _names: dict[str, int] = {}  # kernel name -> compilations (the log says which kernel missed)
 
@@ -31,6 +35,12 @@ def _counted(prev):
         with _lock:
             _count += 1
             _names[name] = _names.get(name, 0) + 1
+        if _serving:
+            log.warning(
+                "Triton compiled kernel %s while serving: a request waited on it; the warm-up "
+                "(engine/prefill_warmup.py) missed this specialisation",
+                name,
+            )
         return result
 
     return hook
@@ -56,6 +66,12 @@ def install() -> str | None:
             JITFunction.compiled_hook = _counted(getattr(JITFunction, "compiled_hook", None))
             _installed = "JITFunction.compiled_hook"
         return _installed
+
+
+def mark_serving(serving: bool = True) -> None:
+    """While serving, each compilation is also logged as a warning (with its kernel's name)."""
+    global _serving
+    _serving = serving
 
 
 def compilations() -> int:

@@ -30,7 +30,12 @@ class KernelCompileMetrics:
         """Call once health says SERVING; returns warm-up's compilations."""
         self._at_serving = compile_counter.compilations()
         self._seen = compile_counter.by_kernel()
+        compile_counter.mark_serving()
         return self._at_serving
+
+    def mark_stopped(self) -> None:
+        """Serving ended (a test process may build the next worker: its warm-up is no stall)."""
+        compile_counter.mark_serving(False)
 
     @property
     def serving(self) -> int:

@@ -146,6 +146,7 @@ class WorkerSkeleton:
             await self.watch.stop()
             self.watch = None
         await self.server.drain(grace_s)
+        self.kernel_compiles.mark_stopped()
         await self.stop_engine()
         if self.ranks is not None:  # after the engine: its last commands reach the followers first
             await asyncio.to_thread(self.ranks.close)

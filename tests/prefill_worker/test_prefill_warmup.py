@@ -79,7 +79,7 @@ def test_token_buckets_are_powers_of_two_up_to_the_budget():
     assert token_buckets(8) == [8]
 
 
-def test_the_counting_hook_counts_and_keeps_a_hook_installed_before_it():
+def test_the_counting_hook_counts_and_keeps_a_hook_installed_before_it(caplog):
     triton = pytest.importorskip("triton")
     runtime = triton.knobs.runtime
     assert compile_counter.install() == "knobs.runtime.jit_post_compile_hook"
@@ -96,6 +96,10 @@ def test_the_counting_hook_counts_and_keeps_a_hook_installed_before_it():
     chained = compile_counter._counted(lambda **kw: seen.append(kw["key"]) or "theirs")
     assert chained(key=(7,), fn=Info()) == "theirs" and seen == [(7,)]
     assert compile_counter.compilations() == before + 2
+    compile_counter.mark_serving()  # a compilation while serving is also a warning
+    runtime.jit_post_compile_hook(key=(), fn=Info())
+    assert "compiled kernel my_kernel while serving" in caplog.text
+    compile_counter.mark_serving(False)
 
 
 def _served(runner) -> list[list[WarmSeq]]:
