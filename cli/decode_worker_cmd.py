@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from splitserve.cli.arg_types import token_counts
 from splitserve.cli.worker_args import add_shared_arguments, run_worker_command
 
 # decode-only flag dest -> dotted config field
@@ -17,6 +18,7 @@ _OVERRIDES = {
     "max_batch_size": "engine.scheduler.max_batch_size",
     "cuda_graph": "cuda_graph",
     "cuda_graph_sizes": "cuda_graph_sizes",
+    "prefill_graph_sizes": "prefill_graph_sizes",
     "kv_failure_policy": "kv_transfer.failure_policy",
     "kv_data_timeout_s": "kv_transfer.data_timeout_s",
     "kv_connect_timeout_s": "kv_transfer.connect_timeout_s",
@@ -56,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_sizes,
         metavar="N,N,...",
         help="batch sizes to capture (default 1,2,4,8, then steps of 8 up to --max-batch-size)",
+    )
+    p.add_argument(
+        "--prefill-graph-sizes",
+        type=token_counts,
+        metavar="N,N,...",
+        help="token counts of the local prefill's piecewise graphs (default 16, 32, ... up to "
+        "--max-num-batched-tokens, at most 8192)",
     )
     p.add_argument(
         "--kv-failure-policy",

@@ -10,9 +10,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from splitserve.cli.arg_types import token_counts
 from splitserve.cli.worker_args import add_shared_arguments, run_worker_command
 
-_OVERRIDES = {"lease_ttl_s": "lease_ttl_s"}  # prefill-only flag dest -> config field
+# prefill-only flag dest -> config field
+_OVERRIDES = {
+    "lease_ttl_s": "lease_ttl_s",
+    "cuda_graph": "cuda_graph",
+    "prefill_graph_sizes": "prefill_graph_sizes",
+}
 
 
 def register(sub) -> None:
@@ -27,6 +33,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_shared_arguments(p, "PrefillWorkerConfig")
     p.add_argument(
         "--lease-ttl-s", type=float, help="seconds finished KV stays pinned for the decode side"
+    )
+    p.add_argument(
+        "--no-cuda-graph",
+        dest="cuda_graph",
+        action="store_const",
+        const=False,
+        default=None,
+        help="run every prefill step eagerly (no piecewise CUDA graphs)",
+    )
+    p.add_argument(
+        "--prefill-graph-sizes",
+        type=token_counts,
+        metavar="N,N,...",
+        help="token counts of the piecewise prefill graphs (default 16, 32, ... up to "
+        "--max-num-batched-tokens, at most 8192)",
     )
 
 

@@ -76,11 +76,24 @@ class DecodeWorkerConfig(BaseModel):
         None,
         description="batch sizes to capture; None: 1, 2, 4, 8, then steps of 8 up to max_batch_size",
     )
+    prefill_graph_sizes: tuple[int, ...] | None = Field(
+        None,
+        description="token counts of the piecewise graphs of the local prefill (recompute, "
+        "colocated prompts), captured with cuda_graph into the decode graphs' pool; None: 16, "
+        "32, ... up to max_num_batched_tokens (at most 8192)",
+    )
     overlap: bool = Field(True, description="enqueue step N+1 before reading step N's tokens")
     warmup_steps: int = Field(
         2, ge=1, le=16, description="eager runs of each graph size before capture"
     )
     faults: DecodeFaults = DecodeFaults()
+
+    @field_validator("prefill_graph_sizes")
+    @classmethod
+    def _prefill_graph_sizes(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None and (not v or any(s < 1 for s in v)):
+            raise ValueError("must be a non-empty list of token counts >= 1 (e.g. 16,64,256)")
+        return v
 
     @field_validator("cuda_graph_sizes")
     @classmethod

@@ -29,12 +29,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from splitserve.decode_worker.config import DecodeWorkerConfig, capture_sizes
+from splitserve.decode_worker.config import DecodeWorkerConfig
 from splitserve.decode_worker.graph_runner import GraphRunner, StepHandle
 from splitserve.decode_worker.metrics import DecodeMetrics
 from splitserve.decode_worker.recompute import recompute_kv, sample_first_tokens
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
+from splitserve.decode_worker.startup import warm_up
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
@@ -88,11 +89,8 @@ class DecodeEngine:
 
     # ---- start-up --------------------------------------------------------------------------------
     def warm_up(self) -> list[int]:
-        """Captures the decode graphs (CUDA with cuda_graph on); returns the captured sizes."""
-        if self.cfg.cuda_graph and self.runner.device.type == "cuda":
-            sizes = capture_sizes(self.cfg, self.max_batch_size, self.allocator.num_usable)
-            self.graphs.capture(sizes, self.cfg.warmup_steps)
-        return self.graphs.captured_sizes
+        """Graphs and every shape, before SERVING (startup.py); the captured decode sizes."""
+        return warm_up(self)
 
     # ---- requests --------------------------------------------------------------------------------
     def _new_sequence(

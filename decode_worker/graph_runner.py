@@ -112,7 +112,7 @@ class GraphRunner:
         self._lp = LogprobBuffers(self._lp_pack[:, 0], self._lp_pack[:, 1:], self._lp_ids)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._graph_logits: dict[tuple[int, int], torch.Tensor] = {}
-        self._pool = None
+        self.pool = None
         self.dispatch: list[int] = [0] * (max_batch_size + 1)
         self._rows: dict[int, int] = {}  # seq.uid -> row in the last launched step
         self.num_replays = 0
@@ -171,11 +171,11 @@ class GraphRunner:
                         self._body(n, variant)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
-        self._pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()
         for n in sizes:  # largest first: smaller graphs reuse its pool memory
             for variant in VARIANTS:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
+                with torch.cuda.graph(graph, pool=self.pool):
                     logits = self._body(n, variant)
                 self._graphs[n, variant] = graph
                 self._graph_logits[n, variant] = logits
@@ -195,15 +195,17 @@ class GraphRunner:
     def release(self) -> None:
         """Drops every graph and the pool; idempotent (safe twice, from __del__, on SIGTERM)."""
         graphs = getattr(self, "_graphs", None)
-        if not graphs and getattr(self, "_pool", None) is None:
+        if not graphs and getattr(self, "pool", None) is None:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no replay may still run on the pool's memory
+        if getattr(self.runner, "prefill_graphs", None) is not None:  # they share the pool
+            self.runner.prefill_graphs.release()
         for g in graphs.values():
             g.reset()
         self._graphs = {}
         self._graph_logits = {}
-        self._pool = None
+        self.pool = None
         self.dispatch = [0] * (self.max_batch_size + 1)
         self._rows = {}
         self.slots.clear()

@@ -144,6 +144,7 @@ class DecodeWorker(WorkerSkeleton):
             f"{r.block_size} tokens, max batch {e.max_batch_size}, "
             f"CUDA graphs {graphs if graphs else 'off'}"
             f"{f', tensor parallel {r.tp.size}' if r.tp.enabled else ''}{metrics}"
+            f"{self.startup_note()}"
         )
 
 

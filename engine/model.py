@@ -64,7 +64,16 @@ class DecoderLayer(nn.Module):
     def forward(
         self, hidden, residual, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata
     ):
-        cfg, tp = self.cfg, self.tp.enabled
+        q, residual = self.pre_attention(
+            hidden, residual, positions, cos_sin, k_cache, v_cache, meta.slot_mapping
+        )
+        return self.post_attention(self.attention(q, k_cache, v_cache, meta), residual)
+
+    # The three parts of a layer: the piecewise prefill graphs (engine/prefill_graphs.py)
+    # capture pre_attention and post_attention and run attention between them.
+    def pre_attention(self, hidden, residual, positions, cos_sin, k_cache, v_cache, slot_mapping):
+        """Residual add + norm, QKV projection, RoPE and the KV-cache write -> (q, residual)."""
+        cfg = self.cfg
         qkv, residual = ops.fused_add_rms_norm_linear(
             hidden, residual, self.input_norm, cfg.rms_norm_eps, self.qkv_weight, self.qkv_bias
         )
@@ -73,9 +82,14 @@ class DecoderLayer(nn.Module):
         q = q.view(t, self.num_heads, cfg.head_dim)
         k = k.view(t, self.num_kv_heads, cfg.head_dim)
         v = v.view(t, self.num_kv_heads, cfg.head_dim)
-        q = ops.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, meta.slot_mapping)
+        q = ops.rope_and_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return q, residual
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, out=None) -> torch.Tensor:
+        """[T, Hq, D] queries over the paged cache (varlen prefill or decode) -> [T, Hq, D]
+        (prefill: into `out` when given)."""
         if meta.is_prefill:
-            attn = ops.prefill_attention(
+            return ops.prefill_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -84,13 +98,17 @@ class DecoderLayer(nn.Module):
                 meta.context_lens,
                 meta.max_query_len,
                 self.scale,
+                out,
             )
-        else:
-            attn = ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
-            )
+        return ops.paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+        )
+
+    def post_attention(self, attn, residual):
+        """O projection, residual add + norm, MLP -> (hidden, residual)."""
+        cfg, tp = self.cfg, self.tp.enabled
         hidden = ops.linear_small_m(
-            attn.reshape(t, self.q_size),
+            attn.reshape(attn.shape[0], self.q_size),
             self.o_weight,
             None if tp else self.o_bias,
             gemv=GEMV_O_PROJ,
@@ -185,6 +203,10 @@ class CausalLM(nn.Module):
         `rows` (all T when None): the final norm runs on those rows only, fused into the lm_head
         GEMV at few rows (decode)."""
         hidden, residual = self._layers(input_ids, positions, kv_cache, cos_sin, meta)
+        return self.final_logits(hidden, residual, rows)
+
+    def final_logits(self, hidden, residual, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer's (hidden, residual) -> fp32 logits of `rows` (all when None)."""
         if rows is not None:
             hidden, residual = hidden[rows], residual[rows]
         eps = self.cfg.rms_norm_eps

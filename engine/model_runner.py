@@ -103,6 +103,8 @@ class ModelRunner:
             )
         self.tp = tp
         self.mirror = None  # Callable[[tuple], None] on rank 0 of a tensor-parallel worker
+        # engine/prefill_graphs.PrefillGraphs: bucketed, piecewise-captured prefill steps
+        self.prefill_graphs = None
         self.device = resolve_device(cfg.device)
         if tp.enabled:
             self.device = rank_device(self.device, tp.rank)
@@ -144,6 +146,19 @@ class ModelRunner:
         # (milliseconds); the decode loop's graph runner keeps reusable pinned buffers instead.
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
 
+    def _to_device_packed(self, segments: Sequence[Sequence[int]], dtype: torch.dtype) -> list:
+        """Several int lists in one H2D copy (a copy costs about as much as its launch); each
+        segment starts 16-byte aligned, as a tensor of its own would (Triton specialises kernels
+        on pointer alignment: a misaligned one would compile a new variant while serving)."""
+        step = 16 // torch.empty(0, dtype=dtype).element_size()
+        flat, spans = [], []
+        for seg in segments:
+            spans.append((len(flat), len(seg)))
+            flat.extend(seg)
+            flat.extend([0] * (-len(flat) % step))
+        packed = self._to_device(flat, dtype)
+        return [packed[start : start + n] for start, n in spans]
+
     def _block_tables(self, tables: Sequence[Sequence[int]], width: int) -> torch.Tensor:
         return self._to_device([list(t) + [0] * (width - len(t)) for t in tables], torch.int32)
 
@@ -183,18 +198,28 @@ class ModelRunner:
                     ],
                 )
             )  # snapshots: the caller's lists may grow
+        # two copies per step: the int64 lists, then the int32 ones
+        ids_d, pos_d, slots_d, last = self._to_device_packed(
+            [ids, pos, slots, [c - 1 for c in cu[1:]]], torch.int64
+        )
+        rows = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
+        tables, lens_d, cu_d = self._to_device_packed(
+            [[b for r in rows for b in r], lens, cu], torch.int32
+        )
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots, torch.int64),
-            block_tables=self._block_tables([c.block_table for c in chunks], width),
-            context_lens=self._to_device(lens, torch.int32),
+            slot_mapping=slots_d,
+            block_tables=tables.view(len(chunks), width),
+            context_lens=lens_d,
             is_prefill=True,
-            cu_seqlens_q=self._to_device(cu, torch.int32),
+            cu_seqlens_q=cu_d,
             max_query_len=max(len(c.token_ids) for c in chunks),
         )
-        last = self._to_device([c - 1 for c in cu[1:]], torch.int64)
+        if self.prefill_graphs is not None and self.prefill_graphs.bucket(len(ids)):
+            # padded to a bucket, replayed (prefill_graphs.py)
+            return self.prefill_graphs.run(ids_d, pos_d, slots_d, meta, last)
         return self.model.logits(
-            self._to_device(ids, torch.int64),
-            self._to_device(pos, torch.int64),
+            ids_d,
+            pos_d,
             self.kv_cache,
             self.cos_sin,
             meta,

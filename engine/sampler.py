@@ -32,7 +32,7 @@ from splitserve.engine.sampling_state import (
     has_filters,
     sample_step,
 )
-from splitserve.request.sampling_params import SamplingParams
+from splitserve.request.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,11 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
             return SampleOutput(tokens.tolist(), [None] * n)
         dev = logits.device
-        state = SamplingState.from_rows([self.row(s) for s in seqs], vocab, self.eos_token_ids, dev)
+        # tables as wide as the limits (as the decode worker's): one kernel specialisation for
+        # any request, so no first token waits on a compilation (engine/prefill_warmup.py)
+        eos = self.eos_token_ids
+        state = SamplingState(n, vocab, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS + len(eos), dev)
+        state.write(list(range(n)), [self.row(s) for s in seqs], eos)
         out = torch.empty(n, dtype=torch.int64, device=dev)
         want = any(s.params.logprobs is not None for s in seqs)
         lp = LogprobBuffers.empty(n, vocab, dev) if want else None

@@ -59,11 +59,19 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
 
 
 def prefill_attention(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len: int, scale: float
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    cu_seqlens_q,
+    context_lens,
+    max_query_len: int,
+    scale: float,
+    out=None,
 ):
     impl = _triton() if use_triton(q) else reference
     return impl.prefill_attention(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, scale
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, scale, out
     )
 
 

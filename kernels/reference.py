@@ -137,15 +137,17 @@ def prefill_attention(
     context_lens: torch.Tensor,
     max_query_len: int,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens q [T,Hq,D] over the paged cache.
 
     Sequence b owns q rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; its context_lens[b] counts every
     token in the cache after this step (cached prefix + new), so its first new token sits at
-    position context_lens[b] - q_len_b. max_query_len is a launch hint for kernels.
+    position context_lens[b] - q_len_b. max_query_len is a launch hint for kernels. `out`
+    (like q) receives the result when given (rows of no sequence are left as they are).
     """
     del max_query_len
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     starts = cu_seqlens_q.tolist()
     for b, length in enumerate(context_lens.tolist()):
         lo, hi = starts[b], starts[b + 1]

@@ -227,15 +227,19 @@ def prefill_attention_impl(
     scale: float,
     block_m: int | None = None,
     block_n: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`block_m` / `block_n` override the tile sizes (tests use this)."""
+    """`block_m` / `block_n` override the tile sizes (tests use this); `out` (q's shape and
+    dtype, unit last stride) receives the result when given."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     num_t, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "KV cache needs a unit last stride"
     assert hq % hkv == 0, f"q heads {hq} not a multiple of kv heads {hkv}"
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.stride(-1) == 1
     batch = block_tables.shape[0]
     if num_t == 0 or batch == 0 or max_query_len <= 0:
         return out
@@ -273,8 +277,16 @@ def prefill_attention_impl(
 
 
 def prefill_attention(
-    q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len: int, scale: float
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    cu_seqlens_q,
+    context_lens,
+    max_query_len: int,
+    scale: float,
+    out=None,
 ) -> torch.Tensor:
     return prefill_attention_impl(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, scale
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_query_len, scale, out=out
     )

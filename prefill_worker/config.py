@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from splitserve.config.engine_config import EngineConfig
 from splitserve.config.files import load_config
@@ -59,8 +59,29 @@ class PrefillWorkerConfig(BaseModel):
     max_lease_ttl_s: float = Field(600.0, gt=0, description="longest lease a request may ask for")
     enable_prefix_cache: bool = True
     max_prefix_hashes: int = Field(4096, ge=0, description="most block hashes GetLoad returns")
-    warmup: bool = Field(True, description="run one prefill before serving (then zero the KV pool)")
+    warmup: bool = Field(
+        True,
+        description="run every prefill shape and sampler variant before serving "
+        "(then zero the KV pool)",
+    )
+    cuda_graph: bool = Field(
+        True,
+        description="run prefill steps as piecewise CUDA graphs at token buckets "
+        "(CUDA, tensor parallel size 1; ignored otherwise)",
+    )
+    prefill_graph_sizes: tuple[int, ...] | None = Field(
+        None,
+        description="token counts of the piecewise prefill graphs; None: 16, 32, ... up to "
+        "max_num_batched_tokens (at most 8192); larger steps run eagerly",
+    )
     faults: PrefillFaults = PrefillFaults()
+
+    @field_validator("prefill_graph_sizes")
+    @classmethod
+    def _prefill_graph_sizes(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if v is not None and (not v or any(s < 1 for s in v)):
+            raise ValueError("must be a non-empty list of token counts >= 1 (e.g. 16,64,256)")
+        return v
 
     @model_validator(mode="after")
     def _ttl_bounds(self) -> PrefillWorkerConfig:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from splitserve.engine.model_runner import ModelRunner, PrefillChunk
+from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import SampleOutput, Sampler
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.leases import Lease, LeaseTable
@@ -36,7 +36,8 @@ from splitserve.prefill_worker.prefill_step import (
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import PrefillScheduler, ScheduledChunk
-from splitserve.request.block_allocator import NULL_BLOCK, BlockAllocator
+from splitserve.prefill_worker.startup import release_graphs, warm_up
+from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.block_hash import block_keys
 from splitserve.request.errors import RequestError
 from splitserve.request.sampling_params import SamplingParams
@@ -85,15 +86,10 @@ class PrefillEngine:
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         if self.cfg.warmup:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._warmup)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, warm_up, self.cfg, self.runner, self.sampler)
         self._task = asyncio.create_task(self._loop(), name="prefill-engine")
         self._update_gauges()
-
-    def _warmup(self) -> None:
-        bs = self.runner.block_size
-        # the null block takes the scribbles
-        self.runner.prefill([PrefillChunk([0] * bs, 0, [NULL_BLOCK])])
-        self.runner.zero_kv()
 
     async def stop(self) -> None:
         """Ends the loop after its current step; queued requests get UNAVAILABLE; leases go.
@@ -112,6 +108,7 @@ class PrefillEngine:
         for lease in self.leases.pop_all():
             self.cache.free(lease.block_ids)
         self._executor.shutdown(wait=True)
+        release_graphs(self.runner)
         self._update_gauges()
 
     # ---- requests (called on the loop thread) -----------------------------------------------
@@ -204,7 +201,7 @@ class PrefillEngine:
         )
         start, loop = time.perf_counter(), asyncio.get_running_loop()
         try:
-            sampled = await loop.run_in_executor(
+            sampled, sampling_s = await loop.run_in_executor(
                 self._executor, run_step, self.runner, self.sampler, chunks, rows, infos, delay
             )
         finally:
@@ -212,6 +209,10 @@ class PrefillEngine:
             self.progress += 1
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.batch_tokens.observe(sum(c.end - c.start for c in batch))
+        if sampled is not None:  # the first tokens' sampling, for the metric and their replies
+            self.metrics.sampling_seconds.observe(sampling_s)
+            for c in batch:
+                c.seq.sampling_time_s = sampling_s
         self._after_step(batch, sampled)
 
     def _after_step(self, batch: list[ScheduledChunk], sampled: SampleOutput | None) -> None:

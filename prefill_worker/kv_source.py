@@ -10,6 +10,8 @@ and the blocks never returned to the pool.
 
 from __future__ import annotations
 
+import time
+
 from splitserve.kvtransfer.server import LeaseLookupError
 from splitserve.protos import kv_pb2
 
@@ -18,6 +20,7 @@ class EngineLeaseSource:
     def __init__(self, engine) -> None:
         self.engine = engine
         self._pinned: dict[str, tuple[tuple[int, ...], int]] = {}  # lease -> (blocks, pulls)
+        self._started: set[str] = set()  # leases whose first pull began (dropped at delivery)
 
     def begin_pull(self, lease_id: str, request_id: str) -> list[int]:
         leases = self.engine.leases
@@ -38,6 +41,10 @@ class EngineLeaseSource:
                 kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN, "the lease belongs to another request"
             )
         self.engine.cache.allocator.incref(lease.block_ids)
+        if lease_id not in self._started:  # the hand-over starts (a concurrent retry: no)
+            self._started.add(lease_id)
+            granted = lease.expires_at - lease.ttl_s  # the lease table's monotonic clock
+            self.engine.metrics.handover_wait_seconds.observe(time.monotonic() - granted)
         _, pulls = self._pinned.get(lease_id, ((), 0))
         self._pinned[lease_id] = (tuple(lease.block_ids), pulls + 1)
         return list(lease.block_ids)
@@ -51,5 +58,7 @@ class EngineLeaseSource:
             self._pinned[lease_id] = (blocks, pulls - 1)
         if blocks:
             self.engine.cache.free(blocks)
+        if delivered or lease_id not in self._pinned:
+            self._started.discard(lease_id)
         if delivered and self.engine.leases.get(lease_id) is not None:
             self.engine.release_lease(lease_id)

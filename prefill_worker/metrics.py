@@ -30,6 +30,19 @@ class PrefillMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.sampling_seconds = Histogram(
+            "splitserve_prefill_sampling_seconds",
+            "first-token sampling per step that finished prompts (device time)",
+            buckets=(0.0001, 0.00025, 0.0005, *_LATENCY),
+            registry=r,
+        )
+        self.handover_wait_seconds = Histogram(
+            "splitserve_prefill_handover_wait_seconds",
+            "lease grant to the first pull of its KV (the decode side's call, reservation, "
+            "connect)",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.queue_seconds = Histogram(
             "splitserve_prefill_queue_seconds", "arrival to admission", buckets=_LATENCY, registry=r
         )

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
 from splitserve.engine.sampler import SampleOutput, Sampler, SeqSamplingInfo
 from splitserve.prefill_worker.leases import LeaseTable
@@ -43,13 +45,43 @@ def run_step(
     rows: list[int],
     infos: list[SeqSamplingInfo],
     delay_s: float = 0.0,
-) -> SampleOutput | None:
+) -> tuple[SampleOutput | None, float]:
     """Runs in the step thread: the model, then the first tokens of the prompts it finished
-    (after `delay_s`: the faults config's slow last chunk, tests only)."""
+    (after `delay_s`: the faults config's slow last chunk, tests only); returns them and the
+    sampling's seconds."""
     if delay_s:
         time.sleep(delay_s)
     logits = runner.prefill(chunks)
-    return sampler.sample(logits[rows], infos) if rows else None
+    if not rows:
+        return None, 0.0
+    with SamplingTimer(logits.device) as timer:
+        sampled = sampler.sample(logits[rows], infos)
+    return sampled, timer.seconds
+
+
+class SamplingTimer:
+    """How long the sampling took on the device: CUDA events around it, read after the sampler
+    has synchronised anyway (no extra host wait); wall time on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self.seconds = 0.0
+
+    def __enter__(self) -> SamplingTimer:
+        if self._cuda:
+            self._start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._cuda:
+            self._end.record()
+            self._end.synchronize()
+            self.seconds = self._start.elapsed_time(self._end) / 1000
+        else:
+            self.seconds = time.perf_counter() - self._t0
 
 
 def register_full_blocks(cache: PrefixCache, seq: PrefillSeq, block_size: int) -> None:
@@ -106,5 +138,7 @@ def finish_prefill(
             lease,
             queue_time_s=admitted - seq.arrival,
             compute_time_s=now - admitted,
+            sampling_time_s=seq.sampling_time_s,
+            handover_start_s=0.0 if lease is None else time.perf_counter() - seq.arrival,
         )
     )

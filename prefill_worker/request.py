@@ -32,6 +32,7 @@ class PrefillSeq:
     num_cached: int = 0  # of those, served from the prefix cache
     num_registered: int = 0  # full blocks published to the prefix cache
     aborted: bool = False
+    sampling_time_s: float = 0.0  # its first token's sampling (set by the step that samples it)
 
     @property
     def num_remaining(self) -> int:
@@ -50,3 +51,5 @@ class PrefillResult:
     lease: Lease | None  # None exactly when finish_reason is set
     queue_time_s: float = 0.0  # arrival to admission
     compute_time_s: float = 0.0  # admission to the first token
+    sampling_time_s: float = 0.0  # the first token's sampling (part of compute_time_s)
+    handover_start_s: float = 0.0  # arrival to the lease grant (0: no lease)

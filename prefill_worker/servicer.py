@@ -127,6 +127,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             cached_prompt_tokens=r.num_cached_tokens,
             queue_time_ms=r.queue_time_s * 1000,
             compute_time_ms=r.compute_time_s * 1000,
+            sampling_time_ms=r.sampling_time_s * 1000,
+            handover_start_ms=r.handover_start_s * 1000,
         )
         if r.logprob is not None:
             resp.first_token_logprob.CopyFrom(logprob_to_proto(r.logprob))

@@ -130,7 +130,7 @@ class PrefillWorker(WorkerSkeleton):
         kv = f", KV over UCX on :{self.kv_server.port}" if self.kv_server is not None else ""
         if r is not None and r.tp.enabled:
             kv += f", tensor parallel {r.tp.size} (rank UCX ports {self.servicer.shard_ports})"
-        return f"prefill worker serving {SERVICE_NAME} on {self.address}: {what}{kv}{metrics}"
+        return f"prefill worker serving {SERVICE_NAME} on {self.address}: {what}{kv}{metrics}{self.startup_note()}"
 
 
 async def run_worker(cfg: PrefillWorkerConfig) -> int:

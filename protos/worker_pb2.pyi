@@ -21,7 +21,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_token_logprob", "finish_reason", "stop_reason", "cached_prompt_tokens", "kv", "queue_time_ms", "compute_time_ms")
+    __slots__ = ("request_id", "first_token_id", "first_token_logprob", "finish_reason", "stop_reason", "cached_prompt_tokens", "kv", "queue_time_ms", "compute_time_ms", "sampling_time_ms", "handover_start_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,8 @@ class PrefillResponse(_message.Message):
     KV_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_START_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_token_logprob: _generate_pb2.TokenLogprob
@@ -40,7 +42,9 @@ class PrefillResponse(_message.Message):
     kv: _kv_pb2.KvHandle
     queue_time_ms: float
     compute_time_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., kv: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., queue_time_ms: _Optional[float] = ..., compute_time_ms: _Optional[float] = ...) -> None: ...
+    sampling_time_ms: float
+    handover_start_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[_Union[_generate_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ..., cached_prompt_tokens: _Optional[int] = ..., kv: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., queue_time_ms: _Optional[float] = ..., compute_time_ms: _Optional[float] = ..., sampling_time_ms: _Optional[float] = ..., handover_start_ms: _Optional[float] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id", "request_id")

@@ -87,7 +87,9 @@ class Generation(DecodeStream):
             )
         self.ctx.metrics.ttft_seconds.observe(time.monotonic() - self.arrival)
         self._observe_components(
-            prefill_queue=first.queue_time_ms, prefill_compute=first.compute_time_ms
+            prefill_queue=first.queue_time_ms,
+            prefill_compute=first.compute_time_ms,
+            prefill_sampling=first.sampling_time_ms,
         )
         if self.out.finished:
             await self._finish(chunk)

@@ -35,7 +35,8 @@ class RouterMetrics:
         self.ttft_component_seconds = Histogram(
             "splitserve_router_ttft_component_seconds",
             "TTFT broken down as the workers report it: prefill_queue (arrival to admission on the prefill "
-            "worker), prefill_compute (admission to first token), transfer (the decode worker's KV pull), "
+            "worker), prefill_compute (admission to first token), prefill_sampling (the first token's "
+            "sampling, part of prefill_compute), transfer (the decode worker's KV pull), "
             "decode_queue (decode admission request to its first token)",
             ["component"],
             buckets=_LATENCY,

@@ -266,7 +266,8 @@ WIRE = {
     "KvPullDone": "lease_id=1 ok=2",
     "PrefillRequest": "request_id=1 prompt_token_ids=2 sampling=3 lease_ttl_ms=4",
     "PrefillResponse": "request_id=1 first_token_id=2 first_token_logprob=3 finish_reason=4 "
-    "stop_reason=5 cached_prompt_tokens=6 kv=7 queue_time_ms=8 compute_time_ms=9",
+    "stop_reason=5 cached_prompt_tokens=6 kv=7 queue_time_ms=8 compute_time_ms=9 "
+    "sampling_time_ms=10 handover_start_ms=11",
     "ReleaseLeaseRequest": "lease_id=1 request_id=2",
     "ReleaseLeaseResponse": "released=1",
     "DecodeRequest": "request_id=1 prompt_token_ids=2 first_token_id=3 sampling=4 kv=5",

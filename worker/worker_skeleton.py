@@ -3,7 +3,8 @@ add only their engine, servicer and KV side).
 
     start():  gRPC bound (health NOT_SERVING; health answers from here on)
               -> start_engine(): model load + warm-up (+ tensor-parallel ranks), KV transfer
-              -> health SERVING -> the stall watch (worker/stall_watch.py)
+              -> health SERVING -> the stall watch (worker/stall_watch.py); the start-up time
+              and warm-up's kernel compilations go into the SERVING log line (startup_note)
     rank lost (tensor parallel): fail_in_flight(), then NOT_SERVING, exit 1 (tp_lifecycle.py)
     stop():   the stall watch ends -> drain (health NOT_SERVING for good, in-flight calls get
               the grace) -> stop_engine() (UCX first, then the engine) -> ranks closed;
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 from splitserve.service.cluster_auth import RequireClusterSecret
 from splitserve.service.credentials import cluster_secret, is_loopback_host
 from splitserve.service.grpc_service import GrpcServer
+from splitserve.worker.kernel_metrics import KernelCompileMetrics
 from splitserve.worker.stall_watch import StallWatch
 from splitserve.worker.tp_lifecycle import exit_after_rank_loss, serve_until_lost
 
@@ -44,6 +47,9 @@ class WorkerSkeleton:
             )
         guard = [RequireClusterSecret(secret)] if secret else []
         self.server = GrpcServer(cfg.server, registry, guard)
+        # before any kernel runs: warm-up's compilations count as start-up, later ones as serving
+        self.kernel_compiles = KernelCompileMetrics(registry)
+        self.startup_s: float | None = None
         self.servicer = servicer
         self.server.add(add_servicer, servicer, self.service_name)
         self.ranks = None  # tp_control.RankSet when this process spawned the runner's ranks
@@ -109,8 +115,11 @@ class WorkerSkeleton:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
+        began = time.perf_counter()
         await self.server.start()
         await self.start_engine()
+        self.kernel_compiles.mark_serving()
+        self.startup_s = time.perf_counter() - began
         await self.server.set_serving(True)
         self.watch = StallWatch(
             self.role,
@@ -122,12 +131,22 @@ class WorkerSkeleton:
         )
         self.watch.start()
 
+    def startup_note(self) -> str:
+        """For the SERVING log line: how long start-up took and what warm-up compiled."""
+        if self.startup_s is None:
+            return ""
+        return (
+            f", started in {self.startup_s:.1f} s "
+            f"({self.kernel_compiles.startup()} kernel compilations during warm-up)"
+        )
+
     async def stop(self, grace_s: float | None = None) -> None:
         """In a fixed order; idempotent."""
         if self.watch is not None:
             await self.watch.stop()
             self.watch = None
         await self.server.drain(grace_s)
+        self.kernel_compiles.mark_stopped()
         await self.stop_engine()
         if self.ranks is not None:  # after the engine: its last commands reach the followers first
             await asyncio.to_thread(self.ranks.close)

@@ -5,6 +5,8 @@ the last block, unused blocks), so a kernel that reads past a context fails loud
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from kernel_inputs import TOL, cpu_interpreter, gen, paged_kv, prefill_inputs, randn
@@ -214,3 +216,22 @@ def test_prefill_one_token_matches_decode():
         pre = ops.prefill_attention(q, k_cache, v_cache, tables, cu, ctx, 1, 0.2)
         dec = ops.paged_decode_attention(q, k_cache, v_cache, tables, ctx, 0.2)
     torch.testing.assert_close(pre, dec, atol=1e-6, rtol=1e-6)
+
+
+def test_prefill_writes_into_a_given_out_and_leaves_other_rows():
+    """The piecewise prefill graphs pass their static buffer's first T rows as `out`."""
+    hq, hkv, d, bs, q_lens, lens = PREFILL_CASES[0]
+    q, k_cache, v_cache, tables, cu, ctx = prefill_inputs(
+        q_lens, lens, hq, hkv, d, bs, torch.float32, seed=3
+    )
+    t = q.shape[0]
+    expected = reference.prefill_attention(q, k_cache, v_cache, tables, cu, ctx, max(q_lens), 0.3)
+    for use in (contextlib.nullcontext, force_triton):
+        buf = torch.full((t + 5, hq, d), 7.0)
+        with use():
+            got = ops.prefill_attention(
+                q, k_cache, v_cache, tables, cu, ctx, max(q_lens), 0.3, out=buf[:t]
+            )
+        assert got.data_ptr() == buf.data_ptr()
+        _close(buf[:t], expected)
+        assert bool((buf[t:] == 7.0).all())

@@ -54,3 +54,18 @@ def test_benchmark_help_and_cpu_smoke_run(tiny_llama, tmp_path, capsys):
         for impl in ("runner", "engine", "transformers"):
             assert case[impl]["tokens_per_s"] > 0 and case[impl]["mfu"] > 0
         assert case["runner_vs_transformers"] > 0
+
+
+def test_benchmark_writes_the_fast_table_and_the_first_prompt_ratio(tiny_llama, tmp_path):
+    pytest.importorskip("transformers")
+    fast = tmp_path / "prefill_fast.json"
+    argv = ["--preset", "tiny", "--model-dir", str(tiny_llama), "--device", "cpu"]
+    argv += ["--lengths", "24", "--mixed", "", "--iters", "1", "--warmup", "0"]
+    argv += ["--fast-out", str(fast), "--fast-cases", "1x8,2x8", "--first-prompt-len", "16"]
+    assert _load().main([*argv, "--out", str(tmp_path / "prefill.json")]) == 0
+    result = json.loads(fast.read_text())
+    assert [r["case"] for r in result["results"]] == ["1x8", "2x8"]
+    for row in result["results"]:
+        assert row["ms"] > 0 and row["mfu"] > 0 and row["ratio_to_transformers"] > 0
+    assert result["first_prompt_ratio"] > 0 and result["startup_s"] > 0
+    assert result["serving_compilations"] == 0  # CPU: nothing compiles; the metric is scraped

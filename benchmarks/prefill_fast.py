@@ -1,0 +1,161 @@
+"""Issue 31's prefill table (`prefill_fast.json`), written by `benchmarks/prefill.py --fast-out`.
+
+Rows 1x128, 1x1024, 8x1024 (packed in one step) and 1x8192 tokens: ms through the PrefillEngine
+as a request meets it (warm-up on, prefix cache off), MFU against the bf16 matmul rate measured
+in the same run, and the ratio to `transformers` SDPA. Then the first-prompt stall: a real
+prefill worker process started with an empty TRITON_CACHE_DIR; the TTFT (Prefill RPC latency)
+of the first `--first-prompt-len`-token prompt after SERVING divided by the median of the next
+ten (distinct prompts, so no prefix-cache hit), with the worker's start-up time and its
+`splitserve_kernel_compilations_total` while serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+SERVING_LINE = re.compile(
+    r"serving splitserve\.v1\.PrefillWorker on ([\w.]+):(\d+).*metrics on :(\d+)"
+    r".*started in ([\d.]+) s"
+)
+SERVING_COMPILES = re.compile(r'splitserve_kernel_compilations_total\{phase="serving"\} ([\d.]+)')
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--fast-out", default=None, help="also write issue 31's table here")
+    p.add_argument("--fast-cases", default="1x128,1x1024,8x1024,1x8192")
+    p.add_argument("--first-prompt-len", type=int, default=3072)
+
+
+def parse_cases(text: str) -> list[tuple[str, list[int]]]:
+    """'1x128,8x1024' -> [('1x128', [128]), ('8x1024', [1024] * 8)]."""
+    out = []
+    for case in filter(None, (c.strip() for c in text.split(","))):
+        n, length = case.split("x")
+        out.append((case, [int(length)] * int(n)))
+    return out
+
+
+def table(base, bench, runner, worker_cfg, hf, peak: float, cases) -> list[dict]:
+    rows = []
+    for name, lengths in cases:
+        prompts = base.prompts_for(lengths, runner.model_config.vocab_size)
+        flops = base.model_flops(runner.model_config, lengths)
+        secs = base.run_engine(bench, runner, worker_cfg, prompts)
+        row = {"case": name, "ms": secs * 1e3, "mfu": flops / secs / peak}
+        if hf is not None:
+            row["transformers_ms"] = base.run_transformers(bench, hf, prompts) * 1e3
+            row["ratio_to_transformers"] = row["transformers_ms"] / row["ms"]
+        print(f"fast {name:>7}: {row['ms']:.3f} ms, MFU {row['mfu']:.1%}", file=sys.stderr)
+        rows.append(row)
+    return rows
+
+
+def _lines(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+    out.put(None)
+
+
+def first_prompt(
+    model_dir, device: str, length: int, vocab: int, block_size: int, budget: int, follow: int = 10
+) -> dict:
+    """Starts a prefill worker with a cold Triton cache and times its first prompts."""
+    import grpc
+
+    from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
+
+    cache = tempfile.mkdtemp(prefix="triton-cold-")
+    env = {**os.environ, "TRITON_CACHE_DIR": cache}
+    cmd = [
+        sys.executable, "-m", "splitserve.cli.main", "prefill-worker", "--model", str(model_dir),
+        "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device", device,
+        "--block-size", str(block_size), "--max-num-batched-tokens", str(budget),
+        "--max-model-len", str(length + 16),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    try:
+        while True:
+            line = lines.get(timeout=600)
+            if line is None:
+                raise RuntimeError("prefill worker exited before SERVING:\n" + "".join(seen))
+            seen.append(line)
+            if m := SERVING_LINE.search(line):
+                break
+        address, metrics_port, startup_s = f"{m[1]}:{m[2]}", int(m[3]), float(m[4])
+        params = generate_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        ttfts = []
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+            for i in range(1 + follow):
+                prompt = [(7919 * (i + 11) + 104729 * j) % (vocab - 3) + 3 for j in range(length)]
+                req = worker_pb2.PrefillRequest(
+                    request_id=f"first-{i}", prompt_token_ids=prompt, sampling=params
+                )
+                start = time.perf_counter()
+                resp = stub.Prefill(req, timeout=600)
+                ttfts.append(time.perf_counter() - start)
+                stub.ReleaseLease(
+                    worker_pb2.ReleaseLeaseRequest(
+                        lease_id=resp.kv.lease_id, request_id=req.request_id
+                    ),
+                    timeout=30,
+                )
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
+        compiles = SERVING_COMPILES.search(metrics.read().decode())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    rest = statistics.median(ttfts[1:])
+    print(
+        f"first {length}-token prompt after SERVING (cold Triton cache): {ttfts[0] * 1e3:.1f} ms, "
+        f"median of the next {follow} {rest * 1e3:.1f} ms, start-up {startup_s:.1f} s",
+        file=sys.stderr,
+    )
+    return {
+        "first_prompt_ratio": ttfts[0] / rest,
+        "first_prompt_ms": ttfts[0] * 1e3,
+        "next_median_ms": rest * 1e3,
+        "first_prompt_len": length,
+        "startup_s": startup_s,
+        "serving_compilations": float(compiles[1]) if compiles else None,
+    }
+
+
+def write(args, base, bench, runner, worker_cfg, hf, peak, model_dir, result) -> None:
+    cfg = worker_cfg.model_copy(update={"warmup": True})  # as a request meets a serving worker
+    fast = {k: result[k] for k in ("preset", "device_name", "dtype", "matmul_tflops", "torch")}
+    fast["results"] = table(
+        base,
+        bench,
+        runner,
+        cfg,
+        hf,
+        peak,
+        parse_cases(args.fast_cases),
+    )
+    bs, budget = args.block_size, args.max_num_batched_tokens
+    vocab = runner.model_config.vocab_size
+    fast.update(first_prompt(model_dir, args.device, args.first_prompt_len, vocab, bs, budget))
+    Path(args.fast_out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.fast_out).write_text(json.dumps(fast, indent=2))
+    print(f"wrote {args.fast_out}", file=sys.stderr)

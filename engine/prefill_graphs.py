@@ -1,0 +1,201 @@
+"""Piecewise CUDA graphs for prefill (TensorRT-LLM's context-step graphs): the non-attention
+parts of every layer captured at fixed token counts, varlen attention run eagerly between them.
+
+A step of T tokens runs at the smallest bucket N >= T (`sizes`, default 16, 32, ..., 8192; the
+token budget caps them). Its T tokens are padded to N with null-slot tokens (id 0, position 0,
+slot 0 of the null block, as the decode graphs pad lanes: decode_worker/graph_runner.py), which
+belong to no sequence: attention never computes their rows, their K/V land in the null block,
+and every other op is row-wise, so the real rows are what the eager step computes. Pieces of
+an N-token step, for L layers (model.py: DecoderLayer.pre_attention / post_attention):
+
+    piece 0      embedding, layer 0's norm + QKV + RoPE + KV write       -> q, residual
+    piece i      layer i-1's O projection + MLP, layer i's pre-attention  -> q, residual
+    piece L      layer L-1's O projection + MLP                           -> hidden, residual
+    between:     ops.prefill_attention(q[:T], ...) over cu_seqlens / context_lens / block
+                 tables of the real sequences, into attn[:T] (eager: its grid and metadata
+                 vary with the batch)
+
+Every piece reads and writes static buffers sized to the largest bucket, so the graphs share
+one memory pool (the decode graphs' pool in a decode worker) for their temporaries. The final
+norm + lm_head run eagerly on the sampled rows. `on_layer_kv(i)`, when set, is called right
+after piece i has written layer i's KV (a place for per-layer-group CUDA events: a KV
+hand-over that streams layers as they finish). Without CUDA, or before `capture`, `run` runs
+the same pieces eagerly on the padded buffers (the CPU tests check that path against the plain
+eager step). Steps above the largest bucket, tensor-parallel runners and --no-cuda-graph keep
+the plain eager path (model_runner.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from splitserve.engine.attention_metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+NULL_SLOT = 0  # slot 0 of the null block (block 0)
+
+
+def default_sizes(max_tokens: int, smallest: int = 16, largest: int = 8192) -> list[int]:
+    """Powers of two from `smallest` to `largest`, none above the step budget `max_tokens`."""
+    out, n = [], smallest
+    while n <= min(largest, max_tokens):
+        out.append(n)
+        n *= 2
+    return out
+
+
+class PrefillGraphs:
+    def __init__(self, model, kv_cache: torch.Tensor, cos_sin: torch.Tensor, sizes: Sequence[int]):
+        if not sizes:
+            raise ValueError("prefill graphs need at least one token count")
+        self.model, self.kv_cache, self.cos_sin = model, kv_cache, cos_sin
+        self.sizes = sorted(set(sizes))
+        self.num_layers = len(model.layers)
+        cfg, dev = model.cfg, kv_cache.device
+        dtype = model.embed.dtype
+        n, layer = self.sizes[-1], model.layers[0]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), NULL_SLOT, dtype=torch.int64, device=dev)
+        self.hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
+        self.residual = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
+        self.q = torch.zeros(n, layer.num_heads, cfg.head_dim, dtype=dtype, device=dev)
+        self.attn = torch.zeros(n, layer.num_heads, cfg.head_dim, dtype=dtype, device=dev)
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.pool = None
+        self.on_layer_kv: Callable[[int], None] | None = None
+        self.num_steps = 0  # steps run through the buckets (replayed or padded eager)
+        self.num_replays = 0
+
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    def bucket(self, num_tokens: int) -> int:
+        """The token count a step of `num_tokens` runs at; 0: above every bucket (eager)."""
+        return next((n for n in self.sizes if n >= num_tokens), 0)
+
+    # ---- one piece (captured, or run eagerly) -----------------------------------------------
+    def _piece(self, n: int, i: int) -> None:
+        m = self.model
+        if i == 0:
+            hidden, residual = m._embed(self.input_ids[:n]), None
+        else:
+            hidden, residual = m.layers[i - 1].post_attention(self.attn[:n], self.residual[:n])
+        if i == self.num_layers:
+            self.hidden[:n].copy_(hidden)
+            self.residual[:n].copy_(residual)
+            return
+        kv = self.kv_cache[i]
+        q, residual = m.layers[i].pre_attention(
+            hidden, residual, self.positions[:n], self.cos_sin, kv[0], kv[1], self.slot_mapping[:n]
+        )
+        self.q[:n].copy_(q)
+        self.residual[:n].copy_(residual)
+
+    # ---- capture ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self, pool=None, warmup_steps: int = 2) -> None:
+        """Every bucket's pieces, largest first, into `pool` (a new one when None). CUDA only;
+        writes only the null block (the caller zeroes the pool after)."""
+        if self.kv_cache.device.type != "cuda":
+            return
+        dev = self.kv_cache.device
+        self.slot_mapping.fill_(NULL_SLOT)
+        self.positions.zero_()
+        self.input_ids.zero_()
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # compile and pick every kernel before any capture
+            for n in self.sizes:
+                for _ in range(warmup_steps):
+                    for i in range(self.num_layers + 1):
+                        self._piece(n, i)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        torch.cuda.synchronize(dev)
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        for n in reversed(self.sizes):  # largest first: smaller ones reuse its pool memory
+            pieces = []
+            for i in range(self.num_layers + 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._piece(n, i)
+                pieces.append(graph)
+            self._graphs[n] = pieces
+        torch.cuda.synchronize(dev)
+        log.info(
+            "captured piecewise prefill graphs for %s tokens (%d pieces each)",
+            self.sizes,
+            self.num_layers + 1,
+        )
+
+    def release(self) -> None:
+        """Drops every graph (idempotent); eager steps from here on."""
+        if self._graphs and self.kv_cache.device.type == "cuda":
+            torch.cuda.synchronize(self.kv_cache.device)  # no replay may still use the pool
+        for pieces in self._graphs.values():
+            for g in pieces:
+                g.reset()
+        self._graphs.clear()
+        self.pool = None
+
+    # ---- a step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        meta: AttentionMetadata,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """One prefill step of T = len(ids) <= the largest bucket tokens (device tensors; `meta`
+        of the real sequences) -> fp32 logits of `rows`."""
+        t = ids.shape[0]
+        n = self.bucket(t)
+        if n == 0:
+            raise ValueError(f"{t} tokens exceed the largest prefill graph ({self.sizes[-1]})")
+        self.input_ids[:t].copy_(ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(slots)
+        self.input_ids[t:n].zero_()  # padding: token 0 at position 0 into the null slot
+        self.positions[t:n].zero_()
+        self.slot_mapping[t:n].fill_(NULL_SLOT)
+        self.attn[t:n].zero_()  # attention never writes padding rows: keep them finite
+        graphs = self._graphs.get(n)
+        for i in range(self.num_layers + 1):
+            if graphs is not None:
+                graphs[i].replay()
+            else:
+                self._piece(n, i)
+            if i == self.num_layers:
+                break
+            if self.on_layer_kv is not None:
+                self.on_layer_kv(i)
+            kv, layer = self.kv_cache[i], self.model.layers[i]
+            layer.attention(self.q[:t], kv[0], kv[1], meta, out=self.attn[:t])
+        self.num_steps += 1
+        self.num_replays += graphs is not None
+        return self.model.final_logits(self.hidden[:t], self.residual[:t], rows)
+
+
+def capture_prefill_graphs(
+    runner, sizes: Sequence[int] | None, max_num_batched_tokens: int, pool=None
+) -> PrefillGraphs | None:
+    """Captures `runner`'s piecewise prefill graphs (sizes None: default_sizes of the budget)
+    into `pool` and routes its bucketed steps through them; None where graphs do not apply
+    (not CUDA, tensor parallel: followers replay commands eagerly, no sizes)."""
+    if runner.device.type != "cuda" or runner.tp.enabled:
+        return None
+    wanted = [s for s in (sizes or default_sizes(max_num_batched_tokens)) if s >= 1]
+    if not wanted:
+        return None
+    graphs = PrefillGraphs(runner.model, runner.kv_cache, runner.cos_sin, wanted)
+    with torch.cuda.device(runner.device):
+        graphs.capture(pool)
+    runner.prefill_graphs = graphs
+    return graphs

@@ -1,0 +1,182 @@
+"""Warm-up of every prefill shape before a worker says SERVING, so no request waits on a kernel
+compilation (kernels/compile_counter.py counts them; the workers export the count).
+
+What makes a Triton kernel compile again is its specialisation, not the token count: the
+kernels take the token count as their grid, and an int argument is specialised only on being
+1 or a multiple of 16 (pointers on 16-byte alignment, which every fresh tensor has). So the
+classes a prefill step can meet are, per kernel family:
+
+    layers     total tokens T: 1, 2, 3-4 (the small-M GEMV kernels at their BLOCK_M 1, 2, 4;
+               ops.SMALL_M_MAX), or more (norm / RoPE / SiLU kernels + cuBLAS)
+    lm_head    sequences R (one logits row each): 1, 2, 3-4 (GEMV), or more
+    attention  block-table width W: 1, a multiple of 16, or any other (its `max_blocks` and
+               row stride arguments)
+
+`warmup_batches` covers the union of the classes reachable under the worker's limits, each
+with a few batches of null-block tables; on CUDA it adds one step of every token bucket (16,
+32, ... up to max_num_batched_tokens), which also sizes the caching allocator and cuBLAS's
+choices before serving. The sampler is warmed in each variant the first token can take
+(greedy, random, + filters, + logprobs; the state tables are of fixed width: sampler.py), and
+the KV pack / unpack kernels of the hand-over on the null block. Every write lands in the null
+block; the caller zeroes the pool after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.model_runner import ModelRunner, PrefillChunk
+from splitserve.engine.sampler import Sampler, SeqSamplingInfo
+from splitserve.kernels import ops
+from splitserve.request.block_allocator import NULL_BLOCK
+from splitserve.request.sampling_params import SamplingParams
+
+SMALLEST_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class WarmSeq:
+    """One sequence of a warm-up batch: `tokens` new tokens after `computed`, `width` blocks."""
+
+    tokens: int
+    computed: int
+    width: int
+
+
+def size_class(n: int) -> str:
+    """The small-M class of a row count (kernels/ops.py: GEMV at <= SMALL_M_MAX rows)."""
+    if n > ops.SMALL_M_MAX:
+        return "many"
+    return {1: "1", 2: "2"}.get(n, "3-4")
+
+
+def width_class(width: int) -> str:
+    """How Triton specialises an int argument: 1, a multiple of 16, or neither."""
+    return "1" if width == 1 else ("x16" if width % 16 == 0 else "other")
+
+
+def spec_keys(batch: Sequence[WarmSeq]) -> set[tuple[str, str]]:
+    """The (kernel family, class) pairs one prefill step of `batch` compiles, if never seen."""
+    total = sum(s.tokens for s in batch)
+    width = max(s.width for s in batch)
+    return {
+        ("layers", size_class(total)),
+        ("lm_head", size_class(len(batch))),
+        ("attention", width_class(width)),
+    }
+
+
+def token_buckets(max_tokens: int, smallest: int = SMALLEST_BUCKET) -> list[int]:
+    """Powers of two from `smallest` below `max_tokens`, then `max_tokens` itself."""
+    out, t = [], smallest
+    while t < max_tokens:
+        out.append(t)
+        t *= 2
+    return [*out, max_tokens]
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def _split(total: int, max_len: int, max_seqs: int, block_size: int) -> list[WarmSeq] | None:
+    """`total` tokens as sequences of at most `max_len` tokens (None: more than `max_seqs`)."""
+    seqs = []
+    while total > 0:
+        take = min(total, max_len)
+        seqs.append(WarmSeq(take, 0, _blocks(take, block_size)))
+        total -= take
+    return seqs if len(seqs) <= max_seqs else None
+
+
+def warmup_batches(
+    block_size: int,
+    max_blocks_per_seq: int,
+    max_num_batched_tokens: int,
+    max_batch_size: int,
+    max_model_len: int,
+    buckets: bool,
+) -> list[list[WarmSeq]]:
+    """Batches whose steps together meet every reachable class of `spec_keys` (and, with
+    `buckets`, every token bucket); each fits the limits the scheduler enforces."""
+    max_tokens = min(max_num_batched_tokens, max_batch_size * max_model_len)
+    wide = [w for w in (1, 2, 16) if w <= max_blocks_per_seq]
+    batches: list[list[WarmSeq]] = []
+    classes = (1, 2, ops.SMALL_M_MAX, ops.SMALL_M_MAX + 1)  # one count of each size_class
+    for rows in sorted({min(r, max_batch_size, max_tokens) for r in classes}):  # lm_head
+        batches.append([WarmSeq(1, 0, 1)] * rows)
+    for total in sorted({min(t, max_tokens) for t in classes}):  # layers, one sequence if it fits
+        split = _split(total, max_model_len, max_batch_size, block_size)
+        if split is not None:
+            batches.append(split)
+    for w in wide:  # attention classes at few and many tokens, after a cached prefix if it fits
+        for t in {1, min(max_tokens, max_model_len, ops.SMALL_M_MAX + 1, w * block_size)}:
+            computed = max(0, min(w * block_size - t, block_size, max_model_len - t))
+            batches.append([WarmSeq(t, computed, w)])
+    if buckets:
+        for t in token_buckets(max_tokens):
+            split = _split(t, max_model_len, max_batch_size, block_size)
+            if split is not None:
+                batches.append(split)
+    return batches
+
+
+def covered(batches: Sequence[Sequence[WarmSeq]]) -> set[tuple[str, str]]:
+    return set().union(*(spec_keys(b) for b in batches))
+
+
+def _warm_sampler(sampler: Sampler, logits: torch.Tensor) -> None:
+    """Each path the first token's sampling takes: argmax, random, + filters, + logprobs."""
+    row = logits[:1].float()
+    variants = (
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, seed=1),
+        SamplingParams(temperature=1.0, seed=1, top_k=5, top_p=0.9),
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=1.0, seed=1, top_p=0.9, logprobs=2),
+        SamplingParams(
+            temperature=0.7,
+            seed=1,
+            repetition_penalty=1.1,
+            min_tokens=1,
+            stop_token_ids=(1,),
+            logit_bias=((1, 1.0),),
+        ),
+    )
+    for params in variants:
+        sampler.sample(row.clone(), [SeqSamplingInfo(params, [0], ())])
+
+
+def _warm_kv_copy(runner: ModelRunner) -> None:
+    """The hand-over's pack (prefill side) and unpack (decode side), on the null block."""
+    for n in (1, 2, 16):
+        ids = torch.full((n,), NULL_BLOCK, dtype=torch.int64, device=runner.device)
+        packed = ops.pack_kv_blocks(runner.kv_cache, ids)
+        ops.unpack_kv_blocks(packed, runner.kv_cache, ids)
+
+
+def warm_up_prefill(
+    runner: ModelRunner, sampler: Sampler, max_num_batched_tokens: int, max_batch_size: int
+) -> int:
+    """Runs every warm-up batch (null-block tables), the sampler and the KV copies; returns the
+    number of prefill steps run. The caller zeroes the pool afterwards."""
+    batches = warmup_batches(
+        runner.block_size,
+        runner.max_blocks_per_seq,
+        max_num_batched_tokens,
+        max_batch_size,
+        runner.max_model_len,
+        buckets=runner.device.type == "cuda",  # nothing compiles on CPU: keep tests quick
+    )
+    logits = None
+    for batch in batches:
+        chunks = [PrefillChunk([0] * s.tokens, s.computed, [NULL_BLOCK] * s.width) for s in batch]
+        logits = runner.prefill(chunks)
+    _warm_sampler(sampler, logits)
+    _warm_kv_copy(runner)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return len(batches)

@@ -1,0 +1,27 @@
+"""The prefill engine's start-up and its counterpart at stop: piecewise prefill graphs
+(engine/prefill_graphs.py), then every prefill shape and sampler variant
+(engine/prefill_warmup.py), all into the null block, then the KV pool zeroed."""
+
+from __future__ import annotations
+
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.prefill_graphs import capture_prefill_graphs
+from splitserve.engine.prefill_warmup import warm_up_prefill
+from splitserve.engine.sampler import Sampler
+from splitserve.prefill_worker.config import PrefillWorkerConfig
+
+
+def warm_up(cfg: PrefillWorkerConfig, runner: ModelRunner, sampler: Sampler) -> None:
+    """Runs in the step thread before SERVING."""
+    sc = cfg.engine.scheduler
+    if cfg.cuda_graph:
+        capture_prefill_graphs(runner, cfg.prefill_graph_sizes, sc.max_num_batched_tokens)
+    warm_up_prefill(runner, sampler, sc.max_num_batched_tokens, sc.max_batch_size)
+    runner.zero_kv()
+
+
+def release_graphs(runner: ModelRunner) -> None:
+    """Drops the prefill graphs (the runner may serve another engine later: benchmarks)."""
+    if runner.prefill_graphs is not None:
+        runner.prefill_graphs.release()
+        runner.prefill_graphs = None

@@ -1,0 +1,102 @@
+"""Piecewise prefill graphs' bucket padding (engine/prefill_graphs.py), checked on CPU through
+its padded eager path: packed batches of mixed lengths, chunked prompts and prefix-cache hits
+give the plain eager step's logits, first tokens and KV; steps above the largest bucket fall
+back to the plain eager step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from splitserve.config.engine_config import EngineConfig
+from splitserve.engine.model_runner import ModelRunner, PrefillChunk
+from splitserve.engine.prefill_graphs import PrefillGraphs, default_sizes
+
+BS = 4
+SIZES = [16, 32, 64]
+
+
+def _runner(model) -> ModelRunner:
+    cfg = EngineConfig(
+        model_path=str(model),
+        device="cpu",
+        cache={"num_blocks": 96, "block_size": BS},
+        scheduler={"max_model_len": 256},
+    )
+    return ModelRunner(cfg)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama):
+    """(eager runner, bucketed runner): same weights, separate KV pools."""
+    bucketed = _runner(tiny_llama)
+    bucketed.prefill_graphs = PrefillGraphs(
+        bucketed.model, bucketed.kv_cache, bucketed.cos_sin, SIZES
+    )
+    return _runner(tiny_llama), bucketed
+
+
+def _same_step(pair, chunks: list[PrefillChunk], bucketed_path: bool) -> None:
+    eager, bucketed = pair
+    steps = bucketed.prefill_graphs.num_steps
+    want, got = eager.prefill(chunks), bucketed.prefill(chunks)
+    assert bucketed.prefill_graphs.num_steps == steps + bucketed_path
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+    used = sorted({b for c in chunks for b in c.block_table})  # real blocks (never the null one)
+    torch.testing.assert_close(
+        bucketed.kv_cache[:, :, used], eager.kv_cache[:, :, used], atol=1e-5, rtol=1e-5
+    )
+
+
+def _prompt(rng, n: int) -> list[int]:
+    return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def _tables(lengths: list[int], first: int = 1) -> list[list[int]]:
+    out = []
+    for n in lengths:
+        k = -(-n // BS)
+        out.append(list(range(first, first + k)))
+        first += k
+    return out
+
+
+def test_buckets():
+    assert default_sizes(8192) == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert default_sizes(1000) == [16, 32, 64, 128, 256, 512]
+    g = PrefillGraphs.__new__(PrefillGraphs)
+    g.sizes = SIZES
+    assert [g.bucket(t) for t in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, 0]
+
+
+def test_packed_batches_of_mixed_lengths_match_the_eager_step(pair):
+    rng = random.Random(1)
+    for lengths in ([1], [5, 17, 9], [16], [3, 3, 3, 3, 3], [40, 2, 20]):
+        prompts = [_prompt(rng, n) for n in lengths]
+        chunks = [PrefillChunk(p, 0, t) for p, t in zip(prompts, _tables(lengths))]
+        _same_step(pair, chunks, bucketed_path=True)
+
+
+def test_chunked_prompts_and_prefix_hits_match_the_eager_step(pair):
+    rng = random.Random(2)
+    long, other = _prompt(rng, 50), _prompt(rng, 13)
+    t_long, t_other = _tables([50, 13])
+    # a 50-token prompt in chunks of 20, 20, 10, the second chunk packed with another prompt
+    _same_step(pair, [PrefillChunk(long[:20], 0, t_long)], True)
+    _same_step(pair, [PrefillChunk(long[20:40], 20, t_long), PrefillChunk(other, 0, t_other)], True)
+    _same_step(pair, [PrefillChunk(long[40:], 40, t_long)], True)
+    # a prefix-cache hit: the first 8 blocks of `long` shared, 7 new tokens after them
+    hit = long[:32] + _prompt(rng, 7)
+    table = t_long[:8] + [t_other[-1] + 1, t_other[-1] + 2]
+    _same_step(pair, [PrefillChunk(hit[32:], 32, table)], True)
+
+
+def test_steps_above_the_largest_bucket_take_the_eager_step(pair):
+    rng = random.Random(3)
+    lengths = [40, 30]  # 70 tokens > 64
+    prompts = [_prompt(rng, n) for n in lengths]
+    chunks = [PrefillChunk(p, 0, t) for p, t in zip(prompts, _tables(lengths, first=60))]
+    _same_step(pair, chunks, bucketed_path=False)
