@@ -29,6 +29,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
+
 from splitserve.decode_worker.config import DecodeWorkerConfig, capture_sizes
 from splitserve.decode_worker.graph_runner import GraphRunner, StepHandle
 from splitserve.decode_worker.metrics import DecodeMetrics
@@ -40,6 +42,7 @@ from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.errors import RequestError
 from splitserve.request.stop_checker import StopChecker
+from splitserve.worker.grammar_cache import GrammarCache
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,8 @@ class DecodeEngine:
         self.eos = tuple(self.runner.model_config.eos_token_ids)
         self.sampler = Sampler(cfg.engine.seed, self.eos)
         self.graphs = GraphRunner(self.runner, sc.max_batch_size, self.sampler)
+        vocab = self.runner.model_config.vocab_size
+        self.grammars = GrammarCache(cfg.engine.model_path, vocab, self.eos)  # servicer's
         self.sync_reads = 0  # steps read in the engine step that launched them (host waited)
         self._launched: StepHandle | None = None
         self.vocab_size = self.runner.model_config.vocab_size
@@ -106,8 +111,14 @@ class DecodeEngine:
             inp.params, self.eos, self.runner.max_model_len, len(prompt), match_stop_strings=False
         )
         seq = DecodeSequence(inp.request_id, prompt, inp.params, stop, sink, list(first_ids))
+        seq.matcher = inp.matcher
         if inp.first_token_id is None:  # colocated: admission computes the prompt, samples out[0]
             return seq, None
+        if seq.matcher is not None and not seq.matcher.consume_token(inp.first_token_id):
+            raise RequestError.invalid(
+                f"first_token_id {inp.first_token_id} is not allowed by the request's "
+                "constraint; pass the token the prefill worker sampled under the same constraint"
+            )
         first = stop.update(inp.first_token_id, "")
         done = (
             StepOutput(inp.request_id, (), (), first.finish_reason, first.stop_reason)
@@ -186,7 +197,9 @@ class DecodeEngine:
         t0 = time.perf_counter()
         self._launched = None
         prev, self._inflight = self._inflight, None
-        if prev is not None and not self.cfg.overlap:
+        # a constrained row's next mask needs its last token on the host: read it first
+        # (structured output turns overlap off for the batches it is in)
+        if prev is not None and (not self.cfg.overlap or prev.constrained):
             self._complete(prev)
             prev = None
         batch = self.scheduler.schedule()
@@ -243,6 +256,11 @@ class DecodeEngine:
         self, seq: DecodeSequence, token: int, logprob: TokenLogprobs | None, now: float
     ) -> None:
         seq.output_token_ids.append(token)
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            log.error("%s: token %d broke its constraint", seq.request_id, token)
+            err = RequestError(grpc.StatusCode.INTERNAL, f"token {token} broke the constraint")
+            self.abort(seq.request_id, "error", err)
+            return
         result = seq.stop.update(token, "")  # no text: stop strings are the servicer's
         if len(seq.output_token_ids) > 1:  # a first token sampled here ends no inter-token gap
             self.metrics.itl_seconds.observe(now - seq.last_token_time)

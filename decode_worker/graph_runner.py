@@ -51,6 +51,7 @@ import torch
 from splitserve.decode_worker.sampling_slots import SamplingSlots
 from splitserve.decode_worker.sequence import DecodeSequence
 from splitserve.decode_worker.step_buffers import DecodeBuffers, StagingSlot
+from splitserve.decode_worker.token_masks import TokenMasks
 from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, TokenLogprobs, to_token_logprobs
@@ -64,9 +65,11 @@ from splitserve.request.block_allocator import NULL_BLOCK
 from splitserve.request.sampling_params import MAX_LOGPROBS
 
 # graph variants, as flags: SAMPLE (any row not plain greedy), LOGPROBS (a row reports them),
-# FILTER (a random row has top-k / top-p: the threshold searches run); GREEDY is argmax only
-GREEDY, SAMPLE, LOGPROBS, FILTER = 0, 1, 2, 4
-VARIANTS = (SAMPLE | LOGPROBS | FILTER, SAMPLE | FILTER, SAMPLE | LOGPROBS, SAMPLE, GREEDY)
+# FILTER (a random row has top-k / top-p: the threshold searches run), MASK (a row is
+# constrained: token masks applied first, token_masks.py); GREEDY is argmax only
+GREEDY, SAMPLE, LOGPROBS, FILTER, MASK = 0, 1, 2, 4, 8
+_PLAIN = (SAMPLE | LOGPROBS | FILTER, SAMPLE | FILTER, SAMPLE | LOGPROBS, SAMPLE)
+VARIANTS = (*_PLAIN, GREEDY, *(v | MASK for v in _PLAIN))
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,10 @@ class StepHandle:
     slot: StagingSlot
     graph_size: int  # 0: eager
     variant: int = GREEDY
+
+    @property
+    def constrained(self) -> bool:
+        return bool(self.variant & MASK)
 
 
 class GraphRunner:
@@ -96,7 +103,8 @@ class GraphRunner:
             max_batch_size, mc.vocab_size, eos, runner.device, self.sampler, runner
         )
         self.sampling = self.slots.state
-        self.variant_steps = [0] * 8  # steps launched per variant (flags), for tests and metrics
+        self.variant_steps = [0] * 16  # steps launched per variant (flags), for tests and metrics
+        self.masks = TokenMasks(max_batch_size, mc.vocab_size, runner.device)
         self.bufs = DecodeBuffers(
             max_batch_size,
             runner.max_blocks_per_seq,
@@ -137,8 +145,10 @@ class GraphRunner:
             b.sampled[:n].copy_(logits.argmax(dim=-1))
         else:
             lp = self._lp if variant & LOGPROBS else None
-            filters = bool(variant & FILTER)
-            sample_step(logits, b.slots[:n], b.live[:n], self.sampling, b.sampled, lp, filters)
+            filters, masks = bool(variant & FILTER), self.masks.device if variant & MASK else None
+            sample_step(
+                logits, b.slots[:n], b.live[:n], self.sampling, b.sampled, lp, filters, masks
+            )
         r.tp.broadcast_(b.sampled[:n])  # rank 0's choice everywhere (a no-op without TP)
         b.advance(n)
         return logits
@@ -258,6 +268,9 @@ class GraphRunner:
             variant = SAMPLE
             variant |= LOGPROBS if any(s.params.logprobs is not None for s in seqs) else 0
             variant |= FILTER if any(has_filters(s.params) for s in seqs) else 0
+        if TokenMasks.constrained(seqs):  # (a constrained row is never plain greedy)
+            variant |= MASK
+            self.masks.upload(seqs)
         if self.runner.mirror is not None:
             self.runner.mirror(("graph_step", n, graph_size, prep, variant))
         slot = self.bufs.ring.acquire()

@@ -23,6 +23,7 @@ import torch
 
 from splitserve.engine import sampling_math as sm
 from splitserve.kernels.dispatch import use_triton
+from splitserve.kernels.token_bitmask import apply_token_bitmask_
 from splitserve.request.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "rep", "freq", "pres")
@@ -178,13 +179,18 @@ def sample_step(
     out: torch.Tensor,
     logprobs: LogprobBuffers | None = None,
     filters: bool = True,
+    token_mask: torch.Tensor | None = None,
 ) -> None:
     """out[:n] = the tokens of fp32 logits [n, V] whose rows use state slots `slots` [n]
     (`logits` is overwritten with the processed values unless logprobs are asked for);
     `live` [n] (int64, 0 for padding lanes) advances the slots' steps and counts.
-    filters=False promises that no row has top-k / top-p (the GPU skips their searches)."""
+    filters=False promises that no row has top-k / top-p (the GPU skips their searches).
+    `token_mask` [n, ceil(V / 32)] int32 (structured output): tokens whose bit is 0 get -inf
+    before anything else; logprobs stay those of the raw logits."""
     n = logits.shape[0]
     x = logits.clone() if logprobs is not None else logits  # processed in place: raw kept if asked
+    if token_mask is not None:
+        apply_token_bitmask_(x, token_mask)
     tokens = out[:n]
     if use_triton(x):  # bias, bans, penalties, race and the slots' step / counts: all in-kernel
         from splitserve.kernels.triton_sampling import sample_rows

@@ -32,6 +32,7 @@ class PrefillSeq:
     num_cached: int = 0  # of those, served from the prefix cache
     num_registered: int = 0  # full blocks published to the prefix cache
     aborted: bool = False
+    matcher: object | None = None  # structured output: masks the first token (never advanced)
 
     @property
     def num_remaining(self) -> int:

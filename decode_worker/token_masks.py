@@ -1,0 +1,40 @@
+"""Structured output in the decode step: the masks of a batch's constrained rows.
+
+Before a step whose batch has a constrained row launches, the host asks each matcher (already
+advanced with the row's last token, engine.py) for its allowed next tokens, into a pinned
+[max_batch, W] int32 buffer (all ones for the other rows), and copies it into the device
+buffer that the MASK graph variants read (graph_runner.py: `sample_step(token_mask=...)`).
+A batch without a constrained row never touches either buffer.
+
+The pinned buffer is rewritten only after the previous masked step finished: the engine reads a
+constrained batch's tokens before it launches the next step (its overlap is off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from splitserve.decode_worker.sequence import DecodeSequence
+from splitserve.engine.grammar_masks import fill_masks, mask_words
+
+
+class TokenMasks:
+    def __init__(self, max_batch_size: int, vocab: int, device: torch.device) -> None:
+        words = mask_words(vocab)
+        pin = device.type == "cuda"
+        self.host = torch.full((max_batch_size, words), -1, dtype=torch.int32, pin_memory=pin)
+        self.device = torch.full((max_batch_size, words), -1, dtype=torch.int32, device=device)
+        self.steps = 0  # masked steps launched, for tests and metrics
+
+    @staticmethod
+    def constrained(seqs: Sequence[DecodeSequence]) -> bool:
+        return any(s.matcher is not None for s in seqs)
+
+    def upload(self, seqs: Sequence[DecodeSequence]) -> None:
+        """Rows [:len(seqs)] of the device buffer <- the rows' masks (stream-ordered)."""
+        n = len(seqs)
+        fill_masks([s.matcher for s in seqs], self.host.numpy())
+        self.device[:n].copy_(self.host[:n], non_blocking=True)
+        self.steps += 1
