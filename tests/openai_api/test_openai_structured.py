@@ -1,0 +1,219 @@
+"""Structured output end to end: a real router, prefill worker and decode worker (the KV hand-
+over over UCX; the prefill worker masks token 0, the decode worker rebuilds the matcher from the
+constraint carried in DecodeRequest.sampling), the tiny model with random weights, so only the
+constraint makes the output parse. Through the official `openai` client (response_format,
+structured_outputs, forced tool calls) and gRPC; each test ends with every KV block free."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from openai_helpers import MODEL
+from structured_schemas import MAX_TOKENS, check_instance, schemas
+
+from splitserve.protos import generate_pb2
+
+MSGS = [{"role": "user", "content": "Describe a thing as JSON."}]
+
+
+def _fmt(schema: dict) -> dict:
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "thing", "schema": schema, "strict": True},
+    }
+
+
+def test_json_schemas_through_http_and_grpc(stack, client):
+    """Generated schemas, sampled at temperature 1: every output parses and validates."""
+    for i, schema in enumerate(schemas(seed=35, count=8)):
+        if i % 2:
+            out = client.chat.completions.create(
+                model=MODEL,
+                messages=MSGS,
+                max_completion_tokens=MAX_TOKENS,
+                temperature=1.0,
+                seed=i,
+                response_format=_fmt(schema),
+            )
+            choice = out.choices[0]
+            assert choice.finish_reason == "stop", (schema, choice)
+            text = choice.message.content
+        else:
+            sp = generate_pb2.SamplingParams(
+                max_tokens=MAX_TOKENS, temperature=1.0, seed=i, json_schema=json.dumps(schema)
+            )
+            chunks = stack.grpc_generate("A thing:", sp)
+            assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_STOP, schema
+            assert chunks[-1].HasField("kv_handover") and not chunks[-1].kv_handover.recomputed
+            text = "".join(c.text for c in chunks)
+        check_instance(json.loads(text), schema)
+    stack.assert_free()
+
+
+def test_json_object_regex_choice_grammar(stack, client):
+    out = client.completions.create(
+        model=MODEL,
+        prompt="JSON:",
+        max_tokens=MAX_TOKENS,
+        temperature=0.7,
+        seed=1,
+        extra_body={
+            "structured_outputs": {
+                "json": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 4}
+            }
+        },
+    )
+    assert set(json.loads(out.choices[0].text)) <= {1, 2}
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=MSGS,
+        max_completion_tokens=40,
+        temperature=1.0,
+        seed=2,
+        extra_body={"structured_outputs": {"regex": r"[A-Z][a-z]{1,6}-[0-9]{2,4}"}},
+    )
+    assert re.fullmatch(r"[A-Z][a-z]{1,6}-[0-9]{2,4}", out.choices[0].message.content)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=MSGS,
+        max_completion_tokens=20,
+        extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe not"]}},
+    )
+    assert out.choices[0].message.content in ("yes", "no", "maybe not")
+    grammar = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,2}/'
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Tuple:",
+        max_tokens=60,
+        temperature=1.0,
+        seed=3,
+        extra_body={"structured_outputs": {"grammar": grammar}},
+    )
+    text = out.choices[0].text
+    assert out.choices[0].finish_reason == "length" or re.fullmatch(r"\(\d{1,2}(,\d{1,2})*\)", text)
+    # any JSON object, streamed: no whitespace between tokens by default
+    streamed = client.chat.completions.create(
+        model=MODEL,
+        messages=MSGS,
+        max_completion_tokens=MAX_TOKENS,
+        temperature=0.0,
+        response_format={"type": "json_object"},
+        stream=True,
+    )
+    streamed = list(streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    finish = [c.choices[0].finish_reason for c in streamed if c.choices][-1]
+    assert text.startswith("{") and " " not in text.split('"')[0]
+    # a random model may stay in an unbounded object until max_tokens ("length"); else it parses
+    assert finish == "length" or isinstance(json.loads(text), dict), (finish, text)
+    stack.assert_free()
+
+
+def test_cut_by_max_tokens_ends_with_length(stack, client):
+    schema = {"type": "array", "items": {"type": "string"}, "minItems": 30}
+    out = client.chat.completions.create(
+        model=MODEL, messages=MSGS, max_completion_tokens=6, response_format=_fmt(schema)
+    )
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 6
+    assert out.choices[0].message.content.startswith("[")
+    stack.assert_free()
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_forced_tool_calls_return_parseable_arguments(stack, client):
+    named = client.chat.completions.create(
+        model=MODEL,
+        messages=MSGS,
+        max_completion_tokens=MAX_TOKENS,
+        temperature=1.0,
+        seed=5,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    check_instance(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            max_completion_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=seed,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+        )
+        [call] = out.choices[0].message.tool_calls
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        check_instance(json.loads(call.function.arguments), tool["function"]["parameters"])
+    stack.assert_free()
+
+
+def test_invalid_constraints_are_invalid_argument_on_router_and_workers(stack):
+    import grpc
+    import pytest
+
+    from splitserve.protos import worker_pb2, worker_pb2_grpc
+
+    bad = [
+        (generate_pb2.SamplingParams(regex="a("), "sampling.regex"),
+        (generate_pb2.SamplingParams(json_schema='{"type": "foo"}'), "sampling.json_schema"),
+        (generate_pb2.SamplingParams(json_schema="{not json"), "sampling.json_schema"),
+        (generate_pb2.SamplingParams(grammar="start: nope"), "sampling.grammar"),
+        (generate_pb2.SamplingParams(json_object=True, json_whitespace=9), "json_whitespace"),
+        (generate_pb2.SamplingParams(regex="a", min_tokens=2, max_tokens=4), "min_tokens"),
+    ]
+    for sp, where in bad:
+        with pytest.raises(grpc.RpcError) as info:
+            stack.grpc_generate("Hi", sp)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+        assert where in info.value.details(), info.value.details()
+    # the workers check at their own trust boundary too, before allocating anything
+    sp = generate_pb2.SamplingParams(max_tokens=4, grammar="start: nope")
+    with grpc.insecure_channel(stack.prefill) as ch, pytest.raises(grpc.RpcError) as info:
+        worker_pb2_grpc.PrefillWorkerStub(ch).Prefill(
+            worker_pb2.PrefillRequest(request_id="bad", prompt_token_ids=[1, 2], sampling=sp),
+            timeout=30,
+        )
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown name" in info.value.details(), info.value.details()
+    with grpc.insecure_channel(stack.decode) as ch:
+        req = worker_pb2.DecodeRequest(
+            request_id="bad", prompt_token_ids=[1, 2], first_token_id=3, sampling=sp
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            list(worker_pb2_grpc.DecodeWorkerStub(ch).Decode(req, timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    stack.assert_free()
