@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from splitserve.protos import generate_pb2
+from splitserve.router import openai_structured as st
 from splitserve.router.openai_errors import OpenAIError
 
 U32 = 2**32 - 1
@@ -148,8 +149,6 @@ class CommonParams(StrictModel):
 
     def _constrain(self, sp: generate_pb2.SamplingParams) -> None:
         """At most one of response_format / structured_outputs sets the constraint."""
-        from splitserve.router import openai_structured as st
-
         so = self.structured_outputs
         if so is not None:
             if not isinstance(so, dict):

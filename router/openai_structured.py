@@ -22,17 +22,18 @@ import json
 import secrets
 from typing import Any
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.protos import generate_pb2
 from splitserve.router.openai_errors import OpenAIError
-from splitserve.router.openai_params import StrictModel
 
 MAX_TOOLS = 64
 
 
-class StructuredOutputs(StrictModel):
+class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs` (its older `guided_*` fields are not taken)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=False)
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
