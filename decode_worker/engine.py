@@ -11,9 +11,10 @@ Single-threaded (the engine loop thread, or a test, calls it). One step:
        a request that had no prefill at all (colocated: no first token) gets its whole prompt
        computed here and its first token sampled on the host, accepted like any other token,
        then runs its first decode step in this same step: prefill and decode in one loop
-    3. launch the step (graph replay or eager)
+    3. launch the step (graph replay or eager); a batch with a structured-output row launches
+       its forward, reads the previous step (4.) while it runs, then its masked sampling
     4. read the PREVIOUS step's tokens (overlap: the device already runs this one), run stop
-       checks, stream outputs, free finished sequences
+       checks, advance constrained rows' matchers, stream outputs, free finished sequences
     5. with overlap off, this step is read at once
 
 Every row is sampled on the device inside the step (graph_runner.py), greedy or not, so no
@@ -197,9 +198,7 @@ class DecodeEngine:
         t0 = time.perf_counter()
         self._launched = None
         prev, self._inflight = self._inflight, None
-        # a constrained row's next mask needs its last token on the host: read it first
-        # (structured output turns overlap off for the batches it is in)
-        if prev is not None and (not self.cfg.overlap or prev.constrained):
+        if prev is not None and not self.cfg.overlap:
             self._complete(prev)
             prev = None
         batch = self.scheduler.schedule()
@@ -211,7 +210,14 @@ class DecodeEngine:
                 self._recompute(batch.recompute)
             seqs = [s for s in batch.seqs if not s.finished]  # a sampled first token may end one
             if seqs:  # (rows changed whenever something was recomputed: new rows were admitted)
-                handle = self.graphs.launch(seqs, batch.changed, batch.new_blocks)
+
+                def read_prev() -> None:  # constrained rows: their masks need prev's tokens
+                    nonlocal prev
+                    if prev is not None:
+                        self._complete(prev)
+                        prev = None
+
+                handle = self.graphs.launch(seqs, batch.changed, batch.new_blocks, read_prev)
                 self._launched = handle
                 (
                     self.metrics.graph_replays if handle.graph_size else self.metrics.eager_steps

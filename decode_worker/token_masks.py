@@ -6,8 +6,10 @@ advanced with the row's last token, engine.py) for its allowed next tokens, into
 buffer that the MASK graph variants read (graph_runner.py: `sample_step(token_mask=...)`).
 A batch without a constrained row never touches either buffer.
 
-The pinned buffer is rewritten only after the previous masked step finished: the engine reads a
-constrained batch's tokens before it launches the next step (its overlap is off).
+The host work overlaps the device: the step's forward is enqueued first (the MASK variants are
+two graphs, forward and sampling), then the engine reads the previous step's tokens and
+advances the matchers, then the masks are filled and copied, then the sampling is enqueued.
+The pinned buffer is rewritten only after the previous step was read, i.e. after its mask copy.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class TokenMasks:
     def upload(self, seqs: Sequence[DecodeSequence]) -> None:
         """Rows [:len(seqs)] of the device buffer <- the rows' masks (stream-ordered)."""
         n = len(seqs)
-        fill_masks([s.matcher for s in seqs], self.host.numpy())
+        # a row that just finished (its last token read while this step's forward ran) is a
+        # wasted lane: any mask will do, and its matcher may be past its end
+        fill_masks([None if s.finished else s.matcher for s in seqs], self.host.numpy())
         self.device[:n].copy_(self.host[:n], non_blocking=True)
         self.steps += 1
