@@ -60,7 +60,7 @@ def _matcher(engine, params):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_schemas_parse_and_validate_colocated(tiny_llama, temperature):
     engine = make_engine(tiny_llama, max_batch_size=8)
-    cases = schemas(seed=1, count=6)
+    cases = schemas(seed=1, count=8)
     reqs = {
         f"s{i}": (
             _params(

@@ -26,7 +26,7 @@ def _fmt(schema: dict) -> dict:
 
 def test_json_schemas_through_http_and_grpc(stack, client):
     """Generated schemas, sampled at temperature 1: every output parses and validates."""
-    for i, schema in enumerate(schemas(seed=35, count=8)):
+    for i, schema in enumerate(schemas(seed=35, count=20)):
         if i % 2:
             out = client.chat.completions.create(
                 model=MODEL,
