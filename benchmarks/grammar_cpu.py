@@ -27,7 +27,7 @@ import numpy as np
 
 from splitserve.engine.grammar_masks import fill_masks, mask_words
 from splitserve.request.constraint import Constraint
-from splitserve.worker.grammar_cache import GrammarCache
+from splitserve.request.grammar_cache import GrammarCache
 
 SCHEMA = {  # mid-size: nested objects, arrays, enums, bounds, formats a form-filling app sends
     "type": "object",

@@ -42,8 +42,8 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.errors import RequestError
+from splitserve.request.grammar_cache import GrammarCache
 from splitserve.request.stop_checker import StopChecker
-from splitserve.worker.grammar_cache import GrammarCache
 
 log = logging.getLogger(__name__)
 

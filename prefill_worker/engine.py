@@ -39,8 +39,8 @@ from splitserve.prefill_worker.scheduler import PrefillScheduler, ScheduledChunk
 from splitserve.request.block_allocator import NULL_BLOCK, BlockAllocator
 from splitserve.request.block_hash import block_keys
 from splitserve.request.errors import RequestError
+from splitserve.request.grammar_cache import GrammarCache
 from splitserve.request.sampling_params import SamplingParams
-from splitserve.worker.grammar_cache import GrammarCache
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ and its llguidance grammar text.
 
 Torch-free (layer 0): the router checks a constraint here with the grammar engine and no
 tokenizer (`check_constraint`), so a bad schema is INVALID_ARGUMENT before any worker is
-touched; the workers compile it against their tokenizer (worker/grammar_cache.py). Every text
+touched; the workers compile it against their tokenizer (request/grammar_cache.py). Every text
 is bounded before the engine sees it, and the engine runs under `LIMITS`, which bound the
 work of building its lexer and of each mask step.
 """

@@ -17,8 +17,8 @@ from splitserve.kernels.token_bitmask import apply_token_bitmask_
 from splitserve.protos import generate_pb2
 from splitserve.request.constraint import MAX_CHOICES, MAX_CONSTRAINT_BYTES, Constraint
 from splitserve.request.errors import RequestError
+from splitserve.request.grammar_cache import GrammarCache
 from splitserve.service.proto_convert import check_sampling_constraint, sampling_params_from_proto
-from splitserve.worker.grammar_cache import GrammarCache
 
 
 def _convert(**fields):

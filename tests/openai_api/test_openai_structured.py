@@ -217,3 +217,27 @@ def test_invalid_constraints_are_invalid_argument_on_router_and_workers(stack):
             list(worker_pb2_grpc.DecodeWorkerStub(ch).Decode(req, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     stack.assert_free()
+
+
+def test_greedy_constrained_equals_the_single_process_engine(stack, oracle):
+    """Prefill masks token 0, decode rebuilds the matcher from the hand-over: the tokens are the
+    offline engine's (one process, one matcher) exactly."""
+    from splitserve.request.constraint import Constraint
+    from splitserve.request.sampling_params import SamplingParams
+
+    ids = oracle.tokenizer.encode("A thing:")
+    for schema in schemas(seed=36, count=3):
+        text = json.dumps(schema)
+        ref = oracle(
+            ids,
+            SamplingParams(
+                temperature=0,
+                max_tokens=MAX_TOKENS,
+                constraint=Constraint(kind="json_schema", text=text),
+            ),
+        )
+        sp = generate_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, json_schema=text)
+        chunks = stack.grpc_generate(ids, sp)
+        assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+        check_instance(json.loads(ref.text), schema)
+    stack.assert_free()
