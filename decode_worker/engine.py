@@ -88,6 +88,7 @@ class DecodeEngine:
         self._launched: StepHandle | None = None
         self.vocab_size = self.runner.model_config.vocab_size
         self._inflight: StepHandle | None = None
+        self._unread: StepHandle | None = None  # within step(): the previous step, until read
         self.load = LoadSnapshot(
             free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_usable
         )
@@ -197,10 +198,9 @@ class DecodeEngine:
     def step(self) -> None:
         t0 = time.perf_counter()
         self._launched = None
-        prev, self._inflight = self._inflight, None
-        if prev is not None and not self.cfg.overlap:
-            self._complete(prev)
-            prev = None
+        self._unread, self._inflight = self._inflight, None
+        if not self.cfg.overlap:
+            self._read_unread()
         batch = self.scheduler.schedule()
         handle = None
         if batch is not None:
@@ -210,25 +210,19 @@ class DecodeEngine:
                 self._recompute(batch.recompute)
             seqs = [s for s in batch.seqs if not s.finished]  # a sampled first token may end one
             if seqs:  # (rows changed whenever something was recomputed: new rows were admitted)
-
-                def read_prev() -> None:  # constrained rows: their masks need prev's tokens
-                    nonlocal prev
-                    if prev is not None:
-                        self._complete(prev)
-                        prev = None
-
-                handle = self.graphs.launch(seqs, batch.changed, batch.new_blocks, read_prev)
+                handle = self.graphs.launch(
+                    seqs, batch.changed, batch.new_blocks, self._read_unread
+                )
                 self._launched = handle
                 (
                     self.metrics.graph_replays if handle.graph_size else self.metrics.eager_steps
                 ).inc()
                 self.metrics.batch_size.observe(len(seqs))
-        elif prev is None and self.scheduler.by_id:
+        elif self._unread is None and self.scheduler.by_id:
             raise RuntimeError(
                 "decode scheduler stalled: requests wait but nothing can run or is in flight"
             )
-        if prev is not None:
-            self._complete(prev)
+        self._read_unread()
         if handle is not None:
             if not self.cfg.overlap:
                 self._complete(handle)
@@ -247,6 +241,13 @@ class DecodeEngine:
             now = time.monotonic()
             for seq, tok, lp in zip(firsts, out.token_ids, out.logprobs):
                 self._accept(seq, tok, lp, now)
+
+    def _read_unread(self) -> None:
+        """Reads the previous step, once: after this step's launch, or (a batch with
+        constrained rows, whose masks need its tokens) while this step's forward runs."""
+        prev, self._unread = self._unread, None
+        if prev is not None:
+            self._complete(prev)
 
     def _complete(self, handle: StepHandle) -> None:
         if handle is self._launched:  # read before the next step was launched: a host wait
