@@ -158,8 +158,10 @@ def main() -> None:
                 "tokenizer_load_s": round(tokenizer_s, 3),
                 "compile_new_ms": round(compile_ms, 2),
                 "compile_cached_ms": round(cached_ms, 3),
-                "mask_step_ms_median": round(statistics.median(step_ms), 3),
-                "mask_step_ms_max": round(max(step_ms), 3),
+                "first_mask_ms": round(step_ms[0], 3),  # lazily built lexer states: the most
+                "mask_step_ms_median": round(statistics.median(step_ms[1:]), 3),
+                "mask_step_ms_p90": round(statistics.quantiles(step_ms[1:], n=10)[-1], 3),
+                "mask_step_ms_max": round(max(step_ms[1:]), 3),
             }
         )
     )
