@@ -264,8 +264,9 @@ class DecodeEngine:
     ) -> None:
         seq.output_token_ids.append(token)
         if seq.matcher is not None and not seq.matcher.consume_token(token):
-            log.error("%s: token %d broke its constraint", seq.request_id, token)
-            err = RequestError(grpc.StatusCode.INTERNAL, f"token {token} broke the constraint")
+            why = seq.matcher.get_error()  # e.g. a grammar over the engine's per-step limits
+            log.error("%s: token %d broke its constraint: %s", seq.request_id, token, why)
+            err = RequestError(grpc.StatusCode.INTERNAL, f"the constraint failed: {why}")
             self.abort(seq.request_id, "error", err)
             return
         result = seq.stop.update(token, "")  # no text: stop strings are the servicer's

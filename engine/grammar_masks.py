@@ -30,16 +30,13 @@ def _executor() -> llguidance.LLExecutor:
 
 
 def fill_masks(matchers: Sequence[object | None], out: np.ndarray) -> None:
-    """out[i] <- row i's mask: matchers[i]'s next allowed tokens, or all ones for None.
-    Raises RuntimeError when a matcher is in an error state (a token it did not allow)."""
+    """out[i] <- row i's mask: matchers[i]'s next allowed tokens, or all ones for None and for
+    a matcher in an error state (its engine ends that request when it consumes the token; one
+    request's failure must not fail the batch)."""
     out[: len(matchers)] = -1
-    rows = [(m, i) for i, m in enumerate(matchers) if m is not None]
-    if not rows:
-        return
-    bad = [m.get_error() for m, _ in rows if m.is_error()]
-    if bad:
-        raise RuntimeError(f"a structured-output matcher failed: {bad[0]}")
-    fill_next_token_bitmask_par(_executor(), rows, out[: len(matchers)])
+    rows = [(m, i) for i, m in enumerate(matchers) if m is not None and not m.is_error()]
+    if rows:
+        fill_next_token_bitmask_par(_executor(), rows, out[: len(matchers)])
 
 
 def host_masks(matchers: Sequence[object | None], vocab: int, device: torch.device) -> torch.Tensor:
