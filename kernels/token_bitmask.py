@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import torch
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+_BITS: dict[torch.device, torch.Tensor] = {}
 
 
-def _shifts(device: torch.device) -> torch.Tensor:
-    t = _SHIFTS.get(device)
+def _bits(device: torch.device) -> torch.Tensor:
+    """[32] int32: 1 << i (bit 31 is the sign bit: -2^31, still one bit)."""
+    t = _BITS.get(device)
     if t is None:
-        t = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+        one = torch.ones(32, dtype=torch.int64)
+        values = (one << torch.arange(32)).to(torch.int32)  # wraps 2^31 to -2^31
+        t = _BITS[device] = values.to(device)
     return t
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """logits [n, V] (fp32) <- -inf where bitmask [n, ceil(V / 32)] has a 0 bit."""
     n, vocab = logits.shape
-    bits = (bitmask[:n].unsqueeze(-1) >> _shifts(logits.device)) & 1  # [n, W, 32]
-    allowed = bits.reshape(n, -1)[:, :vocab].bool()
-    logits.masked_fill_(~allowed, float("-inf"))
+    banned = (bitmask[:n].unsqueeze(-1) & _bits(logits.device)) == 0  # [n, W, 32] bool
+    logits.masked_fill_(banned.reshape(n, -1)[:, :vocab], float("-inf"))
