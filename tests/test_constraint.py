@@ -133,3 +133,23 @@ def test_chat_template_receives_the_tools(tiny_llama):
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     assert render_chat(tok, [{"role": "user", "content": "hi"}], "m", [tool]) == "[get_weather]hi"
     assert render_chat(tok, [{"role": "user", "content": "hi"}], "m") == "hi"
+
+
+def test_cli_flags_set_the_constraint(tmp_path):
+    import argparse
+
+    from splitserve.cli.client import add_sampling_arguments, sampling_from_args
+
+    p = argparse.ArgumentParser()
+    add_sampling_arguments(p)
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "integer"}')
+    sp = sampling_from_args(p.parse_args(["--json-schema", f"@{schema}"]))
+    assert sp.WhichOneof("constraint") == "json_schema" and sp.json_schema == schema.read_text()
+    sp = sampling_from_args(p.parse_args(["--choice", "a", "--choice", "b c"]))
+    assert list(sp.choice.choices) == ["a", "b c"]
+    assert sampling_from_args(p.parse_args(["--regex", "x+"])).regex == "x+"
+    assert sampling_from_args(p.parse_args(["--json-object"])).json_object
+    assert sampling_from_args(p.parse_args([])).WhichOneof("constraint") is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--regex", "x", "--json-object"])
