@@ -14,6 +14,7 @@ The pinned buffer is rewritten only after the previous step was read, i.e. after
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -29,6 +30,7 @@ class TokenMasks:
         self.host = torch.full((max_batch_size, words), -1, dtype=torch.int32, pin_memory=pin)
         self.device = torch.full((max_batch_size, words), -1, dtype=torch.int32, device=device)
         self.steps = 0  # masked steps launched, for tests and metrics
+        self.fill_seconds = 0.0  # host time filling masks (the benchmark reports it per step)
 
     @staticmethod
     def constrained(seqs: Sequence[DecodeSequence]) -> bool:
@@ -36,9 +38,10 @@ class TokenMasks:
 
     def upload(self, seqs: Sequence[DecodeSequence]) -> None:
         """Rows [:len(seqs)] of the device buffer <- the rows' masks (stream-ordered)."""
-        n = len(seqs)
+        n, t0 = len(seqs), time.perf_counter()
         # a row that just finished (its last token read while this step's forward ran) is a
         # wasted lane: any mask will do, and its matcher may be past its end
         fill_masks([None if s.finished else s.matcher for s in seqs], self.host.numpy())
         self.device[:n].copy_(self.host[:n], non_blocking=True)
         self.steps += 1
+        self.fill_seconds += time.perf_counter() - t0
