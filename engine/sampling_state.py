@@ -10,8 +10,8 @@ prefill worker and the host paths build a small state per call (`from_rows`).
 
 `sample_step` is the whole sampling of one step: on CUDA a fixed number of Triton launches
 (kernels/triton_sampling.py), elsewhere the torch twin, so it runs inside a captured graph:
-bias and bans, penalties, filters, the seeded race, then step += live and counts += the token,
-and raw logprobs when asked.
+structured-output token masks (when given: kernels/token_bitmask.py), bias and bans, penalties,
+filters, the seeded race, then step += live and counts += the token, and raw logprobs when asked.
 """
 
 from __future__ import annotations
