@@ -38,7 +38,7 @@ from splitserve.router.chat_template import chat_prompt_ids
 from splitserve.router.config import RouterConfig
 from splitserve.router.context import RouterContext
 from splitserve.router.frontend import Frontend
-from splitserve.router.http_sinks import CollectedChunks, EventStream, json_bytes
+from splitserve.router.http_sinks import CollectedChunks, EventStream, ToolCallStream, json_bytes
 from splitserve.router.intake import prompt_too_big
 from splitserve.router.openai_errors import OpenAIError, error_from_request_error, parse
 from splitserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
@@ -193,10 +193,9 @@ class OpenAIRoutes:
         builder = ResponseBuilder(
             "chat", rid, model.name, model.tokenizer, req.logprobs, req.include_usage
         )
-        forced = req.forced_tool
-        shape = None if forced is None else (lambda body: as_tool_call(body, forced))
+        gen = req.to_generate(rid, ids)
         return await self._generate(
-            request, req.to_generate(rid, ids), builder, req.stream, req.names(), "messages", shape
+            request, gen, builder, req.stream, req.names(), "messages", req.forced_tool
         )
 
     async def _generate(
@@ -207,9 +206,10 @@ class OpenAIRoutes:
         stream: bool,
         names: dict[str, str],
         prompt_param: str,
-        shape: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        forced_tool: str | None = None,
     ) -> web.StreamResponse:
-        """`shape`: rewrites a whole (non-streamed) body, e.g. a forced tool call's."""
+        """`forced_tool` (None: no call): the output is a forced tool call's JSON, returned in
+        OpenAI's tool_calls shape (openai_structured.py)."""
         if not stream:
             sink = CollectedChunks()
             try:
@@ -218,11 +218,15 @@ class OpenAIRoutes:
                 raise error_from_request_error(err, names, prompt_param) from None
             body = builder.full(sink.chunks)
             return web.json_response(
-                body if shape is None else shape(body),
+                body if forced_tool is None else as_tool_call(body, forced_tool),
                 dumps=lambda b: json_bytes(b).decode(),
                 headers={"X-Request-Id": builder.id},
             )
-        events = EventStream(request, builder)
+        events = (
+            EventStream(request, builder)
+            if forced_tool is None
+            else ToolCallStream(request, builder, forced_tool)
+        )
         try:
             await self.frontend.generate(gen, events, caller=request[CALLER], admitted=True)
         except RequestError as err:

@@ -172,14 +172,10 @@ class ChatCompletionRequest(CommonParams):
         )
 
     def check_tools(self) -> None:
-        """Refuses what cannot be served before the template renders: tool_choice "auto",
-        tools streamed as calls; sets `forced_tool` (None: no call)."""
+        """Refuses what cannot be served before the template renders (tool_choice "auto");
+        sets `forced_tool` (None: no call)."""
         self._tool_sampling = generate_pb2.SamplingParams()
         self._forced_tool = tool_constraint(self.tools, self.tool_choice, self._tool_sampling)
-        if self.forced_tool is not None and self.stream:
-            raise OpenAIError.bad(
-                "stream", "forced tool calls are returned whole; send stream: false with them"
-            )
 
     @property
     def forced_tool(self) -> str | None:

@@ -10,7 +10,8 @@ forced tool calls, each turned into the one constraint of generate.proto's Sampl
                                                                      the tools, "arguments": its
                                                                      parameters}
 
-A forced tool call's output comes back as `message.tool_calls` (one call; `content` null).
+A forced tool call's output comes back as `message.tool_calls` (one call; `content` null);
+streamed, the text is held back and the last chunk carries the whole call (http_sinks.py).
 `tool_choice: "auto"` (OpenAI's default when tools are given) needs a per-model parser of
 free-form tool calls, which this server does not have: a 400 saying what to send instead.
 Schema validity is the grammar engine's to judge (intake.py): this module checks shapes only.
@@ -160,29 +161,43 @@ def tool_constraint(
     return name
 
 
+def tool_call(text: str, forced: str) -> dict[str, Any]:
+    """One entry of OpenAI's `tool_calls` from a forced call's constrained text."""
+    if forced:
+        name, arguments = forced, text
+    else:
+        call = json.loads(text)
+        name, arguments = call["name"], json.dumps(call["arguments"])
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
 def as_tool_call(body: dict[str, Any], forced: str) -> dict[str, Any]:
     """A chat completion whose text is a forced call's JSON -> OpenAI's tool_calls shape (the
     text as is when it was cut short by max_tokens: finish_reason "length")."""
     choice = body["choices"][0]
     if choice["finish_reason"] != "stop":
         return body
-    text = choice["message"]["content"]
-    if forced:
-        name, arguments = forced, text
-    else:
-        call = json.loads(text)
-        name, arguments = call["name"], json.dumps(call["arguments"])
+    call = tool_call(choice["message"]["content"], forced)
     choice["message"] = {
         "role": "assistant",
         "content": None,
         "refusal": None,
-        "tool_calls": [
-            {
-                "id": f"call_{secrets.token_hex(12)}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-        ],
+        "tool_calls": [call],
     }
+    choice["finish_reason"] = "tool_calls"
+    return body
+
+
+def as_tool_call_delta(body: dict[str, Any], forced: str) -> dict[str, Any]:
+    """The same for the last chunk of a stream that held the whole text back."""
+    choice = body["choices"][0]
+    if choice["finish_reason"] != "stop":
+        return body
+    call = tool_call(choice["delta"].get("content", ""), forced)
+    choice["delta"] = {"tool_calls": [{"index": 0, **call}]}
     choice["finish_reason"] = "tool_calls"
     return body

@@ -79,7 +79,6 @@ CHAT = [
         dict(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
         "tool_choice",
     ),
-    (dict(tools=[TOOL], tool_choice="required", stream=True), "stream"),
     (
         dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
         "response_format",

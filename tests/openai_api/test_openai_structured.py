@@ -162,9 +162,10 @@ def test_forced_tool_calls_return_parseable_arguments(stack, client):
     )
     choice = named.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    [call] = choice.message.tool_calls
-    assert call.type == "function" and call.function.name == "get_weather" and call.id
-    check_instance(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    [call_named] = choice.message.tool_calls
+    assert call_named.type == "function" and call_named.function.name == "get_weather"
+    assert call_named.id.startswith("call_")
+    check_instance(json.loads(call_named.function.arguments), WEATHER["function"]["parameters"])
     for seed in range(3):
         out = client.chat.completions.create(
             model=MODEL,
@@ -178,6 +179,25 @@ def test_forced_tool_calls_return_parseable_arguments(stack, client):
         [call] = out.choices[0].message.tool_calls
         tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
         check_instance(json.loads(call.function.arguments), tool["function"]["parameters"])
+    # streamed: the text is held back, the last chunk carries the whole call
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MSGS,
+            max_completion_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=5,
+            tools=[WEATHER, TIME],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            stream=True,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "tool_calls" and len(chunks) == 2
+    [delta] = last.delta.tool_calls
+    assert delta.index == 0 and delta.function.name == "get_weather" and delta.id
+    assert delta.function.arguments == call_named.function.arguments  # same seed: same call
     stack.assert_free()
 
 
