@@ -2,7 +2,7 @@
 
 Only what a GenerateRequest cannot say is checked here: JSON types, unknown parameters, the
 features this server does not have (n > 1, best_of > 1, echo, suffix, tool_choice "auto",
-batched prompts), and integers the proto cannot hold
+batched prompts); tool turns (assistant tool_calls, role "tool") are taken, and integers the proto cannot hold
 (negative ids, seeds, logit_bias keys, ...). Every range check (temperature, top_p, penalties,
 logprobs, max_tokens, min_tokens, logit_bias, prompt length and vocabulary) is the gRPC path's
 own (intake.py / service/proto_convert.py); `error_from_request_error` (openai_errors.py)
@@ -13,9 +13,10 @@ are CommonParams (openai_params.py).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, field_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from splitserve.protos import generate_pb2
 from splitserve.router.openai_errors import OpenAIError
@@ -91,15 +92,30 @@ class TextPart(StrictModel):
     text: str
 
 
+class CalledFunction(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    """A call an earlier assistant turn made (a forced tool call's answer, sent back)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # None only for an assistant turn that made tool calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, v: Any) -> str | list[TextPart]:
-        if isinstance(v, str):
+    def _text_only(cls, v: Any) -> str | list[TextPart] | None:
+        if v is None or isinstance(v, str):
             return v
         if not isinstance(v, list):
             raise ValueError("content must be a string or a list of text parts")
@@ -111,16 +127,39 @@ class ChatMessage(StrictModel):
                 )
         return [TextPart.model_validate(p) for p in v]
 
-    def as_template_input(self) -> dict[str, str]:
-        content = (
-            self.content
-            if isinstance(self.content, str)
-            else "\n".join(p.text for p in self.content)
-        )
-        msg = {"role": self.role, "content": content}
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only with an assistant's tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id is required on tool messages, and only there")
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
+        if self.content is None or isinstance(self.content, str):
+            content = self.content or ""
+        else:
+            content = "\n".join(p.text for p in self.content)
+        msg: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:  # arguments as objects, as the chat templates we know expect them
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": _function(c.function)}
+                for c in self.tool_calls
+            ]
         return msg
+
+
+def _function(f: CalledFunction) -> dict[str, Any]:
+    try:
+        return {"name": f.name, "arguments": json.loads(f.arguments)}
+    except json.JSONDecodeError:
+        return {"name": f.name, "arguments": f.arguments}
 
 
 class ChatCompletionRequest(CommonParams):

@@ -135,6 +135,17 @@ def test_chat_template_receives_the_tools(tiny_llama):
     assert render_chat(tok, [{"role": "user", "content": "hi"}], "m") == "hi"
 
 
+def test_tool_turns_reach_the_template_with_object_arguments():
+    from splitserve.router.openai_protocol import ChatMessage
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+    msg = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]})
+    got = msg.as_template_input()
+    assert got["content"] == "" and got["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    tool = ChatMessage.model_validate({"role": "tool", "tool_call_id": "c1", "content": "ok"})
+    assert tool.as_template_input() == {"role": "tool", "content": "ok", "tool_call_id": "c1"}
+
+
 def test_cli_flags_set_the_constraint(tmp_path):
     import argparse
 

@@ -93,7 +93,9 @@ CHAT = [
     ),
     (dict(extra_body={"structured_outputs": {"choice": []}}), "structured_outputs"),
     (dict(messages=[]), "messages"),
-    (dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), "messages[0].role"),
+    (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0]"),  # no tool_call_id
+    (dict(messages=[{"role": "user"}]), "messages[0]"),  # content null without tool_calls
+    (dict(messages=[{"role": "critic", "content": "x"}]), "messages[0].role"),
     (
         dict(
             messages=[

@@ -198,6 +198,16 @@ def test_forced_tool_calls_return_parseable_arguments(stack, client):
     [delta] = last.delta.tool_calls
     assert delta.index == 0 and delta.function.name == "get_weather" and delta.id
     assert delta.function.arguments == call_named.function.arguments  # same seed: same call
+    # the call and its result go back into the conversation; the next turn is free text
+    history = [
+        *MSGS,
+        {"role": "assistant", "content": None, "tool_calls": [call_named.model_dump()]},
+        {"role": "tool", "tool_call_id": call_named.id, "content": '{"temp_c": 21}'},
+    ]
+    out = client.chat.completions.create(
+        model=MODEL, messages=history, max_completion_tokens=5, tools=[WEATHER], tool_choice="none"
+    )
+    assert out.choices[0].message.tool_calls is None and out.usage.completion_tokens <= 5
     stack.assert_free()
 
 
