@@ -84,6 +84,8 @@ class DecodeEngine:
         self.graphs = GraphRunner(self.runner, sc.max_batch_size, self.sampler)
         vocab = self.runner.model_config.vocab_size
         self.grammars = GrammarCache(cfg.engine.model_path, vocab, self.eos)  # servicer's
+        self.grammars.on_compile = self.metrics.grammar_compile_seconds.observe
+        self.graphs.masks.on_fill = self.metrics.mask_seconds.observe
         self.sync_reads = 0  # steps read in the engine step that launched them (host waited)
         self._launched: StepHandle | None = None
         self.vocab_size = self.runner.model_config.vocab_size

@@ -15,7 +15,7 @@ The pinned buffer is rewritten only after the previous step was read, i.e. after
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ class TokenMasks:
         self.device = torch.full((max_batch_size, words), -1, dtype=torch.int32, device=device)
         self.steps = 0  # masked steps launched, for tests and metrics
         self.fill_seconds = 0.0  # host time filling masks (the benchmark reports it per step)
+        self.on_fill: Callable[[float], None] | None = None  # seconds per masked step (metrics)
 
     @staticmethod
     def constrained(seqs: Sequence[DecodeSequence]) -> bool:
@@ -44,4 +45,7 @@ class TokenMasks:
         fill_masks([None if s.finished else s.matcher for s in seqs], self.host.numpy())
         self.device[:n].copy_(self.host[:n], non_blocking=True)
         self.steps += 1
-        self.fill_seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.fill_seconds += took
+        if self.on_fill is not None:
+            self.on_fill(took)

@@ -63,6 +63,7 @@ class PrefillEngine:
         self.eos = tuple(runner.model_config.eos_token_ids)
         self.sampler = Sampler(cfg.engine.seed, self.eos)
         self.grammars = GrammarCache(cfg.engine.model_path, self.vocab_size, self.eos)
+        self.grammars.on_compile = self.metrics.grammar_compile_seconds.observe
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-step")

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import llguidance
@@ -38,6 +39,7 @@ class GrammarCache:
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # compiles run in threads; the dict is shared
         self.compiles = 0  # grammars compiled (cache misses), for tests and the benchmark
+        self.on_compile: Callable[[float], None] | None = None  # seconds per miss (metrics)
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         """The model's tokenizer for the grammar engine, built on first use (~1 s at 128k)."""
@@ -68,7 +70,10 @@ class GrammarCache:
             grammar = c.grammar()
         except ValueError as exc:
             raise RequestError.invalid(f"sampling.{c.kind}: {exc}") from None
+        t0 = time.perf_counter()
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar, limits=parser_limits())
+        if self.on_compile is not None:
+            self.on_compile(time.perf_counter() - t0)
         if matcher.is_error():
             raise RequestError.invalid(
                 f"sampling.{c.kind}: the {c.kind} does not compile: {matcher.get_error().strip()}"

@@ -273,11 +273,11 @@ def test_greedy_constrained_equals_the_single_process_engine(stack, oracle):
     stack.assert_free()
 
 
-def _decode_preemptions(stack) -> float:
+def _decode_metric(stack, name: str) -> float:
     from openai_helpers import http
 
     page = http("GET", f"http://127.0.0.1:{stack.decode_metrics_port}/metrics")[1]
-    line = next(x for x in page.splitlines() if x.startswith("splitserve_decode_preemptions_total"))
+    line = next(x for x in page.splitlines() if x.startswith(name + " "))
     return float(line.rsplit(" ", 1)[1])
 
 
@@ -290,7 +290,8 @@ def test_constrained_requests_under_decode_preemption(stack):
     for s in cases:  # long required strings: ~8 x 110 tokens > the pool's 508 slots
         s["properties"]["pad"] = {"type": "string", "minLength": 90, "maxLength": 100}
         s["required"].append("pad")
-    before = _decode_preemptions(stack)
+    before = _decode_metric(stack, "splitserve_decode_preemptions_total")
+    masked = _decode_metric(stack, "splitserve_decode_mask_seconds_count")
 
     def one(i: int) -> str:
         sp = generate_pb2.SamplingParams(
@@ -302,7 +303,9 @@ def test_constrained_requests_under_decode_preemption(stack):
 
     with ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(one, range(8)))
-    assert _decode_preemptions(stack) > before
+    assert _decode_metric(stack, "splitserve_decode_preemptions_total") > before
+    assert _decode_metric(stack, "splitserve_decode_mask_seconds_count") > masked + 50
+    assert _decode_metric(stack, "splitserve_decode_grammar_compile_seconds_count") >= 1
     for text, schema in zip(texts, cases):
         check_instance(json.loads(text), schema)
     stack.assert_free()
