@@ -89,6 +89,7 @@ def structured_outputs_constraint(
     elif so.regex is not None:
         sp.regex = so.regex
     elif so.choice is not None:
+        sp.choice.SetInParent()  # set even when empty: the server then says it is empty
         sp.choice.choices.extend(so.choice)
     elif so.grammar is not None:
         sp.grammar = so.grammar
