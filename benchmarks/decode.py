@@ -20,6 +20,13 @@ mode against greedy in the same run (decode_sampling.py; issue 30's decode_sampl
     python benchmarks/decode.py --model-dir /tmp/llama-3.2-1b --sampling all \
         --batch-sizes 1,8,64,256 --out decode_sampling.json
 
+With --constrained, it measures instead the engine step with half the batch JSON-schema
+constrained against none, and a new vs a cached schema's first-token latency
+(decode_structured.py; issue 35's structured.json):
+
+    python benchmarks/decode.py --model-dir /tmp/llama-3.2-1b --constrained \
+        --batch-sizes 2,64 --out structured.json
+
 The model is the `llama-3.2-1b` shape preset (bf16, 1.2B parameters, random weights: speed
 does not depend on the values), written to --model-dir on first use.
 """
@@ -33,6 +40,7 @@ import time
 from pathlib import Path
 
 from decode_sampling import MODES, sampling_results
+from decode_structured import structured_results
 from decode_timing import copy_bandwidth, engine_time, kernel_times  # the step timings
 
 
@@ -69,6 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--repeats", type=int, default=3, help="--sampling: rounds per mode (the median is kept)"
+    )
+    p.add_argument(
+        "--constrained",
+        action="store_true",
+        help="measure half the batch JSON-schema constrained against none instead",
     )
     p.add_argument("--out", help="write the JSON result here")
     return p.parse_args(argv)
@@ -171,6 +184,9 @@ def main(argv=None) -> int:
                 "results": results,
             },
         )
+    if args.constrained:
+        found = structured_results(engine, sizes, args, log)
+        return write_out(args, torch, {"context": args.context, "steps": args.steps, **found})
     eager_runner = GraphRunner(engine.runner, max(sizes))
     bw = copy_bandwidth(torch, args.device, (2 << 30) if args.device == "cuda" else (64 << 20))
     log(f"device copy bandwidth {bw / 1e9:.0f} GB/s")

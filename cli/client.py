@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import grpc
@@ -75,6 +76,14 @@ def add_sampling_arguments(p: argparse.ArgumentParser, max_tokens: int | None = 
         help="return each token's logprob and N alternatives",
     )
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    c = p.add_argument_group(
+        "structured output (one; docs/structured_output.md)"
+    ).add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="SCHEMA", help="a JSON Schema, or @FILE holding one")
+    c.add_argument("--json-object", action="store_true", help="any JSON object")
+    c.add_argument("--regex", help="a regular expression the whole output matches")
+    c.add_argument("--choice", action="append", metavar="TEXT", help="an allowed output (repeat)")
+    c.add_argument("--grammar", metavar="LARK", help="a Lark grammar, or @FILE holding one")
     g.add_argument(
         "--timeout",
         type=float,
@@ -101,6 +110,14 @@ def sampling_from_args(args: argparse.Namespace):
     for name in ("max_tokens", "top_p", "seed", "logprobs"):
         if getattr(args, name) is not None:
             setattr(sp, name, getattr(args, name))
+    for name in ("json_schema", "regex", "grammar"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(sp, name, Path(value[1:]).read_text() if value.startswith("@") else value)
+    if getattr(args, "json_object", False):
+        sp.json_object = True
+    if getattr(args, "choice", None):
+        sp.choice.choices.extend(args.choice)
     return sp
 
 

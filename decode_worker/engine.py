@@ -11,9 +11,10 @@ Single-threaded (the engine loop thread, or a test, calls it). One step:
        a request that had no prefill at all (colocated: no first token) gets its whole prompt
        computed here and its first token sampled on the host, accepted like any other token,
        then runs its first decode step in this same step: prefill and decode in one loop
-    3. launch the step (graph replay or eager)
+    3. launch the step (graph replay or eager); a batch with a structured-output row launches
+       its forward, reads the previous step (4.) while it runs, then its masked sampling
     4. read the PREVIOUS step's tokens (overlap: the device already runs this one), run stop
-       checks, stream outputs, free finished sequences
+       checks, advance constrained rows' matchers, stream outputs, free finished sequences
     5. with overlap off, this step is read at once
 
 Every row is sampled on the device inside the step (graph_runner.py), greedy or not, so no
@@ -29,6 +30,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
+
 from splitserve.decode_worker.config import DecodeWorkerConfig
 from splitserve.decode_worker.graph_runner import GraphRunner, StepHandle
 from splitserve.decode_worker.metrics import DecodeMetrics
@@ -40,6 +43,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.errors import RequestError
+from splitserve.request.grammar_cache import GrammarCache
 from splitserve.request.stop_checker import StopChecker
 
 log = logging.getLogger(__name__)
@@ -79,10 +83,15 @@ class DecodeEngine:
         self.eos = tuple(self.runner.model_config.eos_token_ids)
         self.sampler = Sampler(cfg.engine.seed, self.eos)
         self.graphs = GraphRunner(self.runner, sc.max_batch_size, self.sampler)
+        vocab = self.runner.model_config.vocab_size
+        self.grammars = GrammarCache(cfg.engine.model_path, vocab, self.eos)  # servicer's
+        self.grammars.on_compile = self.metrics.grammar_compile_seconds.observe
+        self.graphs.masks.on_fill = self.metrics.mask_seconds.observe
         self.sync_reads = 0  # steps read in the engine step that launched them (host waited)
         self._launched: StepHandle | None = None
         self.vocab_size = self.runner.model_config.vocab_size
         self._inflight: StepHandle | None = None
+        self._unread: StepHandle | None = None  # within step(): the previous step, until read
         self.load = LoadSnapshot(
             free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_usable
         )
@@ -104,8 +113,14 @@ class DecodeEngine:
             inp.params, self.eos, self.runner.max_model_len, len(prompt), match_stop_strings=False
         )
         seq = DecodeSequence(inp.request_id, prompt, inp.params, stop, sink, list(first_ids))
+        seq.matcher = inp.matcher
         if inp.first_token_id is None:  # colocated: admission computes the prompt, samples out[0]
             return seq, None
+        if seq.matcher is not None and not seq.matcher.consume_token(inp.first_token_id):
+            raise RequestError.invalid(
+                f"first_token_id {inp.first_token_id} is not allowed by the request's "
+                "constraint; pass the token the prefill worker sampled under the same constraint"
+            )
         first = stop.update(inp.first_token_id, "")
         done = (
             StepOutput(inp.request_id, (), (), first.finish_reason, first.stop_reason)
@@ -183,10 +198,9 @@ class DecodeEngine:
     def step(self) -> None:
         t0 = time.perf_counter()
         self._launched = None
-        prev, self._inflight = self._inflight, None
-        if prev is not None and not self.cfg.overlap:
-            self._complete(prev)
-            prev = None
+        self._unread, self._inflight = self._inflight, None
+        if not self.cfg.overlap:
+            self._read_unread()
         batch = self.scheduler.schedule()
         handle = None
         if batch is not None:
@@ -196,18 +210,19 @@ class DecodeEngine:
                 self._recompute(batch.recompute)
             seqs = [s for s in batch.seqs if not s.finished]  # a sampled first token may end one
             if seqs:  # (rows changed whenever something was recomputed: new rows were admitted)
-                handle = self.graphs.launch(seqs, batch.changed, batch.new_blocks)
+                handle = self.graphs.launch(
+                    seqs, batch.changed, batch.new_blocks, self._read_unread
+                )
                 self._launched = handle
                 (
                     self.metrics.graph_replays if handle.graph_size else self.metrics.eager_steps
                 ).inc()
                 self.metrics.batch_size.observe(len(seqs))
-        elif prev is None and self.scheduler.by_id:
+        elif self._unread is None and self.scheduler.by_id:
             raise RuntimeError(
                 "decode scheduler stalled: requests wait but nothing can run or is in flight"
             )
-        if prev is not None:
-            self._complete(prev)
+        self._read_unread()
         if handle is not None:
             if not self.cfg.overlap:
                 self._complete(handle)
@@ -227,6 +242,13 @@ class DecodeEngine:
             for seq, tok, lp in zip(firsts, out.token_ids, out.logprobs):
                 self._accept(seq, tok, lp, now)
 
+    def _read_unread(self) -> None:
+        """Reads the previous step, once: after this step's launch, or (a batch with
+        constrained rows, whose masks need its tokens) while this step's forward runs."""
+        prev, self._unread = self._unread, None
+        if prev is not None:
+            self._complete(prev)
+
     def _complete(self, handle: StepHandle) -> None:
         if handle is self._launched:  # read before the next step was launched: a host wait
             self.sync_reads += 1
@@ -241,6 +263,12 @@ class DecodeEngine:
         self, seq: DecodeSequence, token: int, logprob: TokenLogprobs | None, now: float
     ) -> None:
         seq.output_token_ids.append(token)
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            why = seq.matcher.get_error()  # e.g. a grammar over the engine's per-step limits
+            log.error("%s: token %d broke its constraint: %s", seq.request_id, token, why)
+            err = RequestError(grpc.StatusCode.INTERNAL, f"the constraint failed: {why}")
+            self.abort(seq.request_id, "error", err)
+            return
         result = seq.stop.update(token, "")  # no text: stop strings are the servicer's
         if len(seq.output_token_ids) > 1:  # a first token sampled here ends no inter-token gap
             self.metrics.itl_seconds.observe(now - seq.last_token_time)

@@ -27,10 +27,7 @@ one D2H copy and one event record per step (+ one small copy and one kernel when
 crosses a block boundary); the previous step's token is fed from the device, never read
 back first. Padding lanes sit on the null block: position 0, context_len 0, slot 0 of block 0.
 
-Capture (`capture`, once at start-up, before serving): every size is warmed up eagerly on a
-side stream, then captured largest first into one shared memory pool; the KV that warm-up
-wrote (padding lanes only ever touch block 0) is zeroed afterwards. `dispatch` (the one table
-saying which graph serves a batch of n, 0 = eager) is built from the captured graphs alone.
+Capture and release: graph_capture.py.
 
 Tensor parallel: rank 0 publishes (`runner.mirror`) each step's device-side work, i.e. the
 padded size, the graph (and variant) to replay, the prepare / patch data, slot fills and
@@ -42,15 +39,24 @@ choice to the next step.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from splitserve.decode_worker.graph_capture import (  # noqa: F401 (the variants, re-exported)
+    FILTER,
+    GREEDY,
+    LOGPROBS,
+    MASK,
+    SAMPLE,
+    VARIANTS,
+    GraphCapture,
+)
 from splitserve.decode_worker.sampling_slots import SamplingSlots
 from splitserve.decode_worker.sequence import DecodeSequence
 from splitserve.decode_worker.step_buffers import DecodeBuffers, StagingSlot
+from splitserve.decode_worker.token_masks import TokenMasks
 from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, TokenLogprobs, to_token_logprobs
@@ -60,15 +66,7 @@ from splitserve.engine.sampling_state import (
     has_filters,
     sample_step,
 )
-from splitserve.request.block_allocator import NULL_BLOCK
 from splitserve.request.sampling_params import MAX_LOGPROBS
-
-# graph variants, as flags: SAMPLE (any row not plain greedy), LOGPROBS (a row reports them),
-# FILTER (a random row has top-k / top-p: the threshold searches run); GREEDY is argmax only
-GREEDY, SAMPLE, LOGPROBS, FILTER = 0, 1, 2, 4
-VARIANTS = (SAMPLE | LOGPROBS | FILTER, SAMPLE | FILTER, SAMPLE | LOGPROBS, SAMPLE, GREEDY)
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,7 +79,7 @@ class StepHandle:
     variant: int = GREEDY
 
 
-class GraphRunner:
+class GraphRunner(GraphCapture):
     def __init__(
         self, runner: ModelRunner, max_batch_size: int, sampler: Sampler | None = None
     ) -> None:
@@ -96,7 +94,8 @@ class GraphRunner:
             max_batch_size, mc.vocab_size, eos, runner.device, self.sampler, runner
         )
         self.sampling = self.slots.state
-        self.variant_steps = [0] * 8  # steps launched per variant (flags), for tests and metrics
+        self.variant_steps = [0] * 16  # steps launched per variant (flags), for tests and metrics
+        self.masks = TokenMasks(max_batch_size, mc.vocab_size, runner.device)
         self.bufs = DecodeBuffers(
             max_batch_size,
             runner.max_blocks_per_seq,
@@ -112,6 +111,8 @@ class GraphRunner:
         self._lp = LogprobBuffers(self._lp_pack[:, 0], self._lp_pack[:, 1:], self._lp_ids)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._graph_logits: dict[tuple[int, int], torch.Tensor] = {}
+        self._fwd_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # MASK variants' forward halves
+        self._fwd_logits: dict[int, torch.Tensor] = {}
         self.pool = None
         self.dispatch: list[int] = [0] * (max_batch_size + 1)
         self._rows: dict[int, int] = {}  # seq.uid -> row in the last launched step
@@ -124,6 +125,11 @@ class GraphRunner:
 
     # ---- the step body (captured, or run eagerly) --------------------------------------------
     def _body(self, n: int, variant: int = GREEDY) -> torch.Tensor:
+        logits = self._forward(n)
+        self._sample(n, variant, logits)
+        return logits
+
+    def _forward(self, n: int) -> torch.Tensor:
         b, r = self.bufs, self.runner
         b.derive_metadata(n)
         meta = AttentionMetadata(
@@ -132,89 +138,20 @@ class GraphRunner:
             context_lens=b.context_lens[:n],
             is_prefill=False,
         )
-        logits = r.model.logits(b.input_ids[:n], b.positions[:n], r.kv_cache, r.cos_sin, meta)
+        return r.model.logits(b.input_ids[:n], b.positions[:n], r.kv_cache, r.cos_sin, meta)
+
+    def _sample(self, n: int, variant: int, logits: torch.Tensor) -> None:
+        b, r = self.bufs, self.runner
         if variant == GREEDY:
             b.sampled[:n].copy_(logits.argmax(dim=-1))
         else:
             lp = self._lp if variant & LOGPROBS else None
-            filters = bool(variant & FILTER)
-            sample_step(logits, b.slots[:n], b.live[:n], self.sampling, b.sampled, lp, filters)
+            filters, masks = bool(variant & FILTER), self.masks.device if variant & MASK else None
+            sample_step(
+                logits, b.slots[:n], b.live[:n], self.sampling, b.sampled, lp, filters, masks
+            )
         r.tp.broadcast_(b.sampled[:n])  # rank 0's choice everywhere (a no-op without TP)
         b.advance(n)
-        return logits
-
-    # ---- capture -------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def capture(self, sizes: Sequence[int], warmup_steps: int = 2) -> None:
-        """Warms up and captures `sizes` (CUDA only; a no-op elsewhere or with no sizes)."""
-        if self.device.type != "cuda" or not sizes:
-            return
-        if self.runner.mirror is not None:
-            self.runner.mirror(("capture", list(sizes), warmup_steps))
-        self.release()
-        sizes = sorted(set(sizes), reverse=True)
-        if sizes[0] > self.max_batch_size:
-            raise ValueError(f"graph size {sizes[0]} exceeds max_batch_size {self.max_batch_size}")
-        with torch.cuda.device(self.device):
-            self._capture(sizes, warmup_steps)
-        self._build_dispatch()
-        log.info("captured decode graphs for batch sizes %s", self.captured_sizes)
-
-    def _capture(self, sizes: list[int], warmup_steps: int) -> None:
-        self.bufs.reset()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # compile / autotune every shape before any capture
-            for n in sizes:
-                for variant in VARIANTS:
-                    for _ in range(warmup_steps):
-                        self._body(n, variant)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        torch.cuda.synchronize(self.device)
-        self.pool = torch.cuda.graph_pool_handle()
-        for n in sizes:  # largest first: smaller graphs reuse its pool memory
-            for variant in VARIANTS:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    logits = self._body(n, variant)
-                self._graphs[n, variant] = graph
-                self._graph_logits[n, variant] = logits
-        torch.cuda.synchronize(self.device)
-        self.bufs.reset()
-        self.sampling.reset()
-        self.runner.kv_cache[:, :, NULL_BLOCK].zero_()  # the only block warm-up lanes wrote
-        torch.cuda.synchronize(self.device)
-
-    def _build_dispatch(self) -> None:
-        sizes = self.captured_sizes
-        self.dispatch = [
-            next((s for s in sizes if s >= n), 0) for n in range(self.max_batch_size + 1)
-        ]
-        self.dispatch[0] = 0
-
-    def release(self) -> None:
-        """Drops every graph and the pool; idempotent (safe twice, from __del__, on SIGTERM)."""
-        graphs = getattr(self, "_graphs", None)
-        if not graphs and getattr(self, "pool", None) is None:
-            return
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # no replay may still run on the pool's memory
-        if getattr(self.runner, "prefill_graphs", None) is not None:  # they share the pool
-            self.runner.prefill_graphs.release()
-        for g in graphs.values():
-            g.reset()
-        self._graphs = {}
-        self._graph_logits = {}
-        self.pool = None
-        self.dispatch = [0] * (self.max_batch_size + 1)
-        self._rows = {}
-        self.slots.clear()
-
-    def __del__(self) -> None:
-        try:
-            self.release()
-        except Exception:  # interpreter shutdown: CUDA may already be gone
-            pass
 
     @torch.inference_mode()
     def write_slots(self, slots: list[int], rows: list[RowInit]) -> None:
@@ -228,9 +165,13 @@ class GraphRunner:
         seqs: Sequence[DecodeSequence],
         changed: bool,
         new_blocks: Sequence[tuple[DecodeSequence, int, int]] = (),
+        before_masks: Callable[[], None] | None = None,
     ) -> StepHandle:
         """Enqueues one decode step for `seqs` (their KV up to next_position present, their
-        blocks allocated); returns at once (on CUDA) with a handle for `read`."""
+        blocks allocated); returns at once (on CUDA) with a handle for `read`. A batch with a
+        constrained row enqueues the forward, calls `before_masks` (the engine reads the
+        previous step there: the matchers need its tokens) while the forward runs, then fills
+        the masks and enqueues the sampling."""
         n = len(seqs)
         if not 0 < n <= self.max_batch_size:
             raise ValueError(f"batch of {n} outside 1..{self.max_batch_size}")
@@ -260,11 +201,20 @@ class GraphRunner:
             variant = SAMPLE
             variant |= LOGPROBS if any(s.params.logprobs is not None for s in seqs) else 0
             variant |= FILTER if any(has_filters(s.params) for s in seqs) else 0
+        if TokenMasks.constrained(seqs):  # (a constrained row is never plain greedy)
+            variant |= MASK
         if self.runner.mirror is not None:
             self.runner.mirror(("graph_step", n, graph_size, prep, variant))
         slot = self.bufs.ring.acquire()
         self.variant_steps[variant] += 1
-        self.run_step(slot, n, graph_size, prep, variant)
+        if variant & MASK:
+            logits = self.run_forward(slot, n, graph_size, prep)
+            if before_masks is not None:
+                before_masks()
+            self.masks.upload(seqs)
+            self.run_sample(n, graph_size, variant, logits)
+        else:
+            self.run_step(slot, n, graph_size, prep, variant)
         slot.out[:n].copy_(self.bufs.sampled[:n], non_blocking=True)
         if variant & LOGPROBS:
             slot.lp[:n].copy_(self._lp_pack[:n], non_blocking=True)
@@ -280,17 +230,43 @@ class GraphRunner:
     ) -> torch.Tensor:
         """The device side of one step: fill the inputs (`prep`: a full prepare, a table patch or
         nothing), then replay graph (`graph_size`, `variant`) (size 0: the eager body).
-        Followers call it directly."""
-        if prep is not None and prep[0] == "prepare":
-            self.bufs.prepare(slot, *prep[1:])
-        elif prep is not None:
-            self.bufs.patch_tables(slot, prep[1])
+        Followers call it directly (a MASK variant: both halves back to back)."""
+        if variant & MASK:
+            logits = self.run_forward(slot, n, graph_size, prep)
+            self.run_sample(n, graph_size, variant, logits)
+            return logits
+        self._fill(slot, prep)
         if graph_size:
             self._graphs[graph_size, variant].replay()
             self.num_replays += 1
             return self._graph_logits[graph_size, variant]
         self.num_eager += 1
         return self._body(n, variant)
+
+    def _fill(self, slot: StagingSlot, prep: tuple | None) -> None:
+        if prep is not None and prep[0] == "prepare":
+            self.bufs.prepare(slot, *prep[1:])
+        elif prep is not None:
+            self.bufs.patch_tables(slot, prep[1])
+
+    def run_forward(
+        self, slot: StagingSlot, n: int, graph_size: int, prep: tuple | None
+    ) -> torch.Tensor:
+        """A MASK step's first half: inputs, then the forward (its graph, or eagerly)."""
+        self._fill(slot, prep)
+        if graph_size:
+            self._fwd_graphs[graph_size].replay()
+            return self._fwd_logits[graph_size]
+        return self._forward(n)
+
+    def run_sample(self, n: int, graph_size: int, variant: int, logits: torch.Tensor) -> None:
+        """A MASK step's second half, once the masks are in: sampling, broadcast, advance."""
+        if graph_size:
+            self._graphs[graph_size, variant].replay()
+            self.num_replays += 1
+        else:
+            self._sample(n, variant, logits)
+            self.num_eager += 1
 
     def read(self, handle: StepHandle) -> tuple[list[int], list[TokenLogprobs | None]]:
         """The step's tokens in row order, and each row's logprobs where its request asks

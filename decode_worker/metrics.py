@@ -69,6 +69,18 @@ class DecodeMetrics:
         self.preemptions = Counter(
             "splitserve_decode_preemptions", "Sequences preempted for recompute", registry=r
         )
+        self.mask_seconds = Histogram(  # its count: the steps with a constrained row
+            "splitserve_decode_mask_seconds",
+            "Host time filling and copying structured-output token masks, per masked step",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
+        self.grammar_compile_seconds = Histogram(
+            "splitserve_decode_grammar_compile_seconds",
+            "Time to compile a structured-output constraint (cache misses only)",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
         self.recomputed_tokens = Counter(
             "splitserve_decode_recomputed_tokens",
             "Tokens re-prefilled locally (preemption or no KV handle)",

@@ -58,4 +58,5 @@ def sample_first_tokens(
     sampler: Sampler, seqs: list[DecodeSequence], logits: torch.Tensor
 ) -> SampleOutput:
     """out[0] of prompts computed here, sampled on the host as the prefill worker does."""
-    return sampler.sample(logits, [SeqSamplingInfo(s.params, s.prompt_token_ids, []) for s in seqs])
+    infos = [SeqSamplingInfo(s.params, s.prompt_token_ids, [], s.matcher) for s in seqs]
+    return sampler.sample(logits, infos)

@@ -45,6 +45,7 @@ class DecodeInput:
     prompt_token_ids: Sequence[int]
     first_token_id: int | None  # None: no prefill happened; the engine samples it (colocated)
     params: SamplingParams
+    matcher: object | None = None  # structured output: the compiled constraint, at token 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +85,9 @@ class DecodeSequence:
     num_preemptions: int = 0
     last_token_time: float = field(default_factory=time.monotonic)
     uid: int = field(default_factory=lambda: next(_UIDS))  # never reused (id() is)
+    # structured output: advanced with every accepted token, so it always stands after the
+    # last token of output_token_ids (kept across preemption and recompute)
+    matcher: object | None = None
 
     @property
     def prompt_len(self) -> int:

@@ -14,6 +14,7 @@ by this worker. Stop strings are matched here, on the event loop, never on the e
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -113,6 +114,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             loop = self._loop()
             inp = self._validate(request, loop)
+            if inp.params.constraint is not None:  # compiled before any block is reserved
+                matcher = await loop.engine.grammars.matcher(inp.params.constraint)
+                inp = dataclasses.replace(inp, matcher=matcher)
         except RequestError as err:
             await err.abort(context)
         stops = (

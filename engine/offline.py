@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from splitserve.engine.model_runner import DecodeLane, ModelRunner, PrefillChunk
 from splitserve.engine.sampler import Sampler, SeqSamplingInfo
 from splitserve.request.block_allocator import BlockAllocator
+from splitserve.request.grammar_cache import GrammarCache
 from splitserve.request.sampling_params import SamplingParams
 from splitserve.request.stop_checker import StopChecker
 
@@ -26,6 +27,7 @@ class Completion:
     finish_reason: str | None = None
     logprobs: list = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    matcher: object | None = None  # structured output: advanced with every token
 
 
 class OfflineEngine:
@@ -35,6 +37,8 @@ class OfflineEngine:
         self.allocator = BlockAllocator(runner.num_blocks)
         self.eos = tuple(runner.model_config.eos_token_ids)
         self.sampler = Sampler(seed, self.eos)
+        mc = runner.model_config
+        self.grammars = GrammarCache(runner.engine_config.model_path, mc.vocab_size, self.eos)
 
     def _blocks_for(self, seq: Completion, length: int) -> None:
         need = -(-length // self.runner.block_size) - len(seq.block_table)
@@ -47,9 +51,13 @@ class OfflineEngine:
             seq.block_table.extend(got.block_ids)
 
     def _accept(self, seqs: list[Completion], logits, checkers, detoks) -> None:
-        infos = [SeqSamplingInfo(s.params, s.prompt_token_ids, s.token_ids) for s in seqs]
+        infos = [
+            SeqSamplingInfo(s.params, s.prompt_token_ids, s.token_ids, s.matcher) for s in seqs
+        ]
         out = self.sampler.sample(logits, infos)
         for s, tok, lp in zip(seqs, out.token_ids, out.logprobs):
+            if s.matcher is not None and not s.matcher.consume_token(tok):
+                raise RuntimeError(f"token {tok} broke the constraint: {s.matcher.get_error()}")
             s.token_ids.append(tok)
             s.logprobs.append(lp)
             delta = detoks[id(s)].add(tok) if detoks else ""
@@ -69,6 +77,9 @@ class OfflineEngine:
         from splitserve.request.detokenizer import IncrementalDetokenizer
 
         seqs = [Completion(list(p), sp) for p, sp in zip(prompts, params)]
+        for s in seqs:  # (RequestError, INVALID_ARGUMENT, for a constraint that cannot compile)
+            if s.params.constraint is not None:
+                s.matcher = self.grammars.compile_now(s.params.constraint)
         max_len = self.runner.max_model_len
         checkers = {
             id(s): StopChecker(s.params, self.eos, max_len, len(s.prompt_token_ids)) for s in seqs

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.engine.grammar_masks import host_masks
 from splitserve.engine.sampling_state import (
     LogprobBuffers,
     RowInit,
@@ -40,6 +41,7 @@ class SeqSamplingInfo:
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far; its length is the step index
+    matcher: object | None = None  # structured output: an llguidance matcher at this step
 
     @property
     def step(self) -> int:
@@ -80,7 +82,7 @@ class Sampler:
                 f"logits must be [batch, vocab] with batch={len(seqs)}, got {tuple(logits.shape)}"
             )
         n, vocab = logits.shape
-        if all(s.params.is_plain_greedy for s in seqs):
+        if all(s.params.is_plain_greedy for s in seqs):  # (a constrained row is not plain)
             tokens = logits.argmax(dim=-1)
             return SampleOutput(tokens.tolist(), [None] * n)
         dev = logits.device
@@ -95,7 +97,9 @@ class Sampler:
         slots = torch.arange(n, device=dev)
         filters = any(has_filters(s.params) for s in seqs)
         x = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
-        sample_step(x, slots, torch.ones_like(slots), state, out, lp, filters)
+        matchers = [s.matcher for s in seqs]
+        mask = host_masks(matchers, vocab, dev) if any(m is not None for m in matchers) else None
+        sample_step(x, slots, torch.ones_like(slots), state, out, lp, filters, mask)
         return SampleOutput(out.tolist(), to_token_logprobs(out, lp, [s.params for s in seqs]))
 
 

@@ -10,8 +10,8 @@ prefill worker and the host paths build a small state per call (`from_rows`).
 
 `sample_step` is the whole sampling of one step: on CUDA a fixed number of Triton launches
 (kernels/triton_sampling.py), elsewhere the torch twin, so it runs inside a captured graph:
-bias and bans, penalties, filters, the seeded race, then step += live and counts += the token,
-and raw logprobs when asked.
+structured-output token masks (when given: kernels/token_bitmask.py), bias and bans, penalties,
+filters, the seeded race, then step += live and counts += the token, and raw logprobs when asked.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 
 from splitserve.engine import sampling_math as sm
 from splitserve.kernels.dispatch import use_triton
+from splitserve.kernels.token_bitmask import apply_token_bitmask_
 from splitserve.request.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "rep", "freq", "pres")
@@ -178,39 +179,52 @@ def sample_step(
     out: torch.Tensor,
     logprobs: LogprobBuffers | None = None,
     filters: bool = True,
+    token_mask: torch.Tensor | None = None,
 ) -> None:
     """out[:n] = the tokens of fp32 logits [n, V] whose rows use state slots `slots` [n]
     (`logits` is overwritten with the processed values; with `logprobs`, raw logprobs of the
     rows whose slot asked: on CUDA the sampler's first pass saves any chunk it changes of those
-    rows, elsewhere the raw logits are copied first); `live` [n] (int64, 0 for padding lanes)
-    advances the slots' steps and counts. filters=False promises that no row has top-k /
-    top-p (the GPU skips their searches)."""
+    rows, elsewhere, or with a token mask, the raw logits are copied first); `live` [n]
+    (int64, 0 for padding lanes) advances the slots' steps and counts. filters=False promises
+    that no row has top-k / top-p (the GPU skips their searches). `token_mask` [n, ceil(V /
+    32)] int32 (structured output): tokens whose bit is 0 get -inf before anything else;
+    logprobs stay those of the raw logits."""
     n = logits.shape[0]
     tokens = out[:n]
-    if use_triton(logits):  # bias, bans, penalties, race and the slots' step / counts: in-kernel
-        from splitserve.kernels import triton_logprobs as tlp
-        from splitserve.kernels.triton_sampling import sample_rows, split_of
-
-        lp = None
+    masked_raw = token_mask is not None and logprobs is not None
+    x = (
+        logits.clone()
+        if masked_raw or (logprobs is not None and not use_triton(logits))
+        else logits
+    )
+    if token_mask is not None:
+        apply_token_bitmask_(x, token_mask)
+    if not use_triton(x):
+        _sample_torch(x, slots, live, state, tokens)
         if logprobs is not None:
-            chunk, sub = split_of(logits.shape[1])
-            width = logprobs.top.shape[1]
-            lp = tlp.LogprobScratch.empty(
-                n, logits.shape[1], width, logits.device, True, chunk, sub
-            )
-        sample_rows(logits, slots, live, tokens, state, state.frozen_slot, filters, lp=lp)
-        if lp is not None:
-            lpb = logprobs
-            tlp.top_pass(logits, tokens, lpb.sampled[:n], lpb.top[:n], lpb.top_ids[:n], slots,
-                         state.wants_logprobs, lp, side=True)  # fmt: skip
+            sampled, top, ids = sm.raw_logprobs(logits, tokens, MAX_LOGPROBS)
+            logprobs.sampled[:n].copy_(sampled)
+            logprobs.top[:n].copy_(top)
+            logprobs.top_ids[:n].copy_(ids)
         return
-    raw = logits.clone() if logprobs is not None else None  # processed in place: raw kept
-    _sample_torch(logits, slots, live, state, tokens)
-    if logprobs is not None:
-        sampled, top, ids = sm.raw_logprobs(raw, tokens, MAX_LOGPROBS)
-        logprobs.sampled[:n].copy_(sampled)
-        logprobs.top[:n].copy_(top)
-        logprobs.top_ids[:n].copy_(ids)
+    # bias, bans, penalties, race and the slots' step / counts: in-kernel
+    from splitserve.kernels import triton_logprobs as tlp
+    from splitserve.kernels.triton_sampling import sample_rows, split_of
+
+    lp = None
+    if logprobs is not None and not masked_raw:  # raw stats in the first pass, no copy
+        chunk, sub = split_of(logits.shape[1])
+        width = logprobs.top.shape[1]
+        lp = tlp.LogprobScratch.empty(n, logits.shape[1], width, logits.device, True, chunk, sub)
+    sample_rows(x, slots, live, tokens, state, state.frozen_slot, filters, lp=lp)
+    if logprobs is None:
+        return
+    lpb = logprobs
+    outs = (tokens, lpb.sampled[:n], lpb.top[:n], lpb.top_ids[:n], slots, state.wants_logprobs)
+    if lp is not None:
+        tlp.top_pass(logits, *outs, lp, side=True)
+    else:  # x is a masked copy: the logits themselves are raw
+        tlp.raw_logprobs_device(logits, *outs)
 
 
 def _sample_torch(

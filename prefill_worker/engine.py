@@ -40,6 +40,7 @@ from splitserve.prefill_worker.startup import release_graphs, warm_up
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.block_hash import block_keys
 from splitserve.request.errors import RequestError
+from splitserve.request.grammar_cache import GrammarCache
 from splitserve.request.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class PrefillEngine:
         self.leases = LeaseTable()
         self.eos = tuple(runner.model_config.eos_token_ids)
         self.sampler = Sampler(cfg.engine.seed, self.eos)
+        self.grammars = GrammarCache(cfg.engine.model_path, self.vocab_size, self.eos)
+        self.grammars.on_compile = self.metrics.grammar_compile_seconds.observe
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefill-step")
@@ -113,9 +116,15 @@ class PrefillEngine:
 
     # ---- requests (called on the loop thread) -----------------------------------------------
     async def prefill(
-        self, request_id: str, prompt: Sequence[int], params: SamplingParams, lease_ttl_s: float
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        lease_ttl_s: float,
+        matcher: object | None = None,
     ) -> PrefillResult:
-        """Queues a validated request and waits for its first token."""
+        """Queues a validated request and waits for its first token (`matcher`: its compiled
+        constraint, which masks that token)."""
         if self.fatal is not None or self._stopping or self._task is None:
             raise RequestError.unavailable(
                 "the prefill worker is not serving; retry on another worker"
@@ -133,6 +142,7 @@ class PrefillEngine:
             lease_ttl_s,
             block_keys(prompt, self.runner.block_size),
             asyncio.get_running_loop().create_future(),
+            matcher=matcher,
         )
         self.scheduler.add(seq)
         self._update_gauges()

@@ -43,6 +43,12 @@ class PrefillMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.grammar_compile_seconds = Histogram(
+            "splitserve_prefill_grammar_compile_seconds",
+            "Time to compile a structured-output constraint (cache misses only)",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.queue_seconds = Histogram(
             "splitserve_prefill_queue_seconds", "arrival to admission", buckets=_LATENCY, registry=r
         )

@@ -34,7 +34,10 @@ def step_inputs(
         for c in batch
     ]
     rows = [i for i, c in enumerate(batch) if c.is_last]
-    infos = [SeqSamplingInfo(batch[i].seq.params, batch[i].seq.prompt, ()) for i in rows]
+    infos = [
+        SeqSamplingInfo(batch[i].seq.params, batch[i].seq.prompt, (), batch[i].seq.matcher)
+        for i in rows
+    ]
     return chunks, rows, infos
 
 

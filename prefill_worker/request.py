@@ -33,6 +33,7 @@ class PrefillSeq:
     num_registered: int = 0  # full blocks published to the prefix cache
     aborted: bool = False
     sampling_time_s: float = 0.0  # its first token's sampling (set by the step that samples it)
+    matcher: object | None = None  # structured output: masks the first token (never advanced)
 
     @property
     def num_remaining(self) -> int:

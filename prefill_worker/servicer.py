@@ -53,11 +53,10 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 vocab_size=engine.vocab_size,
                 max_model_len=engine.max_model_len,
             )
+            ttl_s = self._lease_ttl_s(request.lease_ttl_ms)
+            matcher = await engine.grammars.matcher(params.constraint)  # before any allocation
             result = await engine.prefill(
-                request.request_id,
-                request.prompt_token_ids,
-                params,
-                self._lease_ttl_s(request.lease_ttl_ms),
+                request.request_id, request.prompt_token_ids, params, ttl_s, matcher
             )
             if delay := self.cfg.faults.reply_delay(request.request_id):  # tests only
                 await asyncio.sleep(delay)

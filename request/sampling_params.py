@@ -11,6 +11,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from splitserve.request.constraint import Constraint
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound); the device keeps a table this wide
 MAX_STOP_TOKEN_IDS = 64  # min_tokens bans them on the device, in a table this wide
@@ -38,6 +40,9 @@ class SamplingParams(BaseModel):
     - `logit_bias` {token id: bias in [-100, 100]} is added to the raw logits (OpenAI);
       `min_tokens` bans EOS and `stop_token_ids` (and stops no request) before that many
       tokens were generated (vLLM).
+    - `constraint` (structured output, request/constraint.py): every token is masked to what
+      the constraint still allows; it excludes `min_tokens` and `ignore_eos`, since the end of
+      the constraint is the one place EOS is allowed.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -63,6 +68,7 @@ class SamplingParams(BaseModel):
     logit_bias: tuple[tuple[Annotated[int, Field(ge=0)], float], ...] = Field(
         (), max_length=MAX_LOGIT_BIAS
     )
+    constraint: Constraint | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -102,6 +108,15 @@ class SamplingParams(BaseModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _constraint_owns_eos(self) -> SamplingParams:
+        if self.constraint is not None and (self.min_tokens or self.ignore_eos):
+            raise ValueError(
+                "a constraint ends the output with EOS when it is complete, so it cannot be "
+                "combined with min_tokens or ignore_eos; drop those"
+            )
+        return self
+
     @property
     def is_greedy(self) -> bool:
         """Argmax decoding: no randomness, so `seed` and the filters do not matter."""
@@ -124,6 +139,7 @@ class SamplingParams(BaseModel):
             and self.logprobs is None
             and not self.logit_bias
             and self.min_tokens == 0
+            and self.constraint is None
         )
 
 

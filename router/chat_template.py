@@ -4,7 +4,8 @@
     jinja2 ImmutableSandboxedEnvironment(trim_blocks, lstrip_blocks, loopcontrols, {% generation %})
       globals  raise_exception(msg) (a TemplateError: the client gets a 400 with msg), strftime_now
       filter   tojson (ensure_ascii=False, like transformers)
-      context  messages, add_generation_prompt=True, bos_token, eos_token, tools=None, documents=None
+      context  messages, add_generation_prompt=True, bos_token, eos_token, tools (the request's, or
+               None), documents=None
     the rendered text is tokenized with add_special_tokens=False (the template holds the bos)
 
 A model without a template is a 400 that says so (use /v1/completions). Message content given
@@ -78,7 +79,12 @@ def compile_template(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], model_name: str) -> str:
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    model_name: str,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
     """The prompt text, or RequestError: 400 for a model without a template or a conversation the
     template refuses (raise_exception), INTERNAL for a template that does not compile."""
     if not tokenizer.chat_template:
@@ -99,7 +105,7 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], model_name
         return template.render(
             messages=messages,
             add_generation_prompt=True,
-            tools=None,
+            tools=tools,  # the template shows the model the tools (forced tool calls)
             documents=None,
             **{k: v for k, v in context.items() if v is not None},
         )
@@ -114,9 +120,12 @@ def render_chat(tokenizer: Tokenizer, messages: list[dict[str, Any]], model_name
 
 
 async def chat_prompt_ids(
-    tokenizer: Tokenizer, messages: list[dict[str, Any]], model_name: str
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    model_name: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    text = render_chat(tokenizer, messages, model_name)
+    text = render_chat(tokenizer, messages, model_name, tools)
     if len(text) > _TOKENIZE_IN_THREAD:
         return await asyncio.to_thread(tokenizer.encode, text, False)
     return tokenizer.encode(text, add_special_tokens=False)

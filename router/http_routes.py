@@ -38,11 +38,12 @@ from splitserve.router.chat_template import chat_prompt_ids
 from splitserve.router.config import RouterConfig
 from splitserve.router.context import RouterContext
 from splitserve.router.frontend import Frontend
-from splitserve.router.http_sinks import CollectedChunks, EventStream, json_bytes
+from splitserve.router.http_sinks import CollectedChunks, EventStream, ToolCallStream, json_bytes
 from splitserve.router.intake import prompt_too_big
 from splitserve.router.openai_errors import OpenAIError, error_from_request_error, parse
 from splitserve.router.openai_protocol import ChatCompletionRequest, CompletionRequest
 from splitserve.router.openai_response import ResponseBuilder
+from splitserve.router.openai_structured import as_tool_call
 from splitserve.router.worker_state import DECODE, PREFILL
 
 CALLER = "splitserve.caller"  # request key set by the server's middleware (auth.py's Caller)
@@ -172,6 +173,7 @@ class OpenAIRoutes:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = parse(ChatCompletionRequest, await self._body(request))
         self._check_model(req.model)
+        req.check_tools()
         model = self.ctx.model
         messages = [m.as_template_input() for m in req.messages]
         limit = self.ctx.cfg.max_prompt_bytes
@@ -182,7 +184,7 @@ class OpenAIRoutes:
                 "bytes (max_prompt_bytes); send shorter messages",
             )
         try:
-            ids = await chat_prompt_ids(model.tokenizer, messages, model.name)
+            ids = await chat_prompt_ids(model.tokenizer, messages, model.name, req.template_tools())
         except RequestError as err:
             oe = error_from_request_error(err, {}, "messages")
             oe.param = "messages"
@@ -191,8 +193,9 @@ class OpenAIRoutes:
         builder = ResponseBuilder(
             "chat", rid, model.name, model.tokenizer, req.logprobs, req.include_usage
         )
+        gen = req.to_generate(rid, ids)
         return await self._generate(
-            request, req.to_generate(rid, ids), builder, req.stream, req.names(), "messages"
+            request, gen, builder, req.stream, req.names(), "messages", req.forced_tool
         )
 
     async def _generate(
@@ -203,19 +206,27 @@ class OpenAIRoutes:
         stream: bool,
         names: dict[str, str],
         prompt_param: str,
+        forced_tool: str | None = None,
     ) -> web.StreamResponse:
+        """`forced_tool` (None: no call): the output is a forced tool call's JSON, returned in
+        OpenAI's tool_calls shape (openai_structured.py)."""
         if not stream:
             sink = CollectedChunks()
             try:
                 await self.frontend.generate(gen, sink, caller=request[CALLER], admitted=True)
             except RequestError as err:
                 raise error_from_request_error(err, names, prompt_param) from None
+            body = builder.full(sink.chunks)
             return web.json_response(
-                builder.full(sink.chunks),
+                body if forced_tool is None else as_tool_call(body, forced_tool),
                 dumps=lambda b: json_bytes(b).decode(),
                 headers={"X-Request-Id": builder.id},
             )
-        events = EventStream(request, builder)
+        events = (
+            EventStream(request, builder)
+            if forced_tool is None
+            else ToolCallStream(request, builder, forced_tool)
+        )
         try:
             await self.frontend.generate(gen, events, caller=request[CALLER], admitted=True)
         except RequestError as err:

@@ -3,7 +3,8 @@
 `CollectedChunks` keeps them for one JSON body (stream: false); `EventStream` sends each as a
 server-sent event, its headers with the first chunk so that a request refused before any token
 still gets a real HTTP status, and ends with an error event or the usage chunk, then
-`data: [DONE]`. Bodies come from openai_response.py.
+`data: [DONE]`. Bodies come from openai_response.py. `ToolCallStream` holds a forced tool
+call's text back and sends it as one `tool_calls` delta at the end.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from aiohttp import web
 from splitserve.protos import generate_pb2
 from splitserve.router.openai_errors import OpenAIError
 from splitserve.router.openai_response import ResponseBuilder
+from splitserve.router.openai_structured import as_tool_call_delta
 
 
 def json_bytes(body: dict[str, Any]) -> bytes:
@@ -88,3 +90,25 @@ class EventStream:
         await self.resp.write(b"data: [DONE]\n\n")
         await self.resp.write_eof()
         return self.resp
+
+
+class ToolCallStream(EventStream):
+    """A forced tool call, streamed: the text is held back until the request ends, then one
+    chunk carries the whole call as a `tool_calls` delta (finish_reason "tool_calls"), or the
+    text as content when max_tokens cut it short ("length")."""
+
+    def __init__(self, request: web.Request, builder: ResponseBuilder, forced: str) -> None:
+        super().__init__(request, builder)
+        self.forced, self.held = forced, generate_pb2.GenerateResponse()
+
+    async def write(self, chunk: generate_pb2.GenerateResponse) -> None:
+        if self.resp is None:
+            await self.start()
+        text = self.held.text + chunk.text
+        self.held.MergeFrom(chunk)  # (repeated fields append: token ids, logprobs)
+        self.held.text = text
+        if not chunk.finish_reason:
+            return
+        self.usage = chunk.usage
+        body = self.builder.stream_chunk(self.held)
+        await self.send(as_tool_call_delta(body, self.forced))

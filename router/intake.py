@@ -24,6 +24,7 @@ from splitserve.request.sampling_params import SamplingParams
 from splitserve.request.tokenizer import Tokenizer
 from splitserve.router.config import RouterConfig
 from splitserve.service.proto_convert import (
+    check_sampling_constraint,
     check_stop_strings,
     sampling_params_from_proto,
     validate_prompt,
@@ -147,6 +148,8 @@ async def prepare(
     params = sampling_params_from_proto(
         msg, prompt_len=len(prompt), max_model_len=model.max_model_len, vocab_size=model.vocab_size
     )
+    if params.constraint is not None:  # the grammar engine's check, off the event loop
+        await asyncio.to_thread(check_sampling_constraint, params)
     sampling = generate_pb2.SamplingParams()
     if msg is not None:
         sampling.CopyFrom(msg)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from splitserve.protos import generate_pb2
+from splitserve.router import openai_structured as st
 from splitserve.router.openai_errors import OpenAIError
 
 U32 = 2**32 - 1
@@ -65,6 +66,9 @@ class CommonParams(StrictModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured output (openai_structured.py): OpenAI's, and vLLM's extension
+    response_format: dict[str, Any] | None = None
+    structured_outputs: Any = None
 
     @field_validator("n")
     @classmethod
@@ -136,11 +140,36 @@ class CommonParams(StrictModel):
         ):
             if (value := getattr(self, name)) is not None:
                 setattr(sp, name, value)
+        self._constrain(sp)
         if max_tokens is not None:
             sp.max_tokens = max_tokens
         if logprobs is not None:
             sp.logprobs = logprobs
         return sp
+
+    def _constrain(self, sp: generate_pb2.SamplingParams) -> None:
+        """At most one of response_format / structured_outputs sets the constraint."""
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, dict):
+                raise OpenAIError.bad("structured_outputs", "structured_outputs must be an object")
+            if self.response_format not in (None, {"type": "text"}):
+                raise OpenAIError.bad(
+                    "structured_outputs", "give response_format or structured_outputs, not both"
+                )
+            try:
+                so = st.StructuredOutputs.model_validate(so)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in ("structured_outputs", *err["loc"]))
+                raise OpenAIError.bad(where, f"{where}: {err['msg']}") from None
+        st.response_format_constraint(self.response_format, sp)
+        st.structured_outputs_constraint(so, sp)
+
+    def constraint_names(self) -> dict[str, str]:
+        """The OpenAI parameter behind each proto constraint field (error messages)."""
+        name = "structured_outputs" if self.structured_outputs is not None else "response_format"
+        return {k: name for k in ("json_schema", "json_object", "regex", "choice", "grammar")}
 
     @property
     def include_usage(self) -> bool:

@@ -1,8 +1,8 @@
 """The OpenAI request bodies (completions, chat completions) -> the router's GenerateRequest.
 
 Only what a GenerateRequest cannot say is checked here: JSON types, unknown parameters, the
-features this server does not have (n > 1, best_of > 1, echo, suffix, tools,
-response_format other than text, batched prompts), and integers the proto cannot hold
+features this server does not have (n > 1, best_of > 1, echo, suffix, tool_choice "auto",
+batched prompts); tool turns (assistant tool_calls, role "tool") are taken, and integers the proto cannot hold
 (negative ids, seeds, logit_bias keys, ...). Every range check (temperature, top_p, penalties,
 logprobs, max_tokens, min_tokens, logit_bias, prompt length and vocabulary) is the gRPC path's
 own (intake.py / service/proto_convert.py); `error_from_request_error` (openai_errors.py)
@@ -13,13 +13,15 @@ are CommonParams (openai_params.py).
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from splitserve.protos import generate_pb2
 from splitserve.router.openai_errors import OpenAIError
 from splitserve.router.openai_params import U32, CommonParams, StrictModel, unsupported
+from splitserve.router.openai_structured import tool_constraint
 
 
 class CompletionRequest(CommonParams):
@@ -82,7 +84,7 @@ class CompletionRequest(CommonParams):
         return req
 
     def names(self) -> dict[str, str]:
-        return {}
+        return self.constraint_names()
 
 
 class TextPart(StrictModel):
@@ -90,15 +92,30 @@ class TextPart(StrictModel):
     text: str
 
 
+class CalledFunction(StrictModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(StrictModel):
+    """A call an earlier assistant turn made (a forced tool call's answer, sent back)."""
+
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # None only for an assistant turn that made tool calls
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns: the call this is the result of
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, v: Any) -> str | list[TextPart]:
-        if isinstance(v, str):
+    def _text_only(cls, v: Any) -> str | list[TextPart] | None:
+        if v is None or isinstance(v, str):
             return v
         if not isinstance(v, list):
             raise ValueError("content must be a string or a list of text parts")
@@ -110,16 +127,39 @@ class ChatMessage(StrictModel):
                 )
         return [TextPart.model_validate(p) for p in v]
 
-    def as_template_input(self) -> dict[str, str]:
-        content = (
-            self.content
-            if isinstance(self.content, str)
-            else "\n".join(p.text for p in self.content)
-        )
-        msg = {"role": self.role, "content": content}
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only with an assistant's tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id is required on tool messages, and only there")
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
+        if self.content is None or isinstance(self.content, str):
+            content = self.content or ""
+        else:
+            content = "\n".join(p.text for p in self.content)
+        msg: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:  # arguments as objects, as the chat templates we know expect them
+            msg["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": _function(c.function)}
+                for c in self.tool_calls
+            ]
         return msg
+
+
+def _function(f: CalledFunction) -> dict[str, Any]:
+    try:
+        return {"name": f.name, "arguments": json.loads(f.arguments)}
+    except json.JSONDecodeError:
+        return {"name": f.name, "arguments": f.arguments}
 
 
 class ChatCompletionRequest(CommonParams):
@@ -135,30 +175,12 @@ class ChatCompletionRequest(CommonParams):
     parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
-    _no_tools = unsupported("tools", "no tool calling")
-    _no_functions = unsupported("functions", "no function calling")
-    _no_function_call = unsupported("function_call", "no function calling")
+    _tool_sampling: generate_pb2.SamplingParams | None = PrivateAttr(None)
+    _forced_tool: str | None = PrivateAttr(None)  # check_tools: the call to force, "" any
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v: Any) -> Any:
-        if v not in (None, "none"):
-            raise ValueError(
-                "tool_choice is not supported by this server (no tool calling); leave it out or 'none'"
-            )
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type") != "text":
-            raise ValueError(
-                f"response_format type {v.get('type')!r} is not supported (no structured output); "
-                'only {"type": "text"}'
-            )
-        return v
+    _no_functions = unsupported("functions", "deprecated by OpenAI; use tools")
+    _no_function_call = unsupported("function_call", "deprecated by OpenAI; use tool_choice")
 
     def to_generate(self, request_id: str, prompt_ids: list[int]) -> generate_pb2.GenerateRequest:
         self._checks()
@@ -174,15 +196,37 @@ class ChatCompletionRequest(CommonParams):
             else self.max_tokens
         )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        sampling = self._sampling(max_tokens, logprobs)
+        if self.forced_tool is not None:
+            if sampling.WhichOneof("constraint") is not None:
+                raise OpenAIError.bad(
+                    "tool_choice", "a forced tool call cannot take response_format too"
+                )
+            sampling.MergeFrom(self._tool_sampling)
         return generate_pb2.GenerateRequest(
             request_id=request_id,
             token_ids=generate_pb2.TokenIds(ids=prompt_ids),
             skip_special_tokens=self.skip_special_tokens,
-            sampling=self._sampling(max_tokens, logprobs),
+            sampling=sampling,
         )
+
+    def check_tools(self) -> None:
+        """Refuses what cannot be served before the template renders (tool_choice "auto");
+        sets `forced_tool` (None: no call)."""
+        self._tool_sampling = generate_pb2.SamplingParams()
+        self._forced_tool = tool_constraint(self.tools, self.tool_choice, self._tool_sampling)
+
+    @property
+    def forced_tool(self) -> str | None:
+        return self._forced_tool
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return self.tools or None
 
     def names(self) -> dict[str, str]:
         return {
             "max_tokens": "max_tokens" if self.max_tokens is not None else "max_completion_tokens",
             "logprobs": "top_logprobs",
+            **self.constraint_names(),
+            **({"json_schema": "tools"} if self._forced_tool is not None else {}),
         }

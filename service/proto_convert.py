@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from splitserve.protos import generate_pb2
+from splitserve.request.constraint import MAX_JSON_WHITESPACE, Constraint, check_constraint
 from splitserve.request.errors import RequestError
 from splitserve.request.sampling_params import (
     LOGIT_BIAS_RANGE,
@@ -47,6 +48,7 @@ _HINTS = {
     "stop_token_ids": f"send at most {MAX_STOP_TOKEN_IDS} stop token ids",
     "min_tokens": "use at most max_tokens; 0 turns it off",
     "logit_bias": f"send at most {MAX_LOGIT_BIAS} entries, each bias in [-100, 100]",
+    "constraint": "set at most one constraint, within its bounds (docs/structured_output.md)",
 }
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "seed", "repetition_penalty", "logprobs")
 _PLAIN = (
@@ -112,6 +114,7 @@ def sampling_params_from_proto(
     values["stop"] = tuple(msg.stop)
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
     values["logit_bias"] = _logit_bias(msg, field)
+    values["constraint"] = constraint_from_proto(msg, field)
     if 1 <= values["max_tokens"] < values["min_tokens"]:  # (max_tokens 0: pydantic names it)
         limit = "max_tokens" if msg.HasField("max_tokens") else "what fits in max_model_len"
         raise RequestError.invalid(
@@ -148,6 +151,43 @@ def sampling_params_from_proto(
     except ValueError as exc:
         raise RequestError.invalid(f"{field}.{exc}") from None
     return params
+
+
+def constraint_from_proto(msg: generate_pb2.SamplingParams, field: str) -> Constraint | None:
+    """The `constraint` oneof, bounded; its grammar is checked later (`check_sampling_constraint`)."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        if msg.json_whitespace:
+            raise RequestError.invalid(
+                f"{field}.json_whitespace is set without a JSON constraint; drop it or set "
+                "json_schema / json_object"
+            )
+        return None
+    if msg.json_whitespace > MAX_JSON_WHITESPACE:
+        raise RequestError.invalid(
+            f"{field}.json_whitespace = {msg.json_whitespace}; use 0 to {MAX_JSON_WHITESPACE}"
+        )
+    if msg.json_whitespace and kind not in ("json_schema", "json_object"):
+        raise RequestError.invalid(f"{field}.json_whitespace applies to JSON constraints only")
+    try:
+        if kind == "choice":
+            return Constraint(kind="choice", choices=tuple(msg.choice.choices))
+        text = "" if kind == "json_object" else getattr(msg, kind)
+        return Constraint(kind=kind, text=text, json_whitespace=msg.json_whitespace)
+    except ValidationError as exc:
+        why = exc.errors()[0]["msg"].removeprefix("Value error, ")
+        raise RequestError.invalid(f"{field}.{kind}: {why}") from None
+
+
+def check_sampling_constraint(params: SamplingParams, field: str = "sampling") -> None:
+    """INVALID_ARGUMENT with the grammar engine's message when the constraint cannot compile
+    (no tokenizer needed; the router runs it off its event loop)."""
+    if params.constraint is None:
+        return
+    try:
+        check_constraint(params.constraint)
+    except ValueError as exc:
+        raise RequestError.invalid(f"{field}.{params.constraint.kind}: {exc}") from None
 
 
 def check_stop_strings(

@@ -237,7 +237,9 @@ WIRE = {
     "TokenIds": "ids=1",
     "SamplingParams": "max_tokens=1 temperature=2 top_p=3 top_k=4 min_p=5 seed=6 "
     "repetition_penalty=7 presence_penalty=8 frequency_penalty=9 stop=10 stop_token_ids=11 "
-    "include_stop_str_in_output=12 ignore_eos=13 logprobs=14 min_tokens=15 logit_bias=16",
+    "include_stop_str_in_output=12 ignore_eos=13 logprobs=14 min_tokens=15 logit_bias=16 "
+    "json_schema=17 json_object=18 regex=19 choice=20 grammar=21 json_whitespace=22",
+    "ChoiceConstraint": "choices=1",
     "GenerateRequest": "request_id=1 text=2 token_ids=3 sampling=4 skip_special_tokens=5",
     "TopLogprob": "token_id=1 logprob=2",
     "TokenLogprob": "token_id=1 logprob=2 top_logprobs=3",

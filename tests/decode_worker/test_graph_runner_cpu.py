@@ -11,7 +11,7 @@ import pytest
 from decode_helpers import Collected, assert_all_free, drive, engine_config, make_engine, submit
 
 from splitserve.decode_worker.config import capture_sizes, default_graph_sizes
-from splitserve.decode_worker.graph_runner import VARIANTS
+from splitserve.decode_worker.graph_runner import MASK, VARIANTS
 from splitserve.request.sampling_params import SamplingParams
 
 
@@ -22,16 +22,28 @@ class _EagerGraph:
         self.runner, self.key = runner, (size, variant)
 
     def replay(self) -> None:
-        self.runner._graph_logits[self.key] = self.runner._body(*self.key)
+        g, (n, variant) = self.runner, self.key
+        if variant & MASK:  # the sampling half; _EagerForward ran the forward
+            g._sample(n, variant, g._fwd_logits[n])
+        else:
+            g._graph_logits[self.key] = g._body(n, variant)
 
     def reset(self) -> None:
         pass
+
+
+class _EagerForward(_EagerGraph):
+    """The forward half of a MASK variant's pair."""
+
+    def replay(self) -> None:
+        self.runner._fwd_logits[self.key[0]] = self.runner._forward(self.key[0])
 
 
 def _fake_capture(engine, sizes) -> None:
     g = engine.graphs
     g.bufs.reset()
     g._graphs = {(n, v): _EagerGraph(g, n, v) for n in sizes for v in VARIANTS}
+    g._fwd_graphs = {n: _EagerForward(g, n, MASK) for n in sizes}
     g._pool = object()
     g._build_dispatch()
 

@@ -20,6 +20,8 @@ from helpers_procs import free_port
 from openai_helpers import MAX_MODEL_LEN, MODEL, http, worker_flags
 
 MSGS = [{"role": "user", "content": "Hello"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
 
 # (endpoint, arguments, the parameter the 400 must name)
 COMPLETIONS = [
@@ -56,6 +58,7 @@ COMPLETIONS = [
     (dict(extra_body={"min_tokens": -1}), "min_tokens"),
     (dict(extra_body={"frobnicate": 1}), "frobnicate"),
     (dict(extra_body={"temperature": "hot"}), "temperature"),
+    (dict(extra_body={"structured_outputs": {"json": {"type": "foo"}}}), "structured_outputs"),
 ]
 CHAT = [
     (dict(max_completion_tokens=0), "max_completion_tokens"),
@@ -67,11 +70,32 @@ CHAT = [
     (dict(logit_bias={"5": -100.5}), "logit_bias"),
     (dict(extra_body={"min_tokens": 3}), "min_tokens"),  # max_completion_tokens is 2
     (dict(max_completion_tokens=None, extra_body={"min_tokens": 10**6}), "min_tokens"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    # structured output: tool_choice "auto" (the default with tools) has no parser; bad schemas,
+    # regexes and grammars are the grammar engine's 400, named after the parameter sent
+    (dict(tools=[TOOL]), "tool_choice"),
+    (dict(tools=[TOOL], tool_choice="auto"), "tool_choice"),
     (dict(tool_choice="required"), "tool_choice"),
-    (dict(response_format={"type": "json_object"}), "response_format"),
+    (
+        dict(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "g"}}),
+        "tool_choice",
+    ),
+    (
+        dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        "response_format",
+    ),
+    (dict(response_format=BAD_SCHEMA), "response_format"),
+    (dict(response_format={"type": "yaml"}), "response_format"),
+    (dict(extra_body={"structured_outputs": {"regex": "a("}}), "structured_outputs"),
+    (dict(extra_body={"structured_outputs": {"grammar": "start: foo"}}), "structured_outputs"),
+    (
+        dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["a"]}}),
+        "structured_outputs",
+    ),
+    (dict(extra_body={"structured_outputs": {"choice": []}}), "structured_outputs"),
     (dict(messages=[]), "messages"),
-    (dict(messages=[{"role": "tool", "content": "x", "tool_call_id": "1"}]), "messages[0].role"),
+    (dict(messages=[{"role": "tool", "content": "x"}]), "messages[0]"),  # no tool_call_id
+    (dict(messages=[{"role": "user"}]), "messages[0]"),  # content null without tool_calls
+    (dict(messages=[{"role": "critic", "content": "x"}]), "messages[0].role"),
     (
         dict(
             messages=[

@@ -13,6 +13,7 @@ import helpers_procs
 import pytest
 
 from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.request.tokenizer import Tokenizer
 
 PROMPTS = [
     [1] + list(range(40, 77)),
@@ -106,10 +107,14 @@ def test_handover_between_tp_sizes_equals_tp1(
 
 
 def test_tp2_decode_worker_alone_equals_tp1(tiny_llama, tmp_path):
-    """Colocated requests (the prompt computed by the decode worker: the mirrored prefill path)
-    and sampled rows (temperature, seed: the mirrored sampling-state slot fills) give TP1's tokens."""
+    """Colocated requests (the prompt computed by the decode worker: the mirrored prefill path),
+    sampled rows (temperature, seed: the mirrored sampling-state slot fills) and a constrained
+    row (masks on rank 0, MASK graph halves on every rank) give TP1's tokens."""
     sampled = generate_pb2.SamplingParams(
         temperature=0.8, seed=7, max_tokens=MAX_TOKENS, ignore_eos=True
+    )
+    constrained = generate_pb2.SamplingParams(
+        temperature=0.8, seed=8, max_tokens=40, regex="[a-z]{3,8}( [0-9]{1,3}){2}"
     )
     with helpers_procs.ProcessGroup(tmp_path) as procs:
         outs = []
@@ -121,11 +126,18 @@ def test_tp2_decode_worker_alone_equals_tp1(tiny_llama, tmp_path):
                 request_id="s", prompt_token_ids=PROMPTS[0], sampling=sampled
             )
             got.append([t for chunk in stub.Decode(req, timeout=120) for t in chunk.token_ids])
+            # structured output: rank 0 fills the masks, the followers replay the same halves
+            req = worker_pb2.DecodeRequest(
+                request_id="c", prompt_token_ids=PROMPTS[1], sampling=constrained
+            )
+            got.append([t for chunk in stub.Decode(req, timeout=120) for t in chunk.token_ids])
             helpers_procs.all_free(stub)
             assert d.stop() == 0
             outs.append(got)
         assert outs[0] == outs[1]
-        assert all(len(t) == MAX_TOKENS for t in outs[1])
+        assert all(len(t) == MAX_TOKENS for t in outs[1][:-1])
+        text = Tokenizer.from_dir(tiny_llama).decode(outs[1][-1])
+        assert re.fullmatch("[a-z]{3,8}( [0-9]{1,3}){2}", text), text
 
 
 def _children(pid: int) -> list[int]:

@@ -1,0 +1,132 @@
+"""`decode.py --constrained`: engine ms per decode step with half the batch JSON-schema
+constrained, divided by the same batch unconstrained in the same run (issue 35's
+structured.json), and the first-token latency of a request with a new schema (compile) and
+with a cached one.
+
+Every row is greedy; the constrained rows follow SCHEMA, whose `minItems` keeps them from
+ending before the measured steps (a constraint takes no ignore_eos), so the batch stays whole.
+The preset's tokenizer is the tiny byte-level one (the model's 128k vocabulary padded past
+it), so the host mask cost here is that of a small vocabulary; benchmarks/grammar_cpu.py
+measures it at 128k.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+
+def bench_schema(min_items: int, nonce: str = "") -> dict:
+    item = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "qty": {"type": "integer", "minimum": 0, "maximum": 99},
+            "tag": {"enum": ["new", "used", "refurbished"]},
+        },
+        "required": ["name", "qty", "tag"],
+        "additionalProperties": False,
+    }
+    return {
+        "title": f"bench{nonce}",
+        "type": "object",
+        "properties": {"rows": {"type": "array", "items": item, "minItems": min_items}},
+        "required": ["rows"],
+        "additionalProperties": False,
+    }
+
+
+def first_allowed(matcher, vocab: int) -> int:
+    from splitserve.engine.grammar_masks import fill_masks, mask_words
+
+    mask = np.empty((1, mask_words(vocab)), dtype=np.int32)
+    fill_masks([matcher], mask)
+    return int(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0])
+
+
+def _run(engine, batch: int, args, constrained: bool) -> float:
+    """Wall ms per step of the serving loop; rows 0, 2, 4, ... constrained when asked."""
+    from splitserve.decode_worker.sequence import DecodeInput
+    from splitserve.request.constraint import Constraint
+    from splitserve.request.sampling_params import SamplingParams
+
+    n = args.steps + 1
+    free = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    c = Constraint(kind="json_schema", text=json.dumps(bench_schema(n)))
+    tight = SamplingParams(temperature=0, max_tokens=n, constraint=c)
+    for i in range(batch):
+        got = engine.allocator.allocate(-(-args.context // engine.runner.block_size))
+        if constrained and i % 2 == 0:
+            m = engine.grammars.compile_now(c)
+            inp = DecodeInput(
+                f"c{i}", [1] * args.context, first_allowed(m, engine.vocab_size), tight, m
+            )
+        else:
+            inp = DecodeInput(f"f{i}", [1] * args.context, 5, free)
+        engine.admit(inp, list(got.block_ids), lambda out: None)
+    engine.step()
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    assert engine.allocator.num_free == engine.allocator.num_usable
+    return (time.perf_counter() - t0) * 1e3 / max(steps, 1)
+
+
+def first_token_ms(engine, args, nonce: str) -> float:
+    """Compile (or cache hit) + admission + the step that makes the first decoded token."""
+    from splitserve.decode_worker.sequence import DecodeInput
+    from splitserve.request.constraint import Constraint
+    from splitserve.request.sampling_params import SamplingParams
+
+    c = Constraint(kind="json_schema", text=json.dumps(bench_schema(4, nonce)))
+    got_token: list[int] = []
+    t0 = time.perf_counter()
+    m = engine.grammars.compile_now(c)
+    params = SamplingParams(temperature=0, max_tokens=2, constraint=c)
+    blocks = engine.allocator.allocate(-(-args.context // engine.runner.block_size))
+    inp = DecodeInput(
+        f"t{nonce}", [1] * args.context, first_allowed(m, engine.vocab_size), params, m
+    )
+    engine.admit(inp, list(blocks.block_ids), lambda out: got_token.extend(out.token_ids))
+    while not got_token:
+        engine.step()
+    ms = (time.perf_counter() - t0) * 1e3
+    while engine.has_work:
+        engine.step()
+    return ms
+
+
+def structured_results(engine, sizes, args, log) -> dict:
+    rows = []
+    for b in sizes:
+        _run(engine, b, args, False)  # warm the loop (and the MASK graphs) at this size
+        _run(engine, b, args, True)
+        plain = _run(engine, b, args, False)
+        masks = engine.graphs.masks
+        steps, fill_s = masks.steps, masks.fill_seconds
+        half = _run(engine, b, args, True)
+        row = {
+            "batch": b,
+            "unconstrained_step_ms": plain,
+            "constrained_step_ms": half,
+            "ratio_to_unconstrained": half / plain,
+            # host: fill the masks + enqueue their copy, per masked step (overlaps the forward)
+            "mask_host_ms": (masks.fill_seconds - fill_s) * 1e3 / max(masks.steps - steps, 1),
+        }
+        log(
+            f"  batch={b} plain={plain:.3f} ms half-constrained={half:.3f} ms ratio={half / plain:.3f}"
+        )
+        rows.append(row)
+    new = first_token_ms(engine, args, nonce=str(time.time_ns()))
+    cached = first_token_ms(engine, args, nonce="cached")  # compiled by the first call below
+    cached = first_token_ms(engine, args, nonce="cached")
+    log(f"  first token: new schema {new:.2f} ms, cached {cached:.2f} ms")
+    return {
+        "results": rows,
+        "first_token_ms_new_schema": new,
+        "first_token_ms_cached_schema": cached,
+    }

@@ -1,0 +1,51 @@
+"""Structured output in the decode step: the masks of a batch's constrained rows.
+
+Before a step whose batch has a constrained row launches, the host asks each matcher (already
+advanced with the row's last token, engine.py) for its allowed next tokens, into a pinned
+[max_batch, W] int32 buffer (all ones for the other rows), and copies it into the device
+buffer that the MASK graph variants read (graph_runner.py: `sample_step(token_mask=...)`).
+A batch without a constrained row never touches either buffer.
+
+The host work overlaps the device: the step's forward is enqueued first (the MASK variants are
+two graphs, forward and sampling), then the engine reads the previous step's tokens and
+advances the matchers, then the masks are filled and copied, then the sampling is enqueued.
+The pinned buffer is rewritten only after the previous step was read, i.e. after its mask copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from splitserve.decode_worker.sequence import DecodeSequence
+from splitserve.engine.grammar_masks import fill_masks, mask_words
+
+
+class TokenMasks:
+    def __init__(self, max_batch_size: int, vocab: int, device: torch.device) -> None:
+        words = mask_words(vocab)
+        pin = device.type == "cuda"
+        self.host = torch.full((max_batch_size, words), -1, dtype=torch.int32, pin_memory=pin)
+        self.device = torch.full((max_batch_size, words), -1, dtype=torch.int32, device=device)
+        self.steps = 0  # masked steps launched, for tests and metrics
+        self.fill_seconds = 0.0  # host time filling masks (the benchmark reports it per step)
+        self.on_fill: Callable[[float], None] | None = None  # seconds per masked step (metrics)
+
+    @staticmethod
+    def constrained(seqs: Sequence[DecodeSequence]) -> bool:
+        return any(s.matcher is not None for s in seqs)
+
+    def upload(self, seqs: Sequence[DecodeSequence]) -> None:
+        """Rows [:len(seqs)] of the device buffer <- the rows' masks (stream-ordered)."""
+        n, t0 = len(seqs), time.perf_counter()
+        # a row that just finished (its last token read while this step's forward ran) is a
+        # wasted lane: any mask will do, and its matcher may be past its end
+        fill_masks([None if s.finished else s.matcher for s in seqs], self.host.numpy())
+        self.device[:n].copy_(self.host[:n], non_blocking=True)
+        self.steps += 1
+        took = time.perf_counter() - t0
+        self.fill_seconds += took
+        if self.on_fill is not None:
+            self.on_fill(took)

@@ -1,0 +1,46 @@
+"""Host side of structured output: each constrained row's next-token bitmask from its matcher.
+
+One bitmask row per sampled row, [n, W] int32 with W = ceil(vocab / 32) (kernels/
+token_bitmask.py reads it): all ones (-1) for an unconstrained row, the matcher's allowed
+tokens for a constrained one. llguidance computes the constrained rows in parallel on its own
+threads (`LLExecutor`), outside the GIL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import llguidance
+import numpy as np
+import torch
+from llguidance.numpy import fill_next_token_bitmask_par
+
+_EXECUTOR: llguidance.LLExecutor | None = None
+
+
+def mask_words(vocab: int) -> int:
+    return (vocab + 31) // 32
+
+
+def _executor() -> llguidance.LLExecutor:
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = llguidance.LLExecutor()
+    return _EXECUTOR
+
+
+def fill_masks(matchers: Sequence[object | None], out: np.ndarray) -> None:
+    """out[i] <- row i's mask: matchers[i]'s next allowed tokens, or all ones for None and for
+    a matcher in an error state (its engine ends that request when it consumes the token; one
+    request's failure must not fail the batch)."""
+    out[: len(matchers)] = -1
+    rows = [(m, i) for i, m in enumerate(matchers) if m is not None and not m.is_error()]
+    if rows:
+        fill_next_token_bitmask_par(_executor(), rows, out[: len(matchers)])
+
+
+def host_masks(matchers: Sequence[object | None], vocab: int, device: torch.device) -> torch.Tensor:
+    """The masks of `matchers` as a device tensor [n, W] (the host sampling paths)."""
+    out = np.empty((len(matchers), mask_words(vocab)), dtype=np.int32)
+    fill_masks(matchers, out)
+    return torch.from_numpy(out).to(device)
