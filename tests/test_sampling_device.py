@@ -18,7 +18,15 @@ EOS = (0,)
 
 
 def run(
-    logits, params, prompt=(1, 2, 3), outputs=None, triton=False, seeds=None, steps=None, x=None
+    logits,
+    params,
+    prompt=(1, 2, 3),
+    outputs=None,
+    triton=False,
+    seeds=None,
+    steps=None,
+    x=None,
+    filters=True,
 ):
     n, vocab = logits.shape
     outputs = outputs or [[4, 5]] * n
@@ -38,7 +46,7 @@ def run(
     slots = torch.arange(n, device=logits.device)
     x = logits.clone() if x is None else x  # without logprobs, x ends up processed in place
     with force_triton(triton):
-        sample_step(x, slots, torch.ones_like(slots), state, out, lp)
+        sample_step(x, slots, torch.ones_like(slots), state, out, lp, filters)
     return out.tolist(), state, lp
 
 
@@ -66,6 +74,39 @@ def test_triton_kernel_matches_torch_twin(seed):
     want, _, _ = run(logits, MIXED, seeds=list(range(50, 62)))
     got, _, _ = run(logits, MIXED, seeds=list(range(50, 62)), triton=True)
     assert got == want
+
+
+UNFILTERED = [  # no top-k / top-p: the steps that skip the threshold searches (filters=False)
+    SP(temperature=0),
+    SP(),
+    SP(temperature=0.7, seed=5),
+    SP(min_p=0.2, temperature=1.5),
+    SP(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2, seed=1),
+    SP(logit_bias={3: 100}, temperature=0.5),
+    SP(min_tokens=3, max_tokens=5, seed=9),
+    SP(logprobs=5, seed=2),
+    SP(temperature=0, repetition_penalty=2.0, logprobs=1),
+]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_unfiltered_step_matches_torch_twin(seed):
+    """filters=False (what every variant without FILTER runs: temperature, min-p, penalties,
+    bias, bans, logprobs) gives the twin's tokens, counts and raw logprobs."""
+    g = torch.Generator().manual_seed(100 + seed)
+    logits = torch.randn(len(UNFILTERED), 9000, generator=g) * 3  # three 4096-token chunks
+    logits[:, 40:44] = logits[:, 40:41]  # ties
+    seeds = list(range(70, 70 + len(UNFILTERED)))
+    want, want_state, want_lp = run(logits, UNFILTERED, seeds=seeds, filters=False)
+    got, got_state, got_lp = run(logits, UNFILTERED, seeds=seeds, triton=True, filters=False)
+    assert got == want
+    assert torch.equal(got_state.counts, want_state.counts)
+    assert torch.equal(got_state.step, want_state.step)
+    asked = [7, 8]
+    assert torch.allclose(got_lp.sampled[asked], want_lp.sampled[asked], atol=1e-5)
+    assert torch.allclose(got_lp.top[asked], want_lp.top[asked], atol=1e-5)
+    for r in asked:  # the twin's topk orders the tied ids 40..43 freely: compare by raw value
+        assert torch.equal(logits[r, got_lp.top_ids[r]], logits[r, want_lp.top_ids[r]])
 
 
 LOGPROB_ROWS = [
