@@ -16,11 +16,11 @@ Sampling is part of the step (engine/sampling_state.py): every row reads its par
 state slot on the device, filled once when its sequence first runs (sampling_slots.py), so one
 replay serves any mix of greedy, random, seeded, penalised and logprobs rows and the host only
 reads tokens back. A batch of plain greedy rows replays the GREEDY graph (argmax only); other
-rows pick a variant by flags (SAMPLE, + LOGPROBS, + FILTER, + MASK: see VARIANTS); each
-captured size has all nine (the four MASK ones share one forward graph). The forward (`model.logits`) and the sampling (`sample_step`) are separate calls
-in `_body`, so rows whose token mask the host computes from the previous token (structured
-output) can get a variant whose sampling is a second graph replayed after that mask is copied
-in, without touching the forward.
+rows pick a variant by flags (SAMPLE, + LOGPROBS, + FILTER, + MASK: see VARIANTS); each captured
+size has all nine (the four MASK ones share one forward graph). The forward (`model.logits`) and
+the sampling (`sample_step`) are separate calls in `_body`, so rows whose token mask the host
+computes from the previous token (structured output) can get a variant whose sampling is a
+second graph replayed after that mask is copied in, without touching the forward.
 
 So in the steady loop (same rows as the last step, greedy) the host issues one graph launch,
 one D2H copy and one event record per step (+ one small copy and one kernel when a sequence
