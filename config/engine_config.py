@@ -10,6 +10,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+
+def check_token_counts(v: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """A list of prefill token buckets (both workers' prefill_graph_sizes); None: the default."""
+    if v is not None and (not v or any(s < 1 for s in v)):
+        raise ValueError("must be a non-empty list of token counts >= 1 (e.g. 16,64,256)")
+    return v
+
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 DType = Literal["float32", "bfloat16", "float16"]
 

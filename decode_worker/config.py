@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from splitserve.config.engine_config import EngineConfig
+from splitserve.config.engine_config import EngineConfig, check_token_counts
 from splitserve.config.files import load_config
 from splitserve.kvtransfer.config import KvTransferConfig, RequestFaults
 from splitserve.service.grpc_service import ServerConfig
@@ -91,9 +91,7 @@ class DecodeWorkerConfig(BaseModel):
     @field_validator("prefill_graph_sizes")
     @classmethod
     def _prefill_graph_sizes(cls, v: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if v is not None and (not v or any(s < 1 for s in v)):
-            raise ValueError("must be a non-empty list of token counts >= 1 (e.g. 16,64,256)")
-        return v
+        return check_token_counts(v)
 
     @field_validator("cuda_graph_sizes")
     @classmethod

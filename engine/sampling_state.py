@@ -192,11 +192,9 @@ def sample_step(
     n = logits.shape[0]
     tokens = out[:n]
     masked_raw = token_mask is not None and logprobs is not None
-    x = (
-        logits.clone()
-        if masked_raw or (logprobs is not None and not use_triton(logits))
-        else logits
-    )
+    # raw logits kept by a copy where the kernels' side buffer cannot serve (CPU, or a mask)
+    copy_raw = logprobs is not None and (masked_raw or not use_triton(logits))
+    x = logits.clone() if copy_raw else logits
     if token_mask is not None:
         apply_token_bitmask_(x, token_mask)
     if not use_triton(x):
