@@ -315,3 +315,4 @@ class DecodeEngine:
             ),
         )
         self.graphs.release()
+        self.sampler.release_graphs()

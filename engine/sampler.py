@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import random
 import secrets
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from splitserve.engine.grammar_masks import host_masks
+from splitserve.engine.sampler_graphs import SamplerGraphs
 from splitserve.engine.sampling_state import (
     LogprobBuffers,
     RowInit,
@@ -34,6 +36,8 @@ from splitserve.engine.sampling_state import (
     sample_step,
 )
 from splitserve.request.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS, SamplingParams
+
+CACHED_ROWS = 64  # a sampler keeps its state for calls of up to this many rows ([rows, V] tables)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,40 @@ class Sampler:
     def __init__(self, seed: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
         self._rng = random.Random(secrets.randbits(63) if seed is None else seed)
         self.eos_token_ids = tuple(eos_token_ids)
+        self._lock = threading.Lock()
+        self._cached: tuple | None = None  # (capacity, vocab, device, state, out, logprobs)
+        self.graphs: SamplerGraphs | None = None
+
+    def capture_graphs(self, vocab: int, device: torch.device) -> None:
+        """CUDA: the sampling of up to GRAPH_ROWS rows as graphs (sampler_graphs.py)."""
+        if device.type != "cuda":
+            return
+        self.release_graphs()
+        graphs = SamplerGraphs(vocab, device, len(self.eos_token_ids))
+        graphs.capture()
+        self.graphs = graphs
+
+    def release_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
+
+    def _buffers(self, n: int, vocab: int, dev: torch.device):
+        """The sampling state and outputs of >= n rows, kept between calls: building them took
+        ~15 allocations and fills per first token. Capacity grows by powers of two; tables as
+        wide as the limits (as the decode worker's), so one kernel specialisation serves any
+        request and no first token waits on a compilation (engine/prefill_warmup.py)."""
+        c = self._cached
+        if c is None or c[0] < n or c[1] != vocab or c[2] != dev:
+            cap = 1 << max(0, n - 1).bit_length()
+            bans = MAX_STOP_TOKEN_IDS + len(self.eos_token_ids)
+            state = SamplingState(cap, vocab, MAX_LOGIT_BIAS, bans, dev)
+            out = torch.empty(cap, dtype=torch.int64, device=dev)
+            c = (cap, vocab, dev, state, out, LogprobBuffers.empty(cap, vocab, dev))
+            if cap > CACHED_ROWS:  # rare wide calls: [rows, V] tables not kept
+                return state, out, c[5], torch.arange(cap, device=dev)
+            self._cached, self._arange = c, torch.arange(cap, device=dev)
+        return c[3], c[4], c[5], self._arange
 
     def seed_for(self, params: SamplingParams) -> int:
         """The request's seed, or a fresh one from this sampler's generator."""
@@ -86,21 +124,26 @@ class Sampler:
             tokens = logits.argmax(dim=-1)
             return SampleOutput(tokens.tolist(), [None] * n)
         dev = logits.device
-        # tables as wide as the limits (as the decode worker's): one kernel specialisation for
-        # any request, so no first token waits on a compilation (engine/prefill_warmup.py)
-        eos = self.eos_token_ids
-        state = SamplingState(n, vocab, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS + len(eos), dev)
-        state.write(list(range(n)), [self.row(s) for s in seqs], eos)
-        out = torch.empty(n, dtype=torch.int64, device=dev)
-        want = any(s.params.logprobs is not None for s in seqs)
-        lp = LogprobBuffers.empty(n, vocab, dev) if want else None
-        slots = torch.arange(n, device=dev)
-        filters = any(has_filters(s.params) for s in seqs)
-        x = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
+        rows = [self.row(s) for s in seqs]
+        params = [s.params for s in seqs]
+        want = any(p.logprobs is not None for p in params)
+        filters = any(has_filters(p) for p in params)
         matchers = [s.matcher for s in seqs]
-        mask = host_masks(matchers, vocab, dev) if any(m is not None for m in matchers) else None
-        sample_step(x, slots, torch.ones_like(slots), state, out, lp, filters, mask)
-        return SampleOutput(out.tolist(), to_token_logprobs(out, lp, [s.params for s in seqs]))
+        constrained = any(m is not None for m in matchers)
+        with self._lock:  # cached buffers (their users: one engine thread each)
+            g = self.graphs
+            if g is not None and not constrained and g.serves(n, vocab):
+                out, lp = g.sample(logits, rows, self.eos_token_ids, want, filters)
+                return SampleOutput(out.tolist(), to_token_logprobs(out, lp, params))
+            state, out, lp, arange = self._buffers(n, vocab, dev)
+            state.write(list(range(n)), rows, self.eos_token_ids)
+            x = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
+            mask = host_masks(matchers, vocab, dev) if constrained else None
+            slots = arange[:n]
+            lp = lp if want else None
+            sample_step(x, slots, torch.ones_like(slots), state, out, lp, filters, mask)
+            out = out[:n]
+            return SampleOutput(out.tolist(), to_token_logprobs(out, lp, params))
 
 
 def to_token_logprobs(

@@ -111,7 +111,7 @@ class PrefillEngine:
         for lease in self.leases.pop_all():
             self.cache.free(lease.block_ids)
         self._executor.shutdown(wait=True)
-        release_graphs(self.runner)
+        release_graphs(self.runner, self.sampler)
         self._update_gauges()
 
     # ---- requests (called on the loop thread) -----------------------------------------------

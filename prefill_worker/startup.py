@@ -1,6 +1,7 @@
 """The prefill engine's start-up and its counterpart at stop: piecewise prefill graphs
-(engine/prefill_graphs.py), then every prefill shape and sampler variant
-(engine/prefill_warmup.py), all into the null block, then the KV pool zeroed."""
+(engine/prefill_graphs.py) and the first token's sampling graphs (engine/sampler_graphs.py),
+then every prefill shape and sampler variant (engine/prefill_warmup.py), all into the null
+block, then the KV pool zeroed."""
 
 from __future__ import annotations
 
@@ -16,12 +17,16 @@ def warm_up(cfg: PrefillWorkerConfig, runner: ModelRunner, sampler: Sampler) -> 
     sc = cfg.engine.scheduler
     if cfg.cuda_graph:
         capture_prefill_graphs(runner, cfg.prefill_graph_sizes, sc.max_num_batched_tokens)
+        if not runner.tp.enabled:  # the first token's sampling (engine/sampler_graphs.py)
+            sampler.capture_graphs(runner.model_config.vocab_size, runner.device)
     warm_up_prefill(runner, sampler, sc.max_num_batched_tokens, sc.max_batch_size)
     runner.zero_kv()
 
 
-def release_graphs(runner: ModelRunner) -> None:
-    """Drops the prefill graphs (the runner may serve another engine later: benchmarks)."""
+def release_graphs(runner: ModelRunner, sampler: Sampler) -> None:
+    """Drops the prefill and sampling graphs (the runner may serve another engine later:
+    benchmarks)."""
+    sampler.release_graphs()
     if runner.prefill_graphs is not None:
         runner.prefill_graphs.release()
         runner.prefill_graphs = None
