@@ -102,6 +102,9 @@ def first_prompt(
         params = generate_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         ttfts = []
         with grpc.insecure_channel(address) as channel:
+            # connected first, as a router's channel is (its health checks): the first prompt's
+            # time is the worker's, not the TCP + HTTP/2 handshake's
+            grpc.channel_ready_future(channel).result(timeout=60)
             stub = worker_pb2_grpc.PrefillWorkerStub(channel)
             for i in range(1 + follow):
                 prompt = [(7919 * (i + 11) + 104729 * j) % (vocab - 3) + 3 for j in range(length)]

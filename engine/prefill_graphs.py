@@ -17,7 +17,13 @@ an N-token step, for L layers (model.py: DecoderLayer.pre_attention / post_atten
 
 Every piece reads and writes static buffers sized to the largest bucket, so the graphs share
 one memory pool (the decode graphs' pool in a decode worker) for their temporaries. The final
-norm + lm_head run eagerly on the sampled rows. `on_layer_kv(i)`, when set, is called right
+norm + lm_head run eagerly on the sampled rows.
+
+A step of at most WHOLE_SEQS sequences in a bucket up to WHOLE_MAX_TOKENS is one graph instead
+(a "whole step": the same pieces with each layer's attention captured between them), reading
+static metadata (cu_seqlens / context_lens / block tables of WHOLE_SEQS rows, the unused ones
+with no tokens) that `run` fills by device copies; with `on_layer_kv` set, steps keep the
+pieces, whose boundaries it needs. `on_layer_kv(i)`, when set, is called right
 after piece i has written layer i's KV (a place for per-layer-group CUDA events: a KV
 hand-over that streams layers as they finish). Without CUDA, or before `capture`, `run` runs
 the same pieces eagerly on the padded buffers (the CPU tests check that path against the plain
@@ -37,6 +43,11 @@ from splitserve.engine.attention_metadata import AttentionMetadata
 log = logging.getLogger(__name__)
 
 NULL_SLOT = 0  # slot 0 of the null block (block 0)
+# A step of at most WHOLE_SEQS sequences and WHOLE_MAX_TOKENS tokens replays one graph with the
+# attention inside (static metadata; the kernel's programs of padding sequences return at
+# once): launching 16 attention kernels from Python cost more than the GPU's work at 128 tokens
+WHOLE_SEQS = 4
+WHOLE_MAX_TOKENS = 1024
 
 
 def default_sizes(max_tokens: int, smallest: int = 16, largest: int = 8192) -> list[int]:
@@ -49,7 +60,15 @@ def default_sizes(max_tokens: int, smallest: int = 16, largest: int = 8192) -> l
 
 
 class PrefillGraphs:
-    def __init__(self, model, kv_cache: torch.Tensor, cos_sin: torch.Tensor, sizes: Sequence[int]):
+    def __init__(
+        self,
+        model,
+        kv_cache: torch.Tensor,
+        cos_sin: torch.Tensor,
+        sizes: Sequence[int],
+        max_blocks: int | None = None,
+    ):
+        """`max_blocks`: the widest block table a step can carry (default: the pool's size)."""
         if not sizes:
             raise ValueError("prefill graphs need at least one token count")
         self.model, self.kv_cache, self.cos_sin = model, kv_cache, cos_sin
@@ -66,6 +85,14 @@ class PrefillGraphs:
         self.q = torch.zeros(n, layer.num_heads, cfg.head_dim, dtype=dtype, device=dev)
         self.attn = torch.zeros(n, layer.num_heads, cfg.head_dim, dtype=dtype, device=dev)
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # whole steps (attention inside): static metadata of up to WHOLE_SEQS sequences
+        i32, width = torch.int32, max_blocks or kv_cache.shape[2]
+        self.cu = torch.zeros(WHOLE_SEQS + 1, dtype=i32, device=dev)
+        self.lens = torch.zeros(WHOLE_SEQS, dtype=i32, device=dev)
+        self.tables = torch.zeros(WHOLE_SEQS, width, dtype=i32, device=dev)
+        self.whole_sizes = [s for s in self.sizes if s <= WHOLE_MAX_TOKENS]
+        self._whole: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_whole = 0  # steps run as whole steps (replayed or eager)
         self.pool = None
         self.on_layer_kv: Callable[[int], None] | None = None
         self.num_steps = 0  # steps run through the buckets (replayed or padded eager)
@@ -97,6 +124,34 @@ class PrefillGraphs:
         self.q[:n].copy_(q)
         self.residual[:n].copy_(residual)
 
+    def _whole_meta(self, n: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:n],
+            block_tables=self.tables,
+            context_lens=self.lens,
+            is_prefill=True,
+            cu_seqlens_q=self.cu,
+            max_query_len=n,
+        )
+
+    def _whole_body(self, n: int) -> None:
+        """Every piece with each layer's attention between them, on the static metadata."""
+        meta = self._whole_meta(n)
+        for i in range(self.num_layers + 1):
+            self._piece(n, i)
+            if i < self.num_layers:
+                kv, layer = self.kv_cache[i], self.model.layers[i]
+                layer.attention(self.q[:n], kv[0], kv[1], meta, out=self.attn[:n])
+
+    def _load_meta(self, meta: AttentionMetadata) -> None:
+        """The step's sequences into the static metadata; the rest get no tokens."""
+        b, w = meta.block_tables.shape
+        self.cu[: b + 1].copy_(meta.cu_seqlens_q)
+        self.cu[b + 1 :].copy_(meta.cu_seqlens_q[b].expand(WHOLE_SEQS - b))
+        self.lens[:b].copy_(meta.context_lens)
+        self.lens[b:].zero_()
+        self.tables[:b, :w].copy_(meta.block_tables)
+
     # ---- capture ------------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self, pool=None, warmup_steps: int = 2) -> None:
@@ -115,6 +170,8 @@ class PrefillGraphs:
                 for _ in range(warmup_steps):
                     for i in range(self.num_layers + 1):
                         self._piece(n, i)
+            for n in self.whole_sizes:  # (no sequence: the attention programs return at once)
+                self._whole_body(n)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
@@ -126,6 +183,11 @@ class PrefillGraphs:
                     self._piece(n, i)
                 pieces.append(graph)
             self._graphs[n] = pieces
+        for n in reversed(self.whole_sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._whole_body(n)
+            self._whole[n] = graph
         torch.cuda.synchronize(dev)
         log.info(
             "captured piecewise prefill graphs for %s tokens (%d pieces each)",
@@ -137,10 +199,10 @@ class PrefillGraphs:
         """Drops every graph (idempotent); eager steps from here on."""
         if self._graphs and self.kv_cache.device.type == "cuda":
             torch.cuda.synchronize(self.kv_cache.device)  # no replay may still use the pool
-        for pieces in self._graphs.values():
-            for g in pieces:
-                g.reset()
+        for g in [*(g for pieces in self._graphs.values() for g in pieces), *self._whole.values()]:
+            g.reset()
         self._graphs.clear()
+        self._whole.clear()
         self.pool = None
 
     # ---- a step -------------------------------------------------------------------------------
@@ -166,6 +228,22 @@ class PrefillGraphs:
         self.positions[t:n].zero_()
         self.slot_mapping[t:n].fill_(NULL_SLOT)
         self.attn[t:n].zero_()  # attention never writes padding rows: keep them finite
+        whole = (
+            n in self.whole_sizes
+            and meta.block_tables.shape[0] <= WHOLE_SEQS
+            and self.on_layer_kv is None  # (streaming needs the layer boundaries)
+        )
+        if whole:
+            self._load_meta(meta)
+            graph = self._whole.get(n)
+            if graph is not None:
+                graph.replay()
+            else:
+                self._whole_body(n)
+            self.num_steps += 1
+            self.num_whole += 1
+            self.num_replays += graph is not None
+            return self.model.final_logits(self.hidden[:t], self.residual[:t], rows)
         graphs = self._graphs.get(n)
         for i in range(self.num_layers + 1):
             if graphs is not None:
@@ -194,7 +272,9 @@ def capture_prefill_graphs(
     wanted = [s for s in (sizes or default_sizes(max_num_batched_tokens)) if s >= 1]
     if not wanted:
         return None
-    graphs = PrefillGraphs(runner.model, runner.kv_cache, runner.cos_sin, wanted)
+    graphs = PrefillGraphs(
+        runner.model, runner.kv_cache, runner.cos_sin, wanted, runner.max_blocks_per_seq
+    )
     with torch.cuda.device(runner.device):
         graphs.capture(pool)
     runner.prefill_graphs = graphs

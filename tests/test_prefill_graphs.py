@@ -12,7 +12,7 @@ import torch
 
 from splitserve.config.engine_config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
-from splitserve.engine.prefill_graphs import PrefillGraphs, default_sizes
+from splitserve.engine.prefill_graphs import WHOLE_SEQS, PrefillGraphs, default_sizes
 
 BS = 4
 SIZES = [16, 32, 64]
@@ -33,7 +33,7 @@ def pair(tiny_llama):
     """(eager runner, bucketed runner): same weights, separate KV pools."""
     bucketed = _runner(tiny_llama)
     bucketed.prefill_graphs = PrefillGraphs(
-        bucketed.model, bucketed.kv_cache, bucketed.cos_sin, SIZES
+        bucketed.model, bucketed.kv_cache, bucketed.cos_sin, SIZES, bucketed.max_blocks_per_seq
     )
     return _runner(tiny_llama), bucketed
 
@@ -74,10 +74,26 @@ def test_buckets():
 
 def test_packed_batches_of_mixed_lengths_match_the_eager_step(pair):
     rng = random.Random(1)
-    for lengths in ([1], [5, 17, 9], [16], [3, 3, 3, 3, 3], [40, 2, 20]):
+    graphs = pair[1].prefill_graphs
+    for lengths in ([1], [5, 17, 9], [16], [3, 3, 3, 3, 3], [40, 2, 20], [6, 1, 9, 30]):
         prompts = [_prompt(rng, n) for n in lengths]
         chunks = [PrefillChunk(p, 0, t) for p, t in zip(prompts, _tables(lengths))]
+        whole = graphs.num_whole
         _same_step(pair, chunks, bucketed_path=True)
+        # up to WHOLE_SEQS sequences: one whole step (attention inside); more: the pieces
+        assert graphs.num_whole == whole + (len(lengths) <= WHOLE_SEQS)
+
+
+def test_a_streaming_hook_keeps_the_pieces(pair):
+    graphs, seen = pair[1].prefill_graphs, []
+    graphs.on_layer_kv = seen.append
+    try:
+        whole = graphs.num_whole
+        _same_step(pair, [PrefillChunk(_prompt(random.Random(4), 12), 0, _tables([12])[0])], True)
+        assert graphs.num_whole == whole
+        assert seen == list(range(graphs.num_layers))
+    finally:
+        graphs.on_layer_kv = None
 
 
 def test_chunked_prompts_and_prefix_hits_match_the_eager_step(pair):
