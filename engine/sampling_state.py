@@ -26,8 +26,8 @@ from splitserve.kernels.dispatch import use_triton
 from splitserve.kernels.token_bitmask import apply_token_bitmask_
 from splitserve.request.sampling_params import MAX_LOGPROBS, SamplingParams
 
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "rep", "freq", "pres")
-_INT_FIELDS = ("top_k", "has_pen", "seed", "step", "min_tokens", "wants_logprobs")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "rep", "freq", "pres")
+INT_FIELDS = ("top_k", "has_pen", "seed", "step", "min_tokens", "wants_logprobs")
 
 
 def has_filters(p: SamplingParams) -> bool:
@@ -48,6 +48,58 @@ class RowInit:
 
 def _as_int64(seed: int) -> int:
     return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _put(values, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    t = torch.tensor(values, dtype=dtype)
+    return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)
+
+
+# a slot no row uses: plain greedy, no penalties (padding columns of staged writes)
+GREEDY_FLOATS = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
+
+
+def scalar_rows(rows: Sequence[RowInit], vocab: int) -> tuple[list[list], list[list]]:
+    """The slots' scalar fields from `rows`: floats in FLOAT_FIELDS order, ints in
+    INT_FIELDS order, one list per field."""
+    ps = [r.params for r in rows]
+    floats = [
+        [0.0 if p.is_greedy else max(p.temperature, sm.TINY) for p in ps],
+        [p.top_p for p in ps],
+        [p.min_p for p in ps],
+        [p.repetition_penalty for p in ps],
+        [p.frequency_penalty for p in ps],
+        [p.presence_penalty for p in ps],
+    ]
+    ints = [
+        # 0 = off; any k >= V keeps everything (and an int32 cannot hold every uint32 k)
+        [p.top_k if 0 < p.top_k < vocab else 0 for p in ps],
+        [int(p.needs_penalties) for p in ps],
+        [_as_int64(r.seed) for r in rows],
+        [r.step for r in rows],
+        [p.min_tokens for p in ps],
+        [int(p.logprobs is not None) for p in ps],
+    ]
+    return floats, ints
+
+
+def bias_rows(
+    ps: Sequence[SamplingParams], eos: Sequence[int], width: int, ban_width: int
+) -> tuple[list[list[int]], list[list[float]]] | None:
+    """Per row: bias ids then banned ids ([width + ban_width], 0 / -1 padded), and bias values
+    ([width]); None when no row has a bias or a ban (min_tokens bans EOS and stop ids)."""
+    bans_of = [
+        sorted({*(() if p.ignore_eos else eos), *p.stop_token_ids}) if p.min_tokens else []
+        for p in ps
+    ]
+    if not any(p.logit_bias for p in ps) and not any(bans_of):
+        return None
+    ids, vals = [], []
+    for p, bans in zip(ps, bans_of):
+        bias_ids = [t for t, _ in p.logit_bias] + [0] * (width - len(p.logit_bias))
+        vals.append([v for _, v in p.logit_bias] + [0.0] * (width - len(p.logit_bias)))
+        ids.append(bias_ids + bans + [-1] * (ban_width - len(bans)))
+    return ids, vals
 
 
 class SamplingState:
@@ -71,7 +123,7 @@ class SamplingState:
 
     def reset(self) -> None:
         """Every slot plain greedy (what capture runs on, and what the greedy slot stays)."""
-        for name in (*_FLOAT_FIELDS, *_INT_FIELDS):
+        for name in (*FLOAT_FIELDS, *INT_FIELDS):
             getattr(self, name).zero_()
         self.top_p.fill_(1.0)
         self.rep.fill_(1.0)
@@ -86,81 +138,47 @@ class SamplingState:
         them (a first token of a sampled request waits on this: it was 13 copies and 1.7 ms)."""
         if not slots:
             return
-        dev, pin = self.device, self.device.type == "cuda"
-
-        def put(values, dtype) -> torch.Tensor:
-            t = torch.tensor(values, dtype=dtype)
-            return (t.pin_memory() if pin else t).to(dev, non_blocking=True)
-
-        ps = [r.params for r in rows]
-        floats = [
-            [0.0 if p.is_greedy else max(p.temperature, sm.TINY) for p in ps],
-            [p.top_p for p in ps],
-            [p.min_p for p in ps],
-            [p.repetition_penalty for p in ps],
-            [p.frequency_penalty for p in ps],
-            [p.presence_penalty for p in ps],
-        ]  # in _FLOAT_FIELDS order
-        ints = [
-            # 0 = off; any k >= V keeps everything (and an int32 cannot hold every uint32 k)
-            [p.top_k if 0 < p.top_k < self.vocab else 0 for p in ps],
-            [int(p.needs_penalties) for p in ps],
-            [_as_int64(r.seed) for r in rows],
-            [r.step for r in rows],
-            [p.min_tokens for p in ps],
-            [int(p.logprobs is not None) for p in ps],
-            list(slots),
-        ]  # _INT_FIELDS order, then the slots
-        f_dev, i_dev = put(floats, torch.float32), put(ints, torch.int64)
+        floats, ints = scalar_rows(rows, self.vocab)
+        f_dev = _put(floats, torch.float32, self.device)
+        i_dev = _put([*ints, list(slots)], torch.int64, self.device)
         idx = i_dev[-1]
-        for name, vals in zip(_FLOAT_FIELDS, f_dev):
+        for name, vals in zip(FLOAT_FIELDS, f_dev):
             getattr(self, name).index_copy_(0, idx, vals)
-        for name, vals in zip(_INT_FIELDS, i_dev):
+        for name, vals in zip(INT_FIELDS, i_dev):
             t = getattr(self, name)
             t.index_copy_(0, idx, vals.to(t.dtype))
-        self._write_bias_and_bans(idx, ps, eos)
-        self.counts.index_fill_(0, idx, 0)
-        self.prompt_seen.index_fill_(0, idx, 0)
-        pen = [(s, r) for s, r in zip(slots, rows) if r.params.needs_penalties]
-        if pen:  # ids outside the vocabulary (a larger tokenizer's prompt) have no logit
-            out = [(s, t) for s, r in pen for t in r.output_token_ids if 0 <= t < self.vocab]
-            seen = [(s, t) for s, r in pen for t in r.prompt_token_ids if 0 <= t < self.vocab]
-            if out:
-                cell = put(out, torch.int64)
-                ones = torch.ones(len(out), dtype=torch.int32, device=dev)
-                self.counts.index_put_((cell[:, 0], cell[:, 1]), ones, accumulate=True)
-            if seen:
-                cell = put(seen, torch.int64)
-                self.prompt_seen[cell[:, 0], cell[:, 1]] = 1
-
-    def _write_bias_and_bans(
-        self, idx: torch.Tensor, ps: Sequence[SamplingParams], eos: Sequence[int]
-    ) -> None:
-        """Bias and banned ids of slots `idx`; cleared on the device when no row has any."""
         width, ban_w = self.bias_ids.shape[1], self.ban_ids.shape[1]
-        bans_of = [
-            sorted({*(() if p.ignore_eos else eos), *p.stop_token_ids}) if p.min_tokens else []
-            for p in ps
-        ]
-        if not any(p.logit_bias for p in ps) and not any(bans_of):
+        lists = bias_rows([r.params for r in rows], eos, width, ban_w)
+        if lists is None:  # no row has any: cleared on the device
             self.bias_ids.index_fill_(0, idx, 0)
             self.bias_vals.index_fill_(0, idx, 0.0)
             self.ban_ids.index_fill_(0, idx, -1)
+        else:
+            ids, vals = (
+                _put(lists[0], torch.int32, self.device),
+                _put(lists[1], torch.float32, self.device),
+            )
+            self.bias_ids.index_copy_(0, idx, ids[:, :width])
+            self.bias_vals.index_copy_(0, idx, vals)
+            self.ban_ids.index_copy_(0, idx, ids[:, width:])
+        self.counts.index_fill_(0, idx, 0)
+        self.prompt_seen.index_fill_(0, idx, 0)
+        self.write_penalty_tokens(slots, rows)
+
+    def write_penalty_tokens(self, slots: Sequence[int], rows: Sequence[RowInit]) -> None:
+        """Output-token counts and the prompt mask of the penalised rows' slots (zeroed before)."""
+        pen = [(s, r) for s, r in zip(slots, rows) if r.params.needs_penalties]
+        if not pen:  # ids outside the vocabulary (a larger tokenizer's prompt) have no logit
             return
-        bias_ids = [[0] * width for _ in ps]
-        bias_vals = [[0.0] * width for _ in ps]
-        bans = [[-1] * ban_w for _ in ps]
-        for i, p in enumerate(ps):
-            for j, (tok, val) in enumerate(p.logit_bias):
-                bias_ids[i][j], bias_vals[i][j] = tok, val
-            bans[i][: len(bans_of[i])] = bans_of[i]
-        dev, pin = self.device, self.device.type == "cuda"
-        ids = torch.tensor([b + k for b, k in zip(bias_ids, bans)], dtype=torch.int32)
-        vals = torch.tensor(bias_vals, dtype=torch.float32)
-        ids, vals = ((t.pin_memory() if pin else t).to(dev, non_blocking=True) for t in (ids, vals))
-        self.bias_ids.index_copy_(0, idx, ids[:, :width])
-        self.bias_vals.index_copy_(0, idx, vals)
-        self.ban_ids.index_copy_(0, idx, ids[:, width:])
+        out = [(s, t) for s, r in pen for t in r.output_token_ids if 0 <= t < self.vocab]
+        seen = [(s, t) for s, r in pen for t in r.prompt_token_ids if 0 <= t < self.vocab]
+        if out:
+            cell = _put(out, torch.int64, self.device)
+            ones = torch.ones(len(out), dtype=torch.int32, device=self.device)
+            self.counts.index_put_((cell[:, 0], cell[:, 1]), ones, accumulate=True)
+        if seen:
+            cell = _put(seen, torch.int64, self.device)
+            self.prompt_seen[cell[:, 0], cell[:, 1]] = 1
 
     @classmethod
     def from_rows(
