@@ -141,13 +141,15 @@ def run_runner(bench: Bench, runner, prompts) -> float:
     return bench.time(lambda: runner.prefill(chunks))
 
 
-def run_engine(bench: Bench, runner, cfg, prompts) -> float:
+def run_engine(bench: Bench, runner, cfg, prompts, sampled: bool = False) -> float:
+    """Greedy first tokens, or (`sampled`) the OpenAI defaults' (temperature 1, top-p 1)."""
     import asyncio
 
     from splitserve.prefill_worker.engine import PrefillEngine
     from splitserve.request.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    temperature = 1.0 if sampled else 0.0
+    params = SamplingParams(temperature=temperature, max_tokens=2, ignore_eos=True)
 
     async def all_prompts(engine, tag: str) -> None:
         results = await asyncio.gather(

@@ -3,6 +3,7 @@ registry so they appear on its /metrics next to the engine's."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -41,8 +42,16 @@ class KvTransferMetrics:
         )
 
     def log_transports(self) -> list[str]:
-        """Logs (and exports) the UCX transports this process may use; initializes UCX."""
+        """Logs (and exports) the UCX transports this process may use; initializes UCX, and
+        imports what ucxx's progress thread imports when it starts (cuda.core, for the CUDA
+        context it makes current): 0.2-0.3 s with the GIL held, which otherwise lands on the
+        first requests after SERVING (prefill) or on the first hand-over (decode)."""
         import ucxx
+
+        with contextlib.suppress(Exception):  # (no cuda-core: the thread fails alike later)
+            from ucxx._cuda_context import _get_device_class
+
+            _get_device_class()
 
         transports = sorted(ucxx.get_active_transports())
         for t in transports:

@@ -67,5 +67,6 @@ def test_benchmark_writes_the_fast_table_and_the_first_prompt_ratio(tiny_llama, 
     assert [r["case"] for r in result["results"]] == ["1x8", "2x8"]
     for row in result["results"]:
         assert row["ms"] > 0 and row["mfu"] > 0 and row["ratio_to_transformers"] > 0
+        assert row["sampled_ms"] > 0
     assert result["first_prompt_ratio"] > 0 and result["startup_s"] > 0
     assert result["serving_compilations"] == 0  # CPU: nothing compiles; the metric is scraped
