@@ -198,6 +198,12 @@ class ModelRunner:
                     ],
                 )
             )  # snapshots: the caller's lists may grow
+        if self.prefill_graphs is not None:  # few sequences: fused pieces (prefill_graphs.py)
+            rows = [c - 1 for c in cu[1:]]
+            tables = [c.block_table for c in chunks]
+            logits = self.prefill_graphs.run_fused(ids, pos, slots, rows, cu, lens, tables)
+            if logits is not None:
+                return logits
         # two copies per step: the int64 lists, then the int32 ones
         ids_d, pos_d, slots_d, last = self._to_device_packed(
             [ids, pos, slots, [c - 1 for c in cu[1:]]], torch.int64

@@ -19,13 +19,15 @@ Every piece reads and writes static buffers sized to the largest bucket, so the 
 one memory pool (the decode graphs' pool in a decode worker) for their temporaries. The final
 norm + lm_head run eagerly on the sampled rows.
 
-A step of at most WHOLE_SEQS sequences in a bucket up to WHOLE_MAX_TOKENS is one graph instead
-(a "whole step": the same pieces with each layer's attention captured between them), reading
-static metadata (cu_seqlens / context_lens / block tables of WHOLE_SEQS rows, the unused ones
-with no tokens) that `run` fills by device copies; with `on_layer_kv` set, steps keep the
-pieces, whose boundaries it needs. `on_layer_kv(i)`, when set, is called right
-after piece i has written layer i's KV (a place for per-layer-group CUDA events: a KV
-hand-over that streams layers as they finish). Without CUDA, or before `capture`, `run` runs
+A step of at most FUSED_SEQS sequences in a bucket up to FUSED_MAX_TOKENS runs "fused" pieces
+instead (`run_fused`, from the host lists): the same pieces with each layer's attention
+captured after its pre-attention part, reading static inputs and metadata (cu_seqlens /
+context_lens / block tables of FUSED_SEQS rows, the unused ones without tokens) that two pinned
+copies fill (prefill_graph_inputs.py).
+
+`on_layer_kv(i)`, when set, is called right after piece i has written layer i's KV (and, in
+fused pieces, run its attention): a place for per-layer-group CUDA events, for a KV hand-over
+that streams layers as they finish. Without CUDA, or before `capture`, `run` runs
 the same pieces eagerly on the padded buffers (the CPU tests check that path against the plain
 eager step). Steps above the largest bucket, tensor-parallel runners and --no-cuda-graph keep
 the plain eager path (model_runner.py).
@@ -39,15 +41,18 @@ from collections.abc import Callable, Sequence
 import torch
 
 from splitserve.engine.attention_metadata import AttentionMetadata
+from splitserve.engine.prefill_graph_inputs import NULL_SLOT, FusedInputs
 
 log = logging.getLogger(__name__)
 
-NULL_SLOT = 0  # slot 0 of the null block (block 0)
-# A step of at most WHOLE_SEQS sequences and WHOLE_MAX_TOKENS tokens replays one graph with the
-# attention inside (static metadata; the kernel's programs of padding sequences return at
-# once): launching 16 attention kernels from Python cost more than the GPU's work at 128 tokens
-WHOLE_SEQS = 4
-WHOLE_MAX_TOKENS = 1024
+# A step of at most FUSED_SEQS sequences in a bucket up to FUSED_MAX_TOKENS replays "fused"
+# pieces: each layer's attention captured in the piece that computes its q (static metadata; the
+# kernel's programs of sequences without tokens return at once). Launching 16 attention
+# kernels from Python cost more than the GPU's work at 128 tokens; one graph of the whole step
+# was worse still: its launch took 0.48 ms of the host before the GPU started (H200, ~2 us per
+# node), where pieces start the GPU after the first and launch the rest while it works.
+FUSED_SEQS = 4
+FUSED_MAX_TOKENS = 1024
 
 
 def default_sizes(max_tokens: int, smallest: int = 16, largest: int = 8192) -> list[int]:
@@ -85,14 +90,14 @@ class PrefillGraphs:
         self.q = torch.zeros(n, layer.num_heads, cfg.head_dim, dtype=dtype, device=dev)
         self.attn = torch.zeros(n, layer.num_heads, cfg.head_dim, dtype=dtype, device=dev)
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        # whole steps (attention inside): static metadata of up to WHOLE_SEQS sequences
-        i32, width = torch.int32, max_blocks or kv_cache.shape[2]
-        self.cu = torch.zeros(WHOLE_SEQS + 1, dtype=i32, device=dev)
-        self.lens = torch.zeros(WHOLE_SEQS, dtype=i32, device=dev)
-        self.tables = torch.zeros(WHOLE_SEQS, width, dtype=i32, device=dev)
-        self.whole_sizes = [s for s in self.sizes if s <= WHOLE_MAX_TOKENS]
-        self._whole: dict[int, torch.cuda.CUDAGraph] = {}
-        self.num_whole = 0  # steps run as whole steps (replayed or eager)
+        self.fused_sizes = [s for s in self.sizes if s <= FUSED_MAX_TOKENS]
+        self.fused = (
+            FusedInputs(self.fused_sizes[-1], FUSED_SEQS, max_blocks or kv_cache.shape[2], dev)
+            if self.fused_sizes
+            else None
+        )
+        self._fused_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.num_fused = 0  # steps run as fused pieces (replayed or eager)
         self.pool = None
         self.on_layer_kv: Callable[[int], None] | None = None
         self.num_steps = 0  # steps run through the buckets (replayed or padded eager)
@@ -107,10 +112,11 @@ class PrefillGraphs:
         return next((n for n in self.sizes if n >= num_tokens), 0)
 
     # ---- one piece (captured, or run eagerly) -----------------------------------------------
-    def _piece(self, n: int, i: int) -> None:
-        m = self.model
+    def _piece(self, n: int, i: int, inputs=None) -> None:
+        """`inputs`: whose input_ids / positions / slot_mapping (self, or the fused inputs)."""
+        m, src = self.model, inputs or self
         if i == 0:
-            hidden, residual = m._embed(self.input_ids[:n]), None
+            hidden, residual = m._embed(src.input_ids[:n]), None
         else:
             hidden, residual = m.layers[i - 1].post_attention(self.attn[:n], self.residual[:n])
         if i == self.num_layers:
@@ -119,38 +125,26 @@ class PrefillGraphs:
             return
         kv = self.kv_cache[i]
         q, residual = m.layers[i].pre_attention(
-            hidden, residual, self.positions[:n], self.cos_sin, kv[0], kv[1], self.slot_mapping[:n]
+            hidden, residual, src.positions[:n], self.cos_sin, kv[0], kv[1], src.slot_mapping[:n]
         )
         self.q[:n].copy_(q)
         self.residual[:n].copy_(residual)
 
-    def _whole_meta(self, n: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:n],
-            block_tables=self.tables,
-            context_lens=self.lens,
-            is_prefill=True,
-            cu_seqlens_q=self.cu,
-            max_query_len=n,
-        )
-
-    def _whole_body(self, n: int) -> None:
-        """Every piece with each layer's attention between them, on the static metadata."""
-        meta = self._whole_meta(n)
-        for i in range(self.num_layers + 1):
-            self._piece(n, i)
-            if i < self.num_layers:
-                kv, layer = self.kv_cache[i], self.model.layers[i]
-                layer.attention(self.q[:n], kv[0], kv[1], meta, out=self.attn[:n])
-
-    def _load_meta(self, meta: AttentionMetadata) -> None:
-        """The step's sequences into the static metadata; the rest get no tokens."""
-        b, w = meta.block_tables.shape
-        self.cu[: b + 1].copy_(meta.cu_seqlens_q)
-        self.cu[b + 1 :].copy_(meta.cu_seqlens_q[b].expand(WHOLE_SEQS - b))
-        self.lens[:b].copy_(meta.context_lens)
-        self.lens[b:].zero_()
-        self.tables[:b, :w].copy_(meta.block_tables)
+    def _fused_piece(self, n: int, i: int) -> None:
+        """Piece i on the fused inputs, then layer i's attention on their static metadata."""
+        f = self.fused
+        self._piece(n, i, f)
+        if i < self.num_layers:
+            meta = AttentionMetadata(
+                slot_mapping=f.slot_mapping[:n],
+                block_tables=f.tables,
+                context_lens=f.lens,
+                is_prefill=True,
+                cu_seqlens_q=f.cu,
+                max_query_len=n,
+            )
+            kv, layer = self.kv_cache[i], self.model.layers[i]
+            layer.attention(self.q[:n], kv[0], kv[1], meta, out=self.attn[:n])
 
     # ---- capture ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -170,8 +164,9 @@ class PrefillGraphs:
                 for _ in range(warmup_steps):
                     for i in range(self.num_layers + 1):
                         self._piece(n, i)
-            for n in self.whole_sizes:  # (no sequence: the attention programs return at once)
-                self._whole_body(n)
+            for n in self.fused_sizes:  # (no sequence: the attention programs return at once)
+                for i in range(self.num_layers + 1):
+                    self._fused_piece(n, i)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
@@ -183,11 +178,14 @@ class PrefillGraphs:
                     self._piece(n, i)
                 pieces.append(graph)
             self._graphs[n] = pieces
-        for n in reversed(self.whole_sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._whole_body(n)
-            self._whole[n] = graph
+        for n in reversed(self.fused_sizes):
+            pieces = []
+            for i in range(self.num_layers + 1):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self._fused_piece(n, i)
+                pieces.append(graph)
+            self._fused_graphs[n] = pieces
         torch.cuda.synchronize(dev)
         log.info(
             "captured piecewise prefill graphs for %s tokens (%d pieces each)",
@@ -199,10 +197,11 @@ class PrefillGraphs:
         """Drops every graph (idempotent); eager steps from here on."""
         if self._graphs and self.kv_cache.device.type == "cuda":
             torch.cuda.synchronize(self.kv_cache.device)  # no replay may still use the pool
-        for g in [*(g for pieces in self._graphs.values() for g in pieces), *self._whole.values()]:
-            g.reset()
-        self._graphs.clear()
-        self._whole.clear()
+        for table in (self._graphs, self._fused_graphs):
+            for pieces in table.values():
+                for g in pieces:
+                    g.reset()
+            table.clear()
         self.pool = None
 
     # ---- a step -------------------------------------------------------------------------------
@@ -228,22 +227,6 @@ class PrefillGraphs:
         self.positions[t:n].zero_()
         self.slot_mapping[t:n].fill_(NULL_SLOT)
         self.attn[t:n].zero_()  # attention never writes padding rows: keep them finite
-        whole = (
-            n in self.whole_sizes
-            and meta.block_tables.shape[0] <= WHOLE_SEQS
-            and self.on_layer_kv is None  # (streaming needs the layer boundaries)
-        )
-        if whole:
-            self._load_meta(meta)
-            graph = self._whole.get(n)
-            if graph is not None:
-                graph.replay()
-            else:
-                self._whole_body(n)
-            self.num_steps += 1
-            self.num_whole += 1
-            self.num_replays += graph is not None
-            return self.model.final_logits(self.hidden[:t], self.residual[:t], rows)
         graphs = self._graphs.get(n)
         for i in range(self.num_layers + 1):
             if graphs is not None:
@@ -259,6 +242,39 @@ class PrefillGraphs:
         self.num_steps += 1
         self.num_replays += graphs is not None
         return self.model.final_logits(self.hidden[:t], self.residual[:t], rows)
+
+    @torch.inference_mode()
+    def run_fused(
+        self,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        rows: Sequence[int],
+        cu: Sequence[int],
+        lens: Sequence[int],
+        tables: Sequence[Sequence[int]],
+    ) -> torch.Tensor | None:
+        """A step given as host lists (model_runner.prefill's), as fused pieces -> fp32 logits
+        of `rows`; None when it has too many tokens or sequences for them."""
+        n = self.bucket(len(ids))
+        if n not in self.fused_sizes or len(lens) > FUSED_SEQS:
+            return None
+        self.fused.load(n, ids, positions, slots, rows, cu, lens, tables)
+        graphs = self._fused_graphs.get(n)
+        for i in range(self.num_layers + 1):
+            if graphs is not None:
+                graphs[i].replay()
+            else:
+                self._fused_piece(n, i)
+            if i < self.num_layers and self.on_layer_kv is not None:
+                self.on_layer_kv(i)  # (layer i's KV and attention are done)
+        self.num_steps += 1
+        self.num_fused += 1
+        self.num_replays += graphs is not None
+        t = len(ids)
+        return self.model.final_logits(
+            self.hidden[:t], self.residual[:t], self.fused.rows[: len(rows)]
+        )
 
 
 def capture_prefill_graphs(

@@ -12,7 +12,7 @@ import torch
 
 from splitserve.config.engine_config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
-from splitserve.engine.prefill_graphs import WHOLE_SEQS, PrefillGraphs, default_sizes
+from splitserve.engine.prefill_graphs import FUSED_SEQS, PrefillGraphs, default_sizes
 
 BS = 4
 SIZES = [16, 32, 64]
@@ -78,20 +78,23 @@ def test_packed_batches_of_mixed_lengths_match_the_eager_step(pair):
     for lengths in ([1], [5, 17, 9], [16], [3, 3, 3, 3, 3], [40, 2, 20], [6, 1, 9, 30]):
         prompts = [_prompt(rng, n) for n in lengths]
         chunks = [PrefillChunk(p, 0, t) for p, t in zip(prompts, _tables(lengths))]
-        whole = graphs.num_whole
+        fused = graphs.num_fused
         _same_step(pair, chunks, bucketed_path=True)
-        # up to WHOLE_SEQS sequences: one whole step (attention inside); more: the pieces
-        assert graphs.num_whole == whole + (len(lengths) <= WHOLE_SEQS)
+        # up to FUSED_SEQS sequences: fused pieces (attention inside); more: the plain pieces
+        assert graphs.num_fused == fused + (len(lengths) <= FUSED_SEQS)
 
 
-def test_a_streaming_hook_keeps_the_pieces(pair):
+def test_the_streaming_hook_sees_every_layer_on_both_paths(pair):
     graphs, seen = pair[1].prefill_graphs, []
     graphs.on_layer_kv = seen.append
+    rng = random.Random(4)
     try:
-        whole = graphs.num_whole
-        _same_step(pair, [PrefillChunk(_prompt(random.Random(4), 12), 0, _tables([12])[0])], True)
-        assert graphs.num_whole == whole
-        assert seen == list(range(graphs.num_layers))
+        for lengths in ([12], [2, 2, 2, 2, 2]):  # fused, then plain pieces
+            seen.clear()
+            prompts = [_prompt(rng, n) for n in lengths]
+            chunks = [PrefillChunk(p, 0, t) for p, t in zip(prompts, _tables(lengths, first=70))]
+            _same_step(pair, chunks, True)
+            assert seen == list(range(graphs.num_layers))
     finally:
         graphs.on_layer_kv = None
 
