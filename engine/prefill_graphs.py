@@ -170,22 +170,19 @@ class PrefillGraphs:
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        for n in reversed(self.sizes):  # largest first: smaller ones reuse its pool memory
-            pieces = []
-            for i in range(self.num_layers + 1):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._piece(n, i)
-                pieces.append(graph)
-            self._graphs[n] = pieces
-        for n in reversed(self.fused_sizes):
-            pieces = []
-            for i in range(self.num_layers + 1):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    self._fused_piece(n, i)
-                pieces.append(graph)
-            self._fused_graphs[n] = pieces
+        # largest first: smaller ones reuse its pool memory
+        for table, sizes, body in (
+            (self._graphs, self.sizes, self._piece),
+            (self._fused_graphs, self.fused_sizes, self._fused_piece),
+        ):
+            for n in reversed(sizes):
+                pieces = []
+                for i in range(self.num_layers + 1):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        body(n, i)
+                    pieces.append(graph)
+                table[n] = pieces
         torch.cuda.synchronize(dev)
         log.info(
             "captured piecewise prefill graphs for %s tokens (%d pieces each)",
