@@ -78,6 +78,7 @@ class KvTransferServer:
         self.metrics = metrics or KvTransferMetrics()
         self.stream = TransferStream(kv_cache.device)
         self._listener = None
+        self.stream_sender = None  # a LayerStreamSender: serves KvPullRequest.stream (issue 32)
         self._handlers: dict[asyncio.Task, object] = {}  # handler task -> its accepted endpoint
 
     @property
@@ -126,6 +127,15 @@ class KvTransferServer:
         return kv_pb2.KvPullReply(status=status, message=message)
 
     async def _serve(self, ep, req: kv_pb2.KvPullRequest) -> None:
+        if req.stream:  # streamed pull: layer_stream_server.py
+            if self.stream_sender is None:
+                msg = "this prefill worker does not stream KV (kv_transfer.streaming off)"
+                await ep.send_obj(
+                    self._reply_error(kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, msg).SerializeToString()
+                )
+            else:
+                await self.stream_sender.serve_stream(ep, req, LeaseLookupError)
+            return
         try:
             check_compatible(req, self.spec)
             blocks = self.leases.begin_pull(req.lease_id, req.request_id)
