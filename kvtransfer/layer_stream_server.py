@@ -128,14 +128,11 @@ class LayerStreamSender:
         with self.metrics.sending.track_inprogress():
             while True:
                 item = await feed.next(timeout)
+                if hit and 0 < self.faults.stream_break_after_pieces <= sent:
+                    # tests only: the prefill side dies between two pieces (or before the last)
+                    raise ConnectionError("fault injected: stream broken between layer groups")
                 if isinstance(item, StreamEnd):
                     return await self._finish(ep, item, timeout), item.lease_id
-                if (
-                    hit
-                    and self.faults.stream_break_after_pieces
-                    and (sent >= self.faults.stream_break_after_pieces)
-                ):  # tests only: the prefill side dies between two layer groups
-                    raise ConnectionError("fault injected: stream broken between layer groups")
                 await self._send_piece(ep, item, timeout)
                 sent += 1
 

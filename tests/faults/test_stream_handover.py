@@ -1,0 +1,88 @@
+"""Streamed KV hand-over between real processes (router, prefill and decode workers over gRPC,
+KV over UCX/TCP): the same tokens as the pull after the prefill and as the offline oracle, for
+prompts of one chunk and of many (prefix-cache hits sent first); a full decode pool makes the
+stream wait (backpressure), nothing lost; a stream broken between two layer groups falls back to
+the pull with the same tokens. Every case ends with every block and lease free on both sides."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fault_helpers import metric, start_worker
+from router_helpers import (
+    assert_workers_free,
+    generate,
+    greedy,
+    ids_request,
+    router_config,
+    running_router,
+)
+
+from splitserve.request.sampling_params import SamplingParams
+
+PROMPTS = [[1] + [(11 * i) % 500 + 3 for i in range(60)], [1, 44, 45, 46, 200, 201, 202]]
+LONG = [1] + [(7 * i + 5) % 400 + 3 for i in range(150)]  # many chunks of 16 tokens
+
+
+async def _run(model, prefill, decode, prompts, max_tokens, streaming=True, prefix="s"):
+    cfg = router_config(model, [prefill], [decode], routing={"kv_streaming": streaming})
+    async with running_router(cfg) as (_, stub):
+        results = await asyncio.gather(
+            *(
+                generate(
+                    stub, ids_request(p, greedy(max_tokens, ignore_eos=True), f"{prefix}{i}"), 60
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
+    await assert_workers_free([prefill], [decode])
+    return results
+
+
+def _want(oracle, prompt, n):
+    return oracle(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)).token_ids
+
+
+def test_streamed_and_pulled_handovers_give_the_oracle_tokens(cluster, oracle, procs):
+    # chunks of 16 tokens: LONG takes ten prefill steps
+    p, pm = start_worker(procs, "prefill", cluster.model, None, "--max-num-batched-tokens", "16")
+    prefill, decode = p.address, cluster.decode
+    prompts = [*PROMPTS, LONG, LONG[:120] + [9, 9, 9]]  # the last one hits LONG's cached prefix
+    streamed = asyncio.run(_run(cluster.model, prefill, decode, prompts, 12))
+    pulled = asyncio.run(_run(cluster.model, prefill, decode, prompts, 12, False, "p"))
+    for p, s, q in zip(prompts, streamed, pulled):
+        assert s.tokens == q.tokens == _want(oracle, p, 12)
+        assert s.last.kv_handover.streamed and not s.last.kv_handover.recomputed
+        assert not q.last.kv_handover.streamed and not q.last.kv_handover.recomputed
+    assert metric(pm, "splitserve_prefill_stream_attach_wait_seconds_count") >= len(prompts)
+
+
+def test_full_decode_pool_makes_streams_wait_nothing_lost(cluster, oracle, procs):
+    # 15 usable blocks of 4 tokens: one 61-token prompt (16 blocks + growth) does not fit next
+    # to another; four at once must wait for each other's blocks
+    prefill, _ = start_worker(procs, "prefill", cluster.model, None, wait=False)
+    decode, dm = start_worker(procs, "decode", cluster.model, None, num_blocks=24, wait=False)
+    prefill.wait_serving()
+    decode.wait_serving()
+    prompts = [[1] + [(13 * i + k) % 300 + 3 for i in range(40)] for k in range(4)]
+    results = asyncio.run(_run(cluster.model, prefill.address, decode.address, prompts, 8))
+    for p, r in zip(prompts, results):
+        assert r.tokens == _want(oracle, p, 8)
+    assert metric(dm, "splitserve_decode_kv_reserve_waits_total") > 0
+    assert all(r.last.kv_handover.streamed for r in results)
+
+
+def test_stream_broken_between_layer_groups_falls_back_to_the_pull(cluster, oracle, procs):
+    faults = {"transfer": {"stream_break_after_pieces": 1, "request_id_prefix": "brk"}}
+    prefill, _ = start_worker(procs, "prefill", cluster.model, faults, wait=False)
+    decode, dm = start_worker(procs, "decode", cluster.model, None, wait=False)
+    prefill.wait_serving()
+    decode.wait_serving()
+    results = asyncio.run(
+        _run(cluster.model, prefill.address, decode.address, PROMPTS, 10, prefix="brk")
+    )
+    for p, r in zip(PROMPTS, results):
+        assert r.tokens == _want(oracle, p, 10)
+        hand = r.last.kv_handover
+        assert hand.stream_fallback == "peer_failed" and not hand.streamed, hand
+    assert metric(dm, "splitserve_kv_transfer_failures_total", reason="peer_failed") >= 2
