@@ -104,7 +104,7 @@ class StreamPuller:
                 self.metrics.kv_reserve_waits.inc()
                 log.info("%s: no room for %d blocks; waiting for them", request_id, num_blocks)
             if time.perf_counter() - start > self.reserve_wait_s:
-                self.client.metrics.failures.labels("pool_full").inc()
+                # not the pool_full failure: the pull after the prefill counts that if it recomputes
                 raise StreamFallback(
                     "pool_full", f"no room for {num_blocks} blocks within {self.reserve_wait_s:g}s"
                 )

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.kvtransfer.layer_stream_server import StreamEnd, StreamPiece
+from splitserve.kvtransfer.config import KvTransferConfig
+from splitserve.kvtransfer.descriptor import PoolSpec
+from splitserve.kvtransfer.layer_stream_server import LayerStreamSender, StreamEnd, StreamPiece
 from splitserve.kvtransfer.server import LeaseLookupError
 from splitserve.protos import kv_pb2
 
@@ -60,6 +62,7 @@ class StreamHub:
         self._step: list = []  # the step in flight: (seq, start, end, block ids)
         self._groups_done: list[tuple[int, int, object]] = []
         self._loop = asyncio.get_running_loop()
+        self.on_added = None  # the listener's expect_pull
 
     @property
     def block_size(self) -> int:
@@ -123,6 +126,8 @@ class StreamHub:
     def added(self, request_id: str) -> None:
         if (event := self.arrived.get(request_id)) is not None:
             event.set()
+        if self.on_added is not None:  # idle KV endpoints: a streamed pull may come now
+            self.on_added()
 
     def before_step(self, batch) -> None:
         self._groups_done = []
@@ -200,3 +205,24 @@ class StreamHub:
             len(self.done) > 4096 or leases.get(next(iter(self.done.values()))[0].lease_id) is None
         ):
             self.done.popitem(last=False)
+
+
+def attach_stream_hub(engine, kv_server, cfg: KvTransferConfig, spec: PoolSpec) -> StreamHub:
+    """Turns streamed hand-overs on for a started engine and its listener (after warm-up, so the
+    layer hook never fires inside it; tensor-parallel workers keep the pull after the prefill)."""
+    runner = engine.runner
+    hub = StreamHub(
+        engine,
+        runner.model_config.num_hidden_layers,
+        cfg.stream_layer_groups,
+        cfg.lease_request_timeout_s,
+    )
+    engine.stream_hub = hub
+    hub.on_added = kv_server.expect_pull
+    runner.model.on_layer_kv = hub.on_layer_kv
+    if runner.prefill_graphs is not None:
+        runner.prefill_graphs.on_layer_kv = hub.on_layer_kv
+    kv_server.stream_sender = LayerStreamSender(
+        runner.kv_cache, spec, hub, cfg, kv_server.faults, kv_server.metrics
+    )
+    return hub

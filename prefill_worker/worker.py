@@ -19,13 +19,12 @@ import logging
 
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.kvtransfer.descriptor import PoolSpec
-from splitserve.kvtransfer.layer_stream_server import LayerStreamSender
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.server import KvTransferServer
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.engine import PrefillEngine
 from splitserve.prefill_worker.kv_source import EngineLeaseSource
-from splitserve.prefill_worker.kv_stream import StreamHub
+from splitserve.prefill_worker.kv_stream import attach_stream_hub
 from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.prefill_worker.servicer import PrefillWorkerServicer
 from splitserve.prefill_worker.tp_follower import (
@@ -85,31 +84,13 @@ class PrefillWorker(WorkerSkeleton):
             metrics=KvTransferMetrics(self.metrics.registry),
         )
         if self.cfg.kv_transfer.streaming and not runner.tp.enabled:
-            self._start_streamed_handover(runner, spec)
+            attach_stream_hub(self.engine, self.kv_server, self.cfg.kv_transfer, spec)
+            self.servicer.kv_streaming = True
         self.servicer.kv_port = await self.kv_server.start()
         self.engine.leases.on_grant = self.kv_server.expect_pull  # wakes idle KV endpoints
         if runner.tp.enabled:
             self.servicer.shard_ports = [self.servicer.kv_port, *self._follower_ports]
         self.servicer.engine = self.engine
-
-    def _start_streamed_handover(self, runner: ModelRunner, spec: PoolSpec) -> None:
-        """Streamed hand-overs (kvtransfer/layer_stream_server.py): after warm-up, so the layer
-        hook never fires inside it. Tensor-parallel workers keep the pull after the prefill."""
-        kv = self.cfg.kv_transfer
-        hub = StreamHub(
-            self.engine,
-            runner.model_config.num_hidden_layers,
-            kv.stream_layer_groups,
-            kv.lease_request_timeout_s,
-        )
-        self.engine.stream_hub = hub
-        runner.model.on_layer_kv = hub.on_layer_kv
-        if runner.prefill_graphs is not None:
-            runner.prefill_graphs.on_layer_kv = hub.on_layer_kv
-        self.kv_server.stream_sender = LayerStreamSender(
-            runner.kv_cache, spec, hub, kv, self.kv_server.faults, self.kv_server.metrics
-        )
-        self.servicer.kv_streaming = True
 
     async def stop_engine(self) -> None:
         if self.kv_server is not None:

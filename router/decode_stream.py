@@ -108,6 +108,11 @@ class DecodeStream(GenerationBase):
                     self.decode_took_lease = True
                     if first is None:  # colocated: no transfer
                         self._observe_components(decode_queue=resp.queue_time_ms)
+                    elif resp.kv_streamed:  # overlapped with the prefill: not part of any sum
+                        self._observe_components(
+                            transfer_streamed=resp.transfer_time_ms,
+                            decode_queue=resp.queue_time_ms,
+                        )
                     else:
                         self._observe_components(
                             transfer=resp.transfer_time_ms, decode_queue=resp.queue_time_ms
