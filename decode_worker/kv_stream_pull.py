@@ -65,6 +65,7 @@ class StreamPuller:
             task.add_done_callback(
                 lambda t: (t.cancelled() or t.exception(), loop.release_blocks(ids))
             )
+            self.client.abort(request.request_id)  # the blocks go back once the receive ended
             raise
         except KvTransferError as exc:
             loop.release_blocks(ids)

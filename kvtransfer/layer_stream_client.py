@@ -56,6 +56,14 @@ class LayerStreamClient:
         self.pool = pool
         self.metrics = metrics
         self.stream = TransferStream(kv_cache.device)
+        self._live: dict[str, object] = {}  # request id -> the endpoint its stream uses
+
+    def abort(self, request_id: str) -> None:
+        """Ends a stream whose Decode was cancelled: its endpoint is aborted, so the pull fails at
+        once (its posted receive ends) instead of waiting for the prefill to finish."""
+        ep = self._live.get(request_id)
+        if ep is not None and not ep.closed:
+            ep.abort()
 
     async def pull(
         self, host: str, port: int, request_id: str, num_tokens: int, dest_blocks: list[int]
@@ -71,11 +79,14 @@ class LayerStreamClient:
     ) -> StreamResult:
         start = time.perf_counter()
         ep, _ = await self.pool.acquire(host, port)
+        self._live[request_id] = ep
         try:
             result = await self._exchange(ep, request_id, num_tokens, dest, start)
         except BaseException:
             ep.abort()  # half-used: it may hold stray messages
             raise
+        finally:
+            self._live.pop(request_id, None)
         self.pool.release(host, port, ep)
         self.metrics.seconds.observe(result.seconds)
         self.metrics.bytes.labels("received").inc(result.num_bytes)

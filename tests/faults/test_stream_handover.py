@@ -86,3 +86,22 @@ def test_stream_broken_between_layer_groups_falls_back_to_the_pull(cluster, orac
         hand = r.last.kv_handover
         assert hand.stream_fallback == "peer_failed" and not hand.streamed, hand
     assert metric(dm, "splitserve_kv_transfer_failures_total", reason="peer_failed") >= 2
+
+
+def test_first_token_that_ends_the_request_cancels_the_streamed_decode(cluster, oracle):
+    prompt = [1, 50, 60, 70]
+    ref = oracle(prompt, SamplingParams(temperature=0, max_tokens=8))
+    stop = oracle.tokenizer.decode(ref.token_ids[:1])
+
+    async def body():
+        cfg = router_config(cluster.model, [cluster.prefill], [cluster.decode])
+        async with running_router(cfg) as (_, stub):
+            one = await generate(stub, ids_request(prompt, greedy(1), "end-len"))
+            by_stop = await generate(stub, ids_request(prompt, greedy(8, stop=[stop]), "end-stop"))
+        await assert_workers_free([cluster.prefill], [cluster.decode])
+        return one, by_stop
+
+    one, by_stop = asyncio.run(body())
+    for res in (one, by_stop):
+        assert len(res.chunks) == 1 and res.tokens == ref.token_ids[:1]
+        assert res.last.usage.completion_tokens == 1

@@ -131,8 +131,12 @@ def test_first_token_that_ends_the_request_never_opens_decode(cluster, oracle):
     assert first_text == "til", "the first token needs whole characters for this test"
 
     async def body():
+        # the pull after the prefill: a streamed hand-over opens Decode with the prefill
+        # (tests/faults/test_stream_handover.py covers a first token that ends it there)
         async with running_router(
-            router_config(cluster.model, [cluster.prefill], [cluster.decode])
+            router_config(
+                cluster.model, [cluster.prefill], [cluster.decode], routing={"kv_streaming": False}
+            )
         ) as (r, stub):
             before = await worker_load(cluster.decode, "decode")
             one = await generate(stub, ids_request(prompt, greedy(1)))  # prefill says LENGTH
