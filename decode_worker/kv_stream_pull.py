@@ -111,3 +111,32 @@ class StreamPuller:
                 )
             await asyncio.sleep(wait)
             wait = min(2 * wait, _POLL_S[1])
+
+
+def check_stream_request(
+    request: worker_pb2.DecodeRequest, engine, streaming: bool, first: int | None
+) -> None:
+    """DecodeRequest.kv_stream validated before any block is reserved."""
+    src = request.kv_stream
+    if not streaming:
+        raise RequestError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this decode worker does not take streamed hand-overs (kv_transfer.streaming off "
+            "or tensor parallel); send kv and first_token_id instead",
+        )
+    if first is not None or (request.HasField("kv") and request.kv.lease_id):
+        raise RequestError.invalid(
+            "kv_stream is set with first_token_id or kv; a streamed hand-over gets the first "
+            "token from the stream: send either kv_stream alone or kv with first_token_id"
+        )
+    if not src.address.host or not src.address.port:
+        raise RequestError.invalid(
+            "kv_stream.address needs the prefill worker's UCX host and port "
+            "(its GetLoad kv_address)"
+        )
+    if src.model_compat_hash != engine.runner.compat_hash:
+        raise RequestError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"kv_stream: the prefill worker's model_compat_hash {src.model_compat_hash[:80]!r} "
+            "differs from this worker's (GetLoad.model_compat_hash tells compatible workers)",
+        )

@@ -23,7 +23,11 @@ import grpc
 
 from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.decode_worker.kv_pull import KvPuller
-from splitserve.decode_worker.kv_stream_pull import StreamFallback, StreamPuller
+from splitserve.decode_worker.kv_stream_pull import (
+    StreamFallback,
+    StreamPuller,
+    check_stream_request,
+)
 from splitserve.decode_worker.sequence import DecodeInput, StepOutput
 from splitserve.decode_worker.stop_strings import StopStringFilter
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
@@ -225,7 +229,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 f"(size {engine.vocab_size}); pass the token the prefill worker returned"
             )
         if request.HasField("kv_stream"):
-            self._check_stream(request, engine, first)
+            check_stream_request(request, engine, self.streamer is not None, first)
         elif request.HasField("kv") and request.kv.lease_id:
             if first is None:
                 raise RequestError.invalid(
@@ -236,31 +240,6 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         # too big for the whole pool: RESOURCE_EXHAUSTED (no retry hint) before any KV is pulled
         engine.scheduler.check_fits(len(request.prompt_token_ids), params.max_tokens)
         return DecodeInput(request.request_id, list(request.prompt_token_ids), first, params)
-
-    def _check_stream(self, request: worker_pb2.DecodeRequest, engine, first: int | None) -> None:
-        src = request.kv_stream
-        if self.streamer is None:
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "this decode worker does not take streamed hand-overs (kv_transfer.streaming off "
-                "or tensor parallel); send kv and first_token_id instead",
-            )
-        if first is not None or (request.HasField("kv") and request.kv.lease_id):
-            raise RequestError.invalid(
-                "kv_stream is set with first_token_id or kv; a streamed hand-over gets the first "
-                "token from the stream: send either kv_stream alone or kv with first_token_id"
-            )
-        if not src.address.host or not src.address.port:
-            raise RequestError.invalid(
-                "kv_stream.address needs the prefill worker's UCX host and port "
-                "(its GetLoad kv_address)"
-            )
-        if src.model_compat_hash != engine.runner.compat_hash:
-            raise RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"kv_stream: the prefill worker's model_compat_hash {src.model_compat_hash[:80]!r} "
-                "differs from this worker's (GetLoad.model_compat_hash tells compatible workers)",
-            )
 
     @staticmethod
     def _check_handle(kv: kv_pb2.KvHandle, prompt_len: int, engine) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
+import pytest
 from fault_helpers import metric, start_worker
 from router_helpers import (
     assert_workers_free,
@@ -18,6 +20,7 @@ from router_helpers import (
     running_router,
 )
 
+from splitserve.protos import kv_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.request.sampling_params import SamplingParams
 
 PROMPTS = [[1] + [(11 * i) % 500 + 3 for i in range(60)], [1, 44, 45, 46, 200, 201, 202]]
@@ -105,3 +108,38 @@ def test_first_token_that_ends_the_request_cancels_the_streamed_decode(cluster, 
     for res in (one, by_stop):
         assert len(res.chunks) == 1 and res.tokens == ref.token_ids[:1]
         assert res.last.usage.completion_tokens == 1
+
+
+def test_bad_kv_stream_requests_get_a_clear_status_and_hold_nothing(cluster):
+    stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(cluster.decode))
+    load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+    assert load.kv_streaming
+    good = worker_pb2.KvStreamSource(
+        address=kv_pb2.UcxAddress(host="127.0.0.1", port=1),
+        model_compat_hash=load.model_compat_hash,
+    )
+    cases = [
+        (
+            dict(kv_stream=good, first_token_id=5),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "first_token_id",
+        ),
+        (
+            dict(kv_stream=worker_pb2.KvStreamSource(model_compat_hash=load.model_compat_hash)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "address",
+        ),  # fmt: skip
+        (
+            dict(kv_stream=worker_pb2.KvStreamSource(address=good.address, model_compat_hash="x")),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "model_compat_hash",
+        ),  # fmt: skip
+    ]
+    for fields, code, word in cases:
+        req = worker_pb2.DecodeRequest(
+            request_id="bad-stream", prompt_token_ids=[1, 2, 3], sampling=greedy(4), **fields
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Decode(req, timeout=30))
+        assert err.value.code() == code and word in err.value.details(), err.value.details()
+    asyncio.run(assert_workers_free([], [cluster.decode]))
