@@ -12,6 +12,9 @@
     verify checksum, unpack into its blocks
     KvPullDone(ok) ────────────────────────────────▶ release the lease (blocks freed or cached)
 
+A KvPullRequest with `stream` set is a streamed pull (the KV of a request still being prefilled,
+layer group by layer group): layer_stream_server.py, handed over in `_serve`.
+
 One pull owns an endpoint at a time, so messages of two pulls never interleave; an endpoint
 serves pulls one after another until the peer closes it.
 """
