@@ -28,7 +28,11 @@ class KvTransferConfig(BaseModel):
         "workers always use the pull after the prefill); off: that pull for every request",
     )
     stream_layer_groups: int = Field(
-        4, ge=1, description="streamed hand-over: pieces per prefill step (layer groups)"
+        64,
+        ge=1,
+        description="streamed hand-over: pieces per prefill step (layer groups, at most one "
+        "per layer: the default sends each layer as soon as it is written, so only the last "
+        "layer's transfer is left when the step ends)",
     )
     stream_reserve_wait_s: float = Field(
         10.0,

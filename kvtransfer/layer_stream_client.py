@@ -128,7 +128,7 @@ class LayerStreamClient:
             raise self._refused(reply.status, reply.message)
         nbytes = 0
         device = self.kv_cache.device
-        dest_ids = torch.tensor(dest, dtype=torch.int64)
+        dest_ids = torch.tensor(dest, dtype=torch.int64).to(device, non_blocking=True)
         while True:
             head = await self._recv_obj(
                 ep, cfg.data_timeout_s, "stream piece", kv_pb2.KvStreamPiece
@@ -144,7 +144,7 @@ class LayerStreamClient:
                 return StreamResult(
                     head.first_token_id, head.finished, nbytes, landed - start, landed
                 )
-            nbytes += await self._land(ep, head, dest_ids.to(device, non_blocking=True))
+            nbytes += await self._land(ep, head, dest_ids)
 
     async def _land(self, ep, head: kv_pb2.KvStreamPiece, dest_ids: torch.Tensor) -> int:
         s = self.spec
