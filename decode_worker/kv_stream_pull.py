@@ -65,7 +65,8 @@ class StreamPuller:
             task.add_done_callback(
                 lambda t: (t.cancelled() or t.exception(), loop.release_blocks(ids))
             )
-            self.client.abort(request.request_id)  # the blocks go back once the receive ended
+            if not task.done():  # the blocks go back once its receive ended
+                self.client.abort(request.request_id)
             raise
         except KvTransferError as exc:
             loop.release_blocks(ids)

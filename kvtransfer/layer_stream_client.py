@@ -57,12 +57,15 @@ class LayerStreamClient:
         self.metrics = metrics
         self.stream = TransferStream(kv_cache.device)
         self._live: dict[str, object] = {}  # request id -> the endpoint its stream uses
+        self._cancelled: set[str] = set()  # aborted before their endpoint was connected
 
     def abort(self, request_id: str) -> None:
         """Ends a stream whose Decode was cancelled: its endpoint is aborted, so the pull fails at
         once (its posted receive ends) instead of waiting for the prefill to finish."""
         ep = self._live.get(request_id)
-        if ep is not None and not ep.closed:
+        if ep is None:
+            self._cancelled.add(request_id)  # still connecting: it stops once connected
+        elif not ep.closed:
             ep.abort()
 
     async def pull(
@@ -78,7 +81,15 @@ class LayerStreamClient:
         self, host: str, port: int, request_id: str, num_tokens: int, dest: list[int]
     ) -> StreamResult:
         start = time.perf_counter()
-        ep, _ = await self.pool.acquire(host, port)
+        try:
+            ep, _ = await self.pool.acquire(host, port)
+        except BaseException:
+            self._cancelled.discard(request_id)
+            raise
+        if request_id in self._cancelled:
+            self._cancelled.discard(request_id)
+            self.pool.release(host, port, ep)  # unused: still good for the next pull
+            raise KvTransferError("cancelled", "the Decode call was cancelled")
         self._live[request_id] = ep
         try:
             result = await self._exchange(ep, request_id, num_tokens, dest, start)
