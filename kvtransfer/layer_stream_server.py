@@ -138,6 +138,8 @@ class LayerStreamSender:
 
     async def _send_piece(self, ep, piece: StreamPiece, timeout: float) -> None:
         stream = self.stream.stream
+        if stream is not None and piece.event is None:
+            self.stream.after_engine()  # computed by earlier steps, maybe still queued
         with self.stream.context():
             if stream is not None and piece.event is not None:
                 stream.wait_event(piece.event)  # that group's KV write on the prefill stream

@@ -50,14 +50,17 @@ def test_streamed_and_pulled_handovers_give_the_oracle_tokens(cluster, oracle, p
     # chunks of 16 tokens: LONG takes ten prefill steps
     p, pm = start_worker(procs, "prefill", cluster.model, None, "--max-num-batched-tokens", "16")
     prefill, decode = p.address, cluster.decode
-    prompts = [*PROMPTS, LONG, LONG[:120] + [9, 9, 9]]  # the last one hits LONG's cached prefix
+    prompts = [*PROMPTS, LONG]
+    hit = [LONG[:120] + [9, 9, 9]]  # after LONG: its cached prefix blocks go first in the stream
     streamed = asyncio.run(_run(cluster.model, prefill, decode, prompts, 12))
-    pulled = asyncio.run(_run(cluster.model, prefill, decode, prompts, 12, False, "p"))
-    for p, s, q in zip(prompts, streamed, pulled):
+    streamed += asyncio.run(_run(cluster.model, prefill, decode, hit, 12, prefix="hit"))
+    pulled = asyncio.run(_run(cluster.model, prefill, decode, prompts + hit, 12, False, "p"))
+    for p, s, q in zip(prompts + hit, streamed, pulled):
         assert s.tokens == q.tokens == _want(oracle, p, 12)
         assert s.last.kv_handover.streamed and not s.last.kv_handover.recomputed
         assert not q.last.kv_handover.streamed and not q.last.kv_handover.recomputed
-    assert metric(pm, "splitserve_prefill_stream_attach_wait_seconds_count") >= len(prompts)
+    assert streamed[-1].last.usage.cached_prompt_tokens >= 100  # the prefix-cache hit
+    assert metric(pm, "splitserve_prefill_stream_attach_wait_seconds_count") >= len(streamed)
 
 
 def test_full_decode_pool_makes_streams_wait_nothing_lost(cluster, oracle, procs):
