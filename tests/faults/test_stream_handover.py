@@ -146,3 +146,32 @@ def test_bad_kv_stream_requests_get_a_clear_status_and_hold_nothing(cluster):
             list(stub.Decode(req, timeout=30))
         assert err.value.code() == code and word in err.value.details(), err.value.details()
     asyncio.run(assert_workers_free([], [cluster.decode]))
+
+
+def test_broken_stream_then_failed_pull_recomputes_or_fails_per_policy(cluster, oracle, procs):
+    # the stream breaks, the pull it falls back to fails its checksum: then the policy decides
+    faults = {"transfer": {"stream_break_after_pieces": 1, "corrupt_payload": True}}
+    prefill, _ = start_worker(procs, "prefill", cluster.model, faults, wait=False)
+    again, _ = start_worker(procs, "decode", cluster.model, None, wait=False)
+    strict, _ = start_worker(
+        procs, "decode", cluster.model, None, "--kv-failure-policy", "fail", wait=False
+    )
+    for w in (prefill, again, strict):
+        w.wait_serving()
+    prompt = PROMPTS[0]
+    [recomputed] = asyncio.run(_run(cluster.model, prefill.address, again.address, [prompt], 6))
+    assert recomputed.tokens == _want(oracle, prompt, 6)
+    hand = recomputed.last.kv_handover
+    assert (hand.stream_fallback, hand.recomputed, hand.reason) == ("peer_failed", True, "checksum")
+
+    async def failed():
+        cfg = router_config(cluster.model, [prefill.address], [strict.address])
+        async with running_router(cfg) as (_, stub):
+            req = ids_request(prompt, greedy(6, ignore_eos=True), "strict")
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(stub, req, 60)
+        await assert_workers_free([prefill.address], [strict.address])
+        return err.value
+
+    err = asyncio.run(failed())
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "checksum" in err.details(), err.details()
