@@ -133,10 +133,10 @@ class LayerStreamSender:
                     raise ConnectionError("fault injected: stream broken between layer groups")
                 if isinstance(item, StreamEnd):
                     return await self._finish(ep, item, timeout), item.lease_id
-                await self._send_piece(ep, item, timeout)
+                await self._send_piece(ep, item, timeout, hit and self.faults.corrupt_payload)
                 sent += 1
 
-    async def _send_piece(self, ep, piece: StreamPiece, timeout: float) -> None:
+    async def _send_piece(self, ep, piece: StreamPiece, timeout: float, corrupt: bool) -> None:
         stream = self.stream.stream
         if stream is not None and piece.event is None:
             self.stream.after_engine()  # computed by earlier steps, maybe still queued
@@ -150,6 +150,8 @@ class LayerStreamSender:
             checksum = payload_checksum_async(data) if self.config.verify_checksum else None
         await self.stream.wait()
         payload = data.reshape(-1).view(torch.uint8)
+        if corrupt:  # tests only: flipped after the checksum, like the pull's corrupt_payload
+            payload[: min(64, payload.numel())] ^= 0x5A
         header = kv_pb2.KvStreamPiece(
             layer_start=piece.layer_start,
             layer_end=piece.layer_end,

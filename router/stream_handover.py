@@ -82,6 +82,9 @@ class StreamedHandover(DecodeStream):
         except StreamFellBack as fb:
             self.stream_fallback = fb.reason
         except _DecodeRefused as refused:
+            others = [x for x in self.ctx.registry.healthy(DECODE) if x.address != w.address]
+            if not (self.ctx.cfg.routing.decode_retry and others):
+                raise refused.error from None
             self.stream_fallback = "decode_unavailable"
             log.warning(
                 "%s: streamed decode on %s UNAVAILABLE (%s); pulling after the prefill",

@@ -148,9 +148,10 @@ def test_bad_kv_stream_requests_get_a_clear_status_and_hold_nothing(cluster):
     asyncio.run(assert_workers_free([], [cluster.decode]))
 
 
-def test_broken_stream_then_failed_pull_recomputes_or_fails_per_policy(cluster, oracle, procs):
-    # the stream breaks, the pull it falls back to fails its checksum: then the policy decides
-    faults = {"transfer": {"stream_break_after_pieces": 1, "corrupt_payload": True}}
+def test_corrupt_stream_then_failed_pull_recomputes_or_fails_per_policy(cluster, oracle, procs):
+    # a corrupted stream piece fails its checksum, so does the pull it falls back to: then the
+    # policy decides
+    faults = {"transfer": {"corrupt_payload": True}}
     prefill, _ = start_worker(procs, "prefill", cluster.model, faults, wait=False)
     again, _ = start_worker(procs, "decode", cluster.model, None, wait=False)
     strict, _ = start_worker(
@@ -162,7 +163,7 @@ def test_broken_stream_then_failed_pull_recomputes_or_fails_per_policy(cluster, 
     [recomputed] = asyncio.run(_run(cluster.model, prefill.address, again.address, [prompt], 6))
     assert recomputed.tokens == _want(oracle, prompt, 6)
     hand = recomputed.last.kv_handover
-    assert (hand.stream_fallback, hand.recomputed, hand.reason) == ("peer_failed", True, "checksum")
+    assert (hand.stream_fallback, hand.recomputed, hand.reason) == ("checksum", True, "checksum")
 
     async def failed():
         cfg = router_config(cluster.model, [prefill.address], [strict.address])
