@@ -126,6 +126,8 @@ class LayerStreamSender:
         hit = self.faults.hits(req.request_id)
         sent = 0
         with self.metrics.sending.track_inprogress():
+            if hit and self.faults.stall_before_payload_s:  # tests only: a stall before any piece
+                await asyncio.sleep(self.faults.stall_before_payload_s)
             while True:
                 item = await feed.next(timeout)
                 if hit and 0 < self.faults.stream_break_after_pieces <= sent:
