@@ -133,9 +133,8 @@ class KvTransferServer:
         if req.stream:  # streamed pull: layer_stream_server.py
             if self.stream_sender is None:
                 msg = "this prefill worker does not stream KV (kv_transfer.streaming off)"
-                await ep.send_obj(
-                    self._reply_error(kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, msg).SerializeToString()
-                )
+                reply = self._reply_error(kv_pb2.KV_PULL_STATUS_ABORTED, msg)  # falls back
+                await ep.send_obj(reply.SerializeToString())
             else:
                 await self.stream_sender.serve_stream(ep, req, LeaseLookupError)
             return
