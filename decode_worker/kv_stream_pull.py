@@ -21,6 +21,7 @@ import time
 
 import grpc
 
+from splitserve.decode_worker.config import DecodeFaults
 from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.kvtransfer.errors import KvTransferError
 from splitserve.kvtransfer.layer_stream_client import LayerStreamClient, StreamResult
@@ -40,10 +41,17 @@ class StreamFallback(Exception):
 
 
 class StreamPuller:
-    def __init__(self, client: LayerStreamClient, reserve_wait_s: float, metrics) -> None:
+    def __init__(
+        self,
+        client: LayerStreamClient,
+        reserve_wait_s: float,
+        metrics,
+        faults: DecodeFaults | None = None,
+    ) -> None:
         self.client = client
         self.reserve_wait_s = reserve_wait_s
         self.metrics = metrics
+        self.faults = faults or DecodeFaults()
 
     async def pull(
         self, request: worker_pb2.DecodeRequest, loop: EngineLoop
@@ -53,6 +61,12 @@ class StreamPuller:
         num_tokens = len(request.prompt_token_ids)
         num_blocks = -(-num_tokens // self.client.spec.block_size)
         ids = await self._reserve(loop, num_blocks, request.request_id)
+        if delay := self.faults.pull_delay(request.request_id):  # tests only: held, blocks reserved
+            try:
+                await asyncio.sleep(delay)
+            except BaseException:
+                loop.release_blocks(ids)
+                raise
         src = request.kv_stream.address
         # its own task: a cancelled caller must not leave UCX writing into a buffer it freed; the
         # task ends on its own timeouts (or the endpoint's abort) and only then are blocks freed

@@ -107,7 +107,10 @@ class DecodeWorker(WorkerSkeleton):
                 runner.kv_cache, spec, self.cfg.kv_transfer, client.pool, kv_metrics
             )
             self.servicer.streamer = StreamPuller(
-                stream_client, self.cfg.kv_transfer.stream_reserve_wait_s, self.engine.metrics
+                stream_client,
+                self.cfg.kv_transfer.stream_reserve_wait_s,
+                self.engine.metrics,
+                self.cfg.faults,
             )
         kv_metrics.log_transports()
 
