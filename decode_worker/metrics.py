@@ -66,6 +66,17 @@ class DecodeMetrics:
         self.waiting = Gauge(
             "splitserve_decode_waiting", "Sequences queued for admission", registry=r
         )
+        self.kv_reserve_waits = Counter(
+            "splitserve_decode_kv_reserve_waits_total",
+            "streamed hand-overs that found the pool short and waited for blocks (backpressure)",
+            registry=r,
+        )
+        self.kv_reserve_wait_seconds = Histogram(
+            "splitserve_decode_kv_reserve_wait_seconds",
+            "streamed hand-over: time to reserve the prompt's blocks (waits while the pool is full)",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
         self.preemptions = Counter(
             "splitserve_decode_preemptions", "Sequences preempted for recompute", registry=r
         )

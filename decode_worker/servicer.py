@@ -23,6 +23,11 @@ import grpc
 
 from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.decode_worker.kv_pull import KvPuller
+from splitserve.decode_worker.kv_stream_pull import (
+    StreamFallback,
+    StreamPuller,
+    check_stream_request,
+)
 from splitserve.decode_worker.sequence import DecodeInput, StepOutput
 from splitserve.decode_worker.stop_strings import StopStringFilter
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
@@ -87,6 +92,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.puller: KvPuller | None = (
             None  # set after the graphs are captured (docs/architecture.md: capture before UCX)
         )
+        self.streamer: StreamPuller | None = None  # streamed hand-overs (kv_stream_pull.py)
         self._outbox: _Outbox | None = None
         self._streams: dict[
             asyncio.Queue, str
@@ -119,6 +125,22 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 inp = dataclasses.replace(inp, matcher=matcher)
         except RequestError as err:
             await err.abort(context)
+        block_ids = None
+        transfer_s = 0.0
+        recomputed, why, streamed = False, "", False
+        if request.HasField("kv_stream"):  # the KV arrives while the prompt is prefilled
+            start = time.perf_counter()
+            try:
+                block_ids, result = await self.streamer.pull(request, loop)
+            except StreamFallback as fb:  # nothing held: the router falls back to the pull
+                yield worker_pb2.DecodeResponse(kv_stream_fallback=fb.reason or "failed")
+                return
+            except RequestError as err:
+                await err.abort(context)
+            if block_ids is None:  # the first token ended it: the router finishes the request
+                return
+            transfer_s, streamed = time.perf_counter() - start, True
+            inp = dataclasses.replace(inp, first_token_id=result.first_token_id)
         stops = (
             StopStringFilter(
                 loop.engine.tokenizer, inp.prompt_token_ids, inp.params, inp.first_token_id
@@ -126,9 +148,6 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if inp.params.stop
             else None
         )
-        block_ids = None
-        transfer_s = 0.0
-        recomputed, why = False, ""
         if request.HasField("kv") and request.kv.lease_id and self.puller is not None:
             start = time.perf_counter()
             try:
@@ -157,6 +176,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 resp.transfer_time_ms = transfer_s * 1000
                 resp.kv_recomputed = recomputed
                 resp.kv_recompute_reason = why
+                resp.kv_streamed = streamed
                 resp.queue_time_ms = (first_out_at - submitted) * 1000
             return resp
 
@@ -208,7 +228,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 f"first_token_id {first} is outside the vocabulary "
                 f"(size {engine.vocab_size}); pass the token the prefill worker returned"
             )
-        if request.HasField("kv") and request.kv.lease_id:
+        if request.HasField("kv_stream"):
+            check_stream_request(request, engine, self.streamer is not None, first)
+        elif request.HasField("kv") and request.kv.lease_id:
             if first is None:
                 raise RequestError.invalid(
                     "kv is set but first_token_id is not; pass the first token the prefill "
@@ -277,4 +299,5 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         load.total_blocks = snap.total_blocks
         load.block_size = engine.runner.block_size
         load.model_compat_hash = engine.runner.compat_hash
+        load.kv_streaming = self.streamer is not None
         return load

@@ -18,11 +18,13 @@ from splitserve.decode_worker.config import DecodeWorkerConfig
 from splitserve.decode_worker.engine import DecodeEngine
 from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.decode_worker.kv_pull import KvPuller
+from splitserve.decode_worker.kv_stream_pull import StreamPuller
 from splitserve.decode_worker.metrics import DecodeMetrics
 from splitserve.decode_worker.servicer import DecodeWorkerServicer
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.kvtransfer.client import KvTransferClient
 from splitserve.kvtransfer.descriptor import PoolSpec
+from splitserve.kvtransfer.layer_stream_client import LayerStreamClient
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import worker_pb2, worker_pb2_grpc
 from splitserve.request.errors import RequestError
@@ -100,6 +102,16 @@ class DecodeWorker(WorkerSkeleton):
         self.servicer.puller = KvPuller(
             client, self.cfg.kv_transfer.failure_policy, self.cfg.faults
         )
+        if self.cfg.kv_transfer.streaming and not runner.tp.enabled:  # TP: the classic pull
+            stream_client = LayerStreamClient(
+                runner.kv_cache, spec, self.cfg.kv_transfer, client.pool, kv_metrics
+            )
+            self.servicer.streamer = StreamPuller(
+                stream_client,
+                self.cfg.kv_transfer.stream_reserve_wait_s,
+                self.engine.metrics,
+                self.cfg.faults,
+            )
         kv_metrics.log_transports()
 
     async def stop_engine(self) -> None:

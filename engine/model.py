@@ -16,6 +16,8 @@ so no rank reads the whole lm_head per step. At TP 1 none of these collectives e
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -142,6 +144,8 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, dtype, device, tp) for _ in range(cfg.num_hidden_layers)
         )
+        # called after layer i's KV write is issued (the prefill worker's streamed hand-over)
+        self.on_layer_kv: Callable[[int], None] | None = None
         self.final_norm = _param(cfg.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
             self.embed
@@ -184,6 +188,8 @@ class CausalLM(nn.Module):
             hidden, residual = layer(
                 hidden, residual, positions, cos_sin, kv_cache[i, 0], kv_cache[i, 1], meta
             )
+            if self.on_layer_kv is not None:  # layer i's KV is written (streamed hand-over)
+                self.on_layer_kv(i)
         return hidden, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

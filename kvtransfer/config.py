@@ -21,6 +21,25 @@ class KvTransferConfig(BaseModel):
         256 * 2**20, ge=2**20, description="payload split above this size"
     )
     verify_checksum: bool = True
+    streaming: bool = Field(
+        True,
+        description="streamed hand-over: the decode worker is called while the prompt is "
+        "prefilled and receives each layer group's KV as it is written (tensor-parallel "
+        "workers always use the pull after the prefill); off: that pull for every request",
+    )
+    stream_layer_groups: int = Field(
+        64,
+        ge=1,
+        description="streamed hand-over: pieces per prefill step (layer groups, at most one "
+        "per layer: the default sends each layer as soon as it is written, so only the last "
+        "layer's transfer is left when the step ends)",
+    )
+    stream_reserve_wait_s: float = Field(
+        10.0,
+        gt=0,
+        description="streamed hand-over: how long a decode worker waits for free blocks "
+        "(backpressure) before it hands the request back to the pull after the prefill",
+    )
     # ucxx listeners bind every interface; peers dial the worker's advertised host.
     listen_port: int = Field(
         0,
@@ -73,4 +92,10 @@ class TransferFaults(RequestFaults):
     )
     stall_after_first_message_s: float = Field(
         0.0, ge=0, description="test only: sleep after the payload's first message"
+    )
+    stream_break_after_pieces: int = Field(
+        0,
+        ge=0,
+        description="test only: a streamed pull's endpoint dies after this many pieces "
+        "(between two layer groups); 0: never",
     )

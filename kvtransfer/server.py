@@ -12,6 +12,9 @@
     verify checksum, unpack into its blocks
     KvPullDone(ok) ────────────────────────────────▶ release the lease (blocks freed or cached)
 
+A KvPullRequest with `stream` set is a streamed pull (the KV of a request still being prefilled,
+layer group by layer group): layer_stream_server.py, handed over in `_serve`.
+
 One pull owns an endpoint at a time, so messages of two pulls never interleave; an endpoint
 serves pulls one after another until the peer closes it.
 """
@@ -78,6 +81,7 @@ class KvTransferServer:
         self.metrics = metrics or KvTransferMetrics()
         self.stream = TransferStream(kv_cache.device)
         self._listener = None
+        self.stream_sender = None  # a LayerStreamSender: serves KvPullRequest.stream (issue 32)
         self._handlers: dict[asyncio.Task, object] = {}  # handler task -> its accepted endpoint
 
     @property
@@ -126,6 +130,14 @@ class KvTransferServer:
         return kv_pb2.KvPullReply(status=status, message=message)
 
     async def _serve(self, ep, req: kv_pb2.KvPullRequest) -> None:
+        if req.stream:  # streamed pull: layer_stream_server.py
+            if self.stream_sender is None:
+                msg = "this prefill worker does not stream KV (kv_transfer.streaming off)"
+                reply = self._reply_error(kv_pb2.KV_PULL_STATUS_ABORTED, msg)  # falls back
+                await ep.send_obj(reply.SerializeToString())
+            else:
+                await self.stream_sender.serve_stream(ep, req, LeaseLookupError)
+            return
         try:
             check_compatible(req, self.spec)
             blocks = self.leases.begin_pull(req.lease_id, req.request_id)

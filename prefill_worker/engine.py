@@ -73,6 +73,7 @@ class PrefillEngine:
         self._stopping = False
         self._in_step: set[PrefillSeq] = set()
         self.progress = 0  # steps finished (stall_watch.py)
+        self.stream_hub = None  # kv_stream.StreamHub when streamed hand-overs are on
 
     @property
     def vocab_size(self) -> int:
@@ -145,6 +146,8 @@ class PrefillEngine:
             matcher=matcher,
         )
         self.scheduler.add(seq)
+        if self.stream_hub is not None:
+            self.stream_hub.added(request_id)
         self._update_gauges()
         self._wake.set()
         try:
@@ -168,6 +171,8 @@ class PrefillEngine:
                 seq, RequestError.cancelled(f"request {request_id!r} was aborted"), "aborted"
             )
         leases = self.leases.pop_request(request_id)
+        if leases and self.stream_hub is not None:
+            self.stream_hub.aborted(request_id, "the request was aborted")
         for lease in leases:
             self._drop_lease(lease)
         return seq is not None or bool(leases)
@@ -210,6 +215,9 @@ class PrefillEngine:
             else 0.0
         )
         start, loop = time.perf_counter(), asyncio.get_running_loop()
+        hub = self.stream_hub
+        if hub is not None:
+            hub.before_step(batch)
         try:
             sampled, sampling_s = await loop.run_in_executor(
                 self._executor, run_step, self.runner, self.sampler, chunks, rows, infos, delay
@@ -217,6 +225,8 @@ class PrefillEngine:
         finally:
             self._in_step = set()
             self.progress += 1
+            if hub is not None:
+                hub.after_step()
         self.metrics.step_seconds.observe(time.perf_counter() - start)
         self.metrics.batch_tokens.observe(sum(c.end - c.start for c in batch))
         if sampled is not None:  # the first tokens' sampling, for the metric and their replies
@@ -240,6 +250,8 @@ class PrefillEngine:
                 finish_prefill(
                     seq, *first, self.eos, self.max_model_len, self.cache, self.leases, self.metrics
                 )
+                if self.stream_hub is not None:
+                    self.stream_hub.finished(seq, seq.future.result())
         self._update_gauges()
 
     # ---- freeing -------------------------------------------------------------------------------
@@ -249,6 +261,8 @@ class PrefillEngine:
         if not seq.aborted:
             seq.aborted = True
             self.metrics.requests.labels(outcome).inc()
+            if self.stream_hub is not None:
+                self.stream_hub.aborted(seq.request_id, f"the prefill ended: {outcome}")
         if seq in self._in_step:
             return  # the step thread still writes its blocks; _after_step frees them
         self.scheduler.remove(seq)

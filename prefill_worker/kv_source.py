@@ -50,7 +50,8 @@ class EngineLeaseSource:
         return list(lease.block_ids)
 
     def pulls_expected(self) -> bool:
-        return len(self.engine.leases) > 0
+        # a streamed pull comes while its prompt is queued or computing, before any lease
+        return len(self.engine.leases) > 0 or self.engine.busy
 
     def end_pull(self, lease_id: str, delivered: bool) -> None:
         blocks, pulls = self._pinned.pop(lease_id, ((), 0))

@@ -43,6 +43,14 @@ class PrefillMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.stream_attach_wait_seconds = Histogram(
+            "splitserve_prefill_stream_attach_wait_seconds",
+            "streamed hand-over: how long a prompt's computed KV waited for its decode worker "
+            "to attach (its block reservation: backpressure from a full decode pool; 0 when it "
+            "attached before the first chunk was computed)",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.grammar_compile_seconds = Histogram(
             "splitserve_prefill_grammar_compile_seconds",
             "Time to compile a structured-output constraint (cache misses only)",

@@ -31,6 +31,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.cfg = cfg
         self.engine: PrefillEngine | None = None  # set once the model is loaded and warm
         self.kv_port = 0  # the UCX listener's port, set when it starts
+        self.kv_streaming = False  # its listener serves streamed hand-overs (kv_stream.py)
         self.shard_ports: list[int] | None = None  # tensor parallel: every rank's UCX port, by rank
 
     def _engine(self) -> PrefillEngine:
@@ -105,6 +106,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             load.kv_address.CopyFrom(
                 kv_pb2.UcxAddress(host=self.cfg.server.public_host, port=self.kv_port)
             )
+            load.kv_streaming = self.kv_streaming
         return load
 
     # ---- helpers ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from splitserve.kvtransfer.server import KvTransferServer
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.engine import PrefillEngine
 from splitserve.prefill_worker.kv_source import EngineLeaseSource
+from splitserve.prefill_worker.kv_stream import attach_stream_hub
 from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.prefill_worker.servicer import PrefillWorkerServicer
 from splitserve.prefill_worker.tp_follower import (
@@ -82,6 +83,9 @@ class PrefillWorker(WorkerSkeleton):
             faults=self.cfg.faults.transfer,
             metrics=KvTransferMetrics(self.metrics.registry),
         )
+        if self.cfg.kv_transfer.streaming and not runner.tp.enabled:
+            attach_stream_hub(self.engine, self.kv_server, self.cfg.kv_transfer, spec)
+            self.servicer.kv_streaming = True
         self.servicer.kv_port = await self.kv_server.start()
         self.engine.leases.on_grant = self.kv_server.expect_pull  # wakes idle KV endpoints
         if runner.tp.enabled:

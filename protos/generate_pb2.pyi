@@ -165,14 +165,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[_Union[StopReason, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv_handover: _Optional[_Union[KvHandover, _Mapping]] = ...) -> None: ...
 
 class KvHandover(_message.Message):
-    __slots__ = ("recomputed", "reason", "transfer_ms")
+    __slots__ = ("recomputed", "reason", "transfer_ms", "streamed", "stream_fallback")
     RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     recomputed: bool
     reason: str
     transfer_ms: float
-    def __init__(self, recomputed: _Optional[bool] = ..., reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ...) -> None: ...
+    streamed: bool
+    stream_fallback: str
+    def __init__(self, recomputed: _Optional[bool] = ..., reason: _Optional[str] = ..., transfer_ms: _Optional[float] = ..., streamed: _Optional[bool] = ..., stream_fallback: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

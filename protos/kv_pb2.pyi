@@ -26,6 +26,7 @@ class KvPullStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_PULL_STATUS_LEASE_UNKNOWN: _ClassVar[KvPullStatus]
     KV_PULL_STATUS_LEASE_EXPIRED: _ClassVar[KvPullStatus]
     KV_PULL_STATUS_INCOMPATIBLE: _ClassVar[KvPullStatus]
+    KV_PULL_STATUS_ABORTED: _ClassVar[KvPullStatus]
 KV_LAYOUT_UNSPECIFIED: KvLayout
 KV_LAYOUT_LAYER_KV_BLOCK_TOKEN_HEAD_DIM: KvLayout
 KV_DTYPE_UNSPECIFIED: KvDtype
@@ -37,6 +38,7 @@ KV_PULL_STATUS_OK: KvPullStatus
 KV_PULL_STATUS_LEASE_UNKNOWN: KvPullStatus
 KV_PULL_STATUS_LEASE_EXPIRED: KvPullStatus
 KV_PULL_STATUS_INCOMPATIBLE: KvPullStatus
+KV_PULL_STATUS_ABORTED: KvPullStatus
 
 class UcxAddress(_message.Message):
     __slots__ = ("host", "port", "worker_address")
@@ -97,7 +99,7 @@ class KvHandle(_message.Message):
     def __init__(self, address: _Optional[_Union[UcxAddress, _Mapping]] = ..., lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[KvShard, _Mapping]]] = ...) -> None: ...
 
 class KvPullRequest(_message.Message):
-    __slots__ = ("lease_id", "request_id", "layout", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "model_compat_hash", "max_message_bytes")
+    __slots__ = ("lease_id", "request_id", "layout", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "model_compat_hash", "max_message_bytes", "stream", "num_tokens")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +110,8 @@ class KvPullRequest(_message.Message):
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     MODEL_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     request_id: str
     layout: KvLayout
@@ -118,7 +122,9 @@ class KvPullRequest(_message.Message):
     head_dim: int
     model_compat_hash: str
     max_message_bytes: int
-    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    stream: bool
+    num_tokens: int
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., stream: _Optional[bool] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class KvPullReply(_message.Message):
     __slots__ = ("status", "message", "payload_bytes", "num_messages", "num_blocks", "checksum")
@@ -143,3 +149,31 @@ class KvPullDone(_message.Message):
     lease_id: str
     ok: bool
     def __init__(self, lease_id: _Optional[str] = ..., ok: _Optional[bool] = ...) -> None: ...
+
+class KvStreamPiece(_message.Message):
+    __slots__ = ("layer_start", "layer_end", "block_start", "block_end", "payload_bytes", "checksum", "final", "status", "message", "first_token_id", "finished", "lease_id")
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_START_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_END_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    layer_start: int
+    layer_end: int
+    block_start: int
+    block_end: int
+    payload_bytes: int
+    checksum: int
+    final: bool
+    status: KvPullStatus
+    message: str
+    first_token_id: int
+    finished: bool
+    lease_id: str
+    def __init__(self, layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_start: _Optional[int] = ..., block_end: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., final: _Optional[bool] = ..., status: _Optional[_Union[KvPullStatus, str]] = ..., message: _Optional[str] = ..., first_token_id: _Optional[int] = ..., finished: _Optional[bool] = ..., lease_id: _Optional[str] = ...) -> None: ...

@@ -61,21 +61,31 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "kv", "kv_stream")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
     sampling: _generate_pb2.SamplingParams
     kv: _kv_pb2.KvHandle
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ...) -> None: ...
+    kv_stream: KvStreamSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., kv_stream: _Optional[_Union[KvStreamSource, _Mapping]] = ...) -> None: ...
+
+class KvStreamSource(_message.Message):
+    __slots__ = ("address", "model_compat_hash")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    address: _kv_pb2.UcxAddress
+    model_compat_hash: str
+    def __init__(self, address: _Optional[_Union[_kv_pb2.UcxAddress, _Mapping]] = ..., model_compat_hash: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "transfer_time_ms", "queue_time_ms", "kv_recomputed", "kv_recompute_reason")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "transfer_time_ms", "queue_time_ms", "kv_recomputed", "kv_recompute_reason", "kv_stream_fallback", "kv_streamed")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +94,8 @@ class DecodeResponse(_message.Message):
     QUEUE_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     KV_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     KV_RECOMPUTE_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAM_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAMED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     finish_reason: _generate_pb2.FinishReason
@@ -92,7 +104,9 @@ class DecodeResponse(_message.Message):
     queue_time_ms: float
     kv_recomputed: bool
     kv_recompute_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ..., transfer_time_ms: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_recomputed: _Optional[bool] = ..., kv_recompute_reason: _Optional[str] = ...) -> None: ...
+    kv_stream_fallback: str
+    kv_streamed: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ..., transfer_time_ms: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_recomputed: _Optional[bool] = ..., kv_recompute_reason: _Optional[str] = ..., kv_stream_fallback: _Optional[str] = ..., kv_streamed: _Optional[bool] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ("max_prefix_hashes",)
@@ -111,7 +125,7 @@ class PrefixCacheSummary(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., block_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "free_blocks", "total_blocks", "block_size", "prefix_cache", "leases_held", "model_compat_hash", "kv_address")
+    __slots__ = ("role", "num_running", "num_waiting", "free_blocks", "total_blocks", "block_size", "prefix_cache", "leases_held", "model_compat_hash", "kv_address", "kv_streaming")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +136,7 @@ class WorkerLoad(_message.Message):
     LEASES_HELD_FIELD_NUMBER: _ClassVar[int]
     MODEL_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAMING_FIELD_NUMBER: _ClassVar[int]
     role: _generate_pb2.WorkerRole
     num_running: int
     num_waiting: int
@@ -132,4 +147,5 @@ class WorkerLoad(_message.Message):
     leases_held: int
     model_compat_hash: str
     kv_address: _kv_pb2.UcxAddress
-    def __init__(self, role: _Optional[_Union[_generate_pb2.WorkerRole, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., leases_held: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., kv_address: _Optional[_Union[_kv_pb2.UcxAddress, _Mapping]] = ...) -> None: ...
+    kv_streaming: bool
+    def __init__(self, role: _Optional[_Union[_generate_pb2.WorkerRole, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., leases_held: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., kv_address: _Optional[_Union[_kv_pb2.UcxAddress, _Mapping]] = ..., kv_streaming: _Optional[bool] = ...) -> None: ...

@@ -122,6 +122,12 @@ class RoutingConfig(_Frozen):
         description="retry a Decode that failed UNAVAILABLE before its first chunk "
         "(a worker gone or draining) once, on another decode worker",
     )
+    kv_streaming: bool = Field(
+        True,
+        description="streamed KV hand-over: call Decode as soon as the prefill worker is "
+        "chosen, so the KV streams layer by layer while the prompt is computed (only where "
+        "both workers report GetLoad.kv_streaming); off: Decode after Prefill returns",
+    )
     release_lease_after_decode: bool = Field(
         False,
         description="also release the prefill lease once every decode stream has started (a second "

@@ -37,6 +37,14 @@ class _DecodeRefused(Exception):
         self.why = why
 
 
+class StreamFellBack(Exception):
+    """A streamed Decode answered kv_stream_fallback: it delivered nothing, holds nothing."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class DecodeStream(GenerationBase):
     """A Generate call's decode side; Generation adds the prefill and runs the whole call."""
 
@@ -85,25 +93,37 @@ class DecodeStream(GenerationBase):
         w: Worker,
         decode_req: worker_pb2.DecodeRequest,
         first: worker_pb2.PrefillResponse | None,
+        call=None,
     ) -> None:
-        call = w.stub.Decode(decode_req, timeout=self._timeout())
+        """`call`: a Decode already under way (the streamed hand-over, stream_handover.py)."""
+        if call is None:
+            call = w.stub.Decode(decode_req, timeout=self._timeout())
         self.live.call = call
         w.in_flight += 1
         try:
             async for resp in call:
+                if resp.kv_stream_fallback and not self.decode_took_lease:
+                    raise StreamFellBack(resp.kv_stream_fallback)
                 if not self.decode_took_lease:  # the KV is pulled once tokens come
                     self.decode_took_lease = True
                     if first is None:  # colocated: no transfer
                         self._observe_components(decode_queue=resp.queue_time_ms)
+                    elif resp.kv_streamed:  # overlapped with the prefill: not part of any sum
+                        self._observe_components(
+                            transfer_streamed=resp.transfer_time_ms,
+                            decode_queue=resp.queue_time_ms,
+                        )
                     else:
                         self._observe_components(
                             transfer=resp.transfer_time_ms, decode_queue=resp.queue_time_ms
                         )
-                    if decode_req.HasField("kv"):  # the client's last chunk says how it went
-                        self.kv_handover = generate_pb2.KvHandover(
+                    if decode_req.HasField("kv") or decode_req.HasField("kv_stream"):
+                        self.kv_handover = generate_pb2.KvHandover(  # in the client's last chunk
                             recomputed=resp.kv_recomputed,
                             reason=resp.kv_recompute_reason,
                             transfer_ms=resp.transfer_time_ms,
+                            streamed=resp.kv_streamed,
+                            stream_fallback=self.stream_fallback,
                         )
                     if resp.kv_recomputed:  # the decode worker never took the lease: free it now
                         self._release_lease("kv_recomputed")

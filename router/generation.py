@@ -35,8 +35,8 @@ import grpc
 
 from splitserve.protos import generate_pb2, worker_pb2
 from splitserve.request.errors import RequestError
-from splitserve.router.decode_stream import DecodeStream
 from splitserve.router.generation_base import worker_error
+from splitserve.router.stream_handover import StreamedHandover
 from splitserve.router.worker_state import PREFILL, Worker
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 DEADLINE_SLACK_S = 0.25
 
 
-class Generation(DecodeStream):
-    """One Generate call: prefill, first chunk, then the decode stream (decode_stream.py)."""
+class Generation(StreamedHandover):
+    """One Generate call: prefill, first chunk, then the decode stream (decode_stream.py), or
+    the streamed hand-over's Decode launched with the prefill (stream_handover.py)."""
 
     # ---- the whole call -----------------------------------------------------------------------
     async def run(self) -> None:
@@ -64,6 +65,7 @@ class Generation(DecodeStream):
                 self.out.end(None, generate_pb2.FINISH_REASON_ABORT)
             )  # our Abort RPC
         finally:
+            self._drop_stream()
             if not self.decode_took_lease:
                 self._release_lease("request_ended")
 
@@ -103,7 +105,7 @@ class Generation(DecodeStream):
                 f"prefill worker {worker.address} returned neither a finish reason nor "
                 "a KvHandle; check that it runs this splitserve version"
             )
-        await self._decode(first)
+        await self._decode_after_prefill(worker, first)
 
     # ---- prefill -----------------------------------------------------------------------------------
     async def _prefill(self) -> tuple[Worker, worker_pb2.PrefillResponse]:
@@ -112,6 +114,10 @@ class Generation(DecodeStream):
         tried: list[str] = []
         while True:
             w = reg.choose(PREFILL, self.ctx.prefill_policy, req.prompt, exclude=tried)
+            if tried:  # a retry: the streamed Decode (if any) named the first worker
+                self._drop_stream()
+            else:
+                self._start_stream(w)
             tried.append(w.address)
             call = w.stub.Prefill(
                 worker_pb2.PrefillRequest(

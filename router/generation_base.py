@@ -103,6 +103,7 @@ class GenerationBase:
         self.out = OutputStream(ctx.model, req)
         self.lease: tuple[Worker, str] | None = None  # prefill worker, lease id
         self.decode_took_lease = False
+        self.stream_fallback = ""  # why a streamed hand-over fell back to the pull (if it did)
         self.kv_handover: generate_pb2.KvHandover | None = None  # set by a decode after a pull
         self.outcome = "cancelled"  # what a cancellation leaves; set on every other end
         self._last_token_write: float | None = None

@@ -69,6 +69,12 @@ class RouterMetrics:
         self.completion_tokens = Counter(
             "splitserve_router_completion_tokens", "tokens streamed to clients", registry=r
         )
+        self.stream_fallbacks = Counter(
+            "splitserve_router_kv_stream_fallbacks",
+            "streamed hand-overs that fell back to the pull after the prefill, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.prefill_retries = Counter(
             "splitserve_router_prefill_retries",
             "prefills retried on another worker after UNAVAILABLE",

@@ -8,7 +8,7 @@
       .full(chunks)             the non-streamed text_completion / chat.completion
 
 The last streamed chunk with a finish reason and the whole response carry "kv_handover"
-(recomputed, reason, transfer_ms) when the request went through a KV hand-over.
+(recomputed, reason, transfer_ms, streamed, stream_fallback) when the request went through a KV hand-over.
 
 Text is the router's own streamed text (stop strings and incremental detokenization applied
 once, in output.py), so both APIs and gRPC return the same characters. Logprobs: completions
@@ -51,8 +51,15 @@ def usage_json(u: generate_pb2.Usage) -> dict[str, Any]:
 def kv_handover_json(k: generate_pb2.KvHandover) -> dict[str, Any]:
     """splitserve's extension on the last chunk / the whole response (like vLLM's
     kv_transfer_params): whether the decode worker recomputed the prompt instead of pulling its
-    KV, and why (docs/openai.md)."""
-    return {"recomputed": k.recomputed, "reason": k.reason, "transfer_ms": round(k.transfer_ms, 3)}
+    KV, and why (docs/openai.md); whether it was streamed during the prefill, or why a stream
+    fell back to the pull after it."""
+    return {
+        "recomputed": k.recomputed,
+        "reason": k.reason,
+        "transfer_ms": round(k.transfer_ms, 3),
+        "streamed": k.streamed,
+        "stream_fallback": k.stream_fallback,
+    }
 
 
 class ResponseBuilder:

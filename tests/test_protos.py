@@ -247,7 +247,7 @@ WIRE = {
     "Usage": "prompt_tokens=1 cached_prompt_tokens=2 completion_tokens=3",
     "GenerateResponse": "request_id=1 text=2 token_ids=3 logprobs=4 finish_reason=5 "
     "stop_reason=6 usage=7 kv_handover=8",
-    "KvHandover": "recomputed=1 reason=2 transfer_ms=3",
+    "KvHandover": "recomputed=1 reason=2 transfer_ms=3 streamed=4 stream_fallback=5",
     "AbortRequest": "request_id=1",
     "AbortResponse": "found=1",
     "GetServerInfoRequest": "",
@@ -256,29 +256,33 @@ WIRE = {
     "KvLayout": "KV_LAYOUT_UNSPECIFIED=0 KV_LAYOUT_LAYER_KV_BLOCK_TOKEN_HEAD_DIM=1",
     "KvDtype": "KV_DTYPE_UNSPECIFIED=0 KV_DTYPE_FP32=1 KV_DTYPE_FP16=2 KV_DTYPE_BF16=3",
     "KvPullStatus": "KV_PULL_STATUS_UNSPECIFIED=0 KV_PULL_STATUS_OK=1 "
-    "KV_PULL_STATUS_LEASE_UNKNOWN=2 KV_PULL_STATUS_LEASE_EXPIRED=3 KV_PULL_STATUS_INCOMPATIBLE=4",
+    "KV_PULL_STATUS_LEASE_UNKNOWN=2 KV_PULL_STATUS_LEASE_EXPIRED=3 KV_PULL_STATUS_INCOMPATIBLE=4 "
+    "KV_PULL_STATUS_ABORTED=5",
     "UcxAddress": "host=1 port=2 worker_address=3",
     "KvShard": "tp_rank=1 tp_size=2 kv_head_start=3 kv_head_end=4 address=5",
     "KvHandle": "address=1 lease_id=2 request_id=3 num_blocks=4 block_size=5 num_tokens=6 "
     "layout=7 dtype=8 num_layers=9 num_kv_heads=10 head_dim=11 model_compat_hash=12 "
     "expires_at_unix_ms=13 ttl_ms=14 shards=15",
     "KvPullRequest": "lease_id=1 request_id=2 layout=3 dtype=4 block_size=5 num_layers=6 "
-    "num_kv_heads=7 head_dim=8 model_compat_hash=9 max_message_bytes=10",
+    "num_kv_heads=7 head_dim=8 model_compat_hash=9 max_message_bytes=10 stream=11 num_tokens=12",
     "KvPullReply": "status=1 message=2 payload_bytes=3 num_messages=4 num_blocks=5 checksum=6",
     "KvPullDone": "lease_id=1 ok=2",
+    "KvStreamPiece": "layer_start=1 layer_end=2 block_start=3 block_end=4 payload_bytes=5 "
+    "checksum=6 final=7 status=8 message=9 first_token_id=10 finished=11 lease_id=12",
     "PrefillRequest": "request_id=1 prompt_token_ids=2 sampling=3 lease_ttl_ms=4",
     "PrefillResponse": "request_id=1 first_token_id=2 first_token_logprob=3 finish_reason=4 "
     "stop_reason=5 cached_prompt_tokens=6 kv=7 queue_time_ms=8 compute_time_ms=9 "
     "sampling_time_ms=10 handover_start_ms=11",
     "ReleaseLeaseRequest": "lease_id=1 request_id=2",
     "ReleaseLeaseResponse": "released=1",
-    "DecodeRequest": "request_id=1 prompt_token_ids=2 first_token_id=3 sampling=4 kv=5",
+    "DecodeRequest": "request_id=1 prompt_token_ids=2 first_token_id=3 sampling=4 kv=5 kv_stream=6",
+    "KvStreamSource": "address=1 model_compat_hash=2",
     "DecodeResponse": "token_ids=1 logprobs=2 finish_reason=3 stop_reason=4 transfer_time_ms=5 "
-    "queue_time_ms=6 kv_recomputed=7 kv_recompute_reason=8",
+    "queue_time_ms=6 kv_recomputed=7 kv_recompute_reason=8 kv_stream_fallback=9 kv_streamed=10",
     "GetLoadRequest": "max_prefix_hashes=1",
     "PrefixCacheSummary": "block_hashes=1 num_cached_blocks=2 block_keys=3",
     "WorkerLoad": "role=1 num_running=2 num_waiting=3 free_blocks=4 total_blocks=5 block_size=6 "
-    "prefix_cache=7 leases_held=8 model_compat_hash=9 kv_address=10",
+    "prefix_cache=7 leases_held=8 model_compat_hash=9 kv_address=10 kv_streaming=11",
     "RegisterWorkerRequest": "role=1 address=2",
     "RegisterWorkerResponse": "heartbeat_interval_ms=1 heartbeat_timeout_ms=2",
     "HeartbeatRequest": "address=1 role=2",

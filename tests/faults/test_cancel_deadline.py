@@ -40,8 +40,12 @@ GRPC_ROUNDING_S = 0.02  # gRPC encodes a timeout rounded up to a few significant
 STEP_BOUND_S = 2.0  # one decode step (ms) plus the cancel's two gRPC hops, on a busy 2-core machine
 
 
-def _router(cluster):
-    return running_router(router_config(cluster.model, [cluster.prefill], [cluster.decode]))
+def _router(cluster, streaming: bool = True):
+    # streaming False: the pull after the prefill (these cases time its pull delay)
+    routing = {"kv_streaming": streaming}
+    return running_router(
+        router_config(cluster.model, [cluster.prefill], [cluster.decode], routing=routing)
+    )
 
 
 def test_client_cancel_mid_decode_stream(cluster, oracle):
@@ -81,7 +85,7 @@ def test_client_cancel_before_decode_admission_releases_the_lease_at_once(cluste
         ledger = Ledger(
             f"{SLOW_PULL}-cancel"
         )  # the decode worker holds it PULL_DELAY_S before pulling
-        async with _router(cluster) as (r, stub):
+        async with _router(cluster, streaming=False) as (r, stub):
             t = ledger.start(stub, PROMPT)
             await t.read(1)  # the first token: prefill done, its lease held for the pull
             assert await leases_held(cluster.prefill) == 1
@@ -196,7 +200,7 @@ class TimeoutSpy:
 def test_deadline_shrinks_at_each_hop_and_stops_the_work(cluster, oracle):
     async def body():
         ledger = Ledger("deadline")
-        async with _router(cluster) as (r, stub):
+        async with _router(cluster, streaming=False) as (r, stub):
             seen: list = []
             for address in (cluster.prefill, cluster.decode):
                 w = r.registry.get(address)

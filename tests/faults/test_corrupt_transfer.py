@@ -54,7 +54,9 @@ def test_corrupted_transfer_is_detected_and_never_served(cluster, oracle, procs,
     async def body():
         ledger = Ledger(f"bad-{fault}")
         async with running_router(
-            router_config(cluster.model, [prefill.address], [cluster.decode])
+            router_config(  # the pull's payload faults (streams: test_stream_handover.py)
+                cluster.model, [prefill.address], [cluster.decode], routing={"kv_streaming": False}
+            )
         ) as (r, stub):
             before = counts()
             bad = await ledger.run(stub, _prompt(fault), greedy(10, ignore_eos=True))

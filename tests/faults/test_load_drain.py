@@ -44,12 +44,15 @@ def test_kv_pool_exhaustion_burst_queues_without_crash_or_hang(cluster, oracle, 
             )
             took = time.monotonic() - start
             pool_full = metric(dm, "splitserve_kv_transfer_failures_total", reason="pool_full")
-            pressure = pool_full + metric(dm, "splitserve_decode_preemptions_total")
+            # streamed hand-overs (the default) wait for decode blocks (backpressure) instead of
+            # recomputing; a wait past kv_transfer.stream_reserve_wait_s falls back to the pull
+            waits = metric(dm, "splitserve_decode_kv_reserve_waits_total")
+            pressure = pool_full + waits + metric(dm, "splitserve_decode_preemptions_total")
             alive = prefill.alive() and decode.alive()
             await finish_case(ledger, stub, oracle, [prefill.address], [decode.address], r)
-            return done, took, pressure, alive, pool_full
+            return done, took, pressure, alive, pool_full, waits
 
-    done, took, pressure, alive, pool_full = asyncio.run(body())
+    done, took, pressure, alive, pool_full, waits = asyncio.run(body())
     assert alive and health_status(decode.address) == health_status(prefill.address) == SERVING
     statuses = [t.status for t in done]
     assert set(statuses) <= {"OK/LENGTH", "RESOURCE_EXHAUSTED"}, statuses
@@ -60,6 +63,10 @@ def test_kv_pool_exhaustion_burst_queues_without_crash_or_hang(cluster, oracle, 
     assert (len(told) == pool_full if everyone_served else len(told) <= pool_full) and all(
         t.chunks[-1].kv_handover.reason == "pool_full" for t in told
     ), (pool_full, [t.chunks[-1].kv_handover for t in done if t.chunks])
+    # nothing lost to backpressure: every served request says how its KV arrived
+    served = [t.chunks[-1].kv_handover for t in done if t.status == "OK/LENGTH"]
+    assert all(h.streamed or h.recomputed or h.stream_fallback for h in served), served
+    assert waits == 0 or any(h.streamed for h in served)
     for p, t in zip(prompts, done):
         if t.status == "OK/LENGTH":
             assert (

@@ -116,7 +116,9 @@ def test_prefill_killed_mid_transfer(cluster, oracle, procs, policy, phase):
     async def body():
         ledger = Ledger(f"midpull-{policy}-{phase}")
         async with running_router(
-            router_config(cluster.model, [doomed.address], [decode.address])
+            router_config(  # the pull after the prefill: it is killed in its payload
+                cluster.model, [doomed.address], [decode.address], routing={"kv_streaming": False}
+            )
         ) as (r, stub):
             t = ledger.start(stub, PROMPT, greedy(12, ignore_eos=True))
             await t.read(1)

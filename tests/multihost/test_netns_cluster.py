@@ -204,10 +204,11 @@ def test_prefill_link_down_during_transfer(cluster, oracle, record_property):
     assert tokens == oracle(12)
     now_failed, _ = cluster.pulls()
     new = {k: v - failed.get(k, 0) for k, v in now_failed.items() if v != failed.get(k, 0)}
-    assert sum(new.values()) == 1, (
-        new
-    )  # one pull timed out (data_timeout, or an earlier phase's timeout)
-    assert set(new) <= {"data_timeout", "lease_timeout", "peer_failed"}, new
+    # the streamed hand-over (the default) timed out or saw its peer go (data_timeout, or an
+    # earlier phase's timeout); its fallback, the pull after the prefill, cannot reach the
+    # prefill host either (connect, or one of the same) before the decode worker recomputes
+    assert 1 <= sum(new.values()) <= 2, new
+    assert set(new) <= {"data_timeout", "lease_timeout", "peer_failed", "connect"}, new
 
     recovered_s, served_s = _link_back_up(cluster, oracle, "prefill")
     assert cluster.pulls()[0] == now_failed  # the KV moved again: no further failed pull

@@ -93,6 +93,7 @@ def test_completions_greedy_equal_offline_engine_and_grpc(stack, client, oracle)
     for body in (text, finish_chunk):
         handover = body.model_extra["kv_handover"]
         assert handover["recomputed"] is False and handover["reason"] == "", handover
+        assert handover["streamed"] is True and handover["stream_fallback"] == "", handover
     assert all("kv_handover" not in c.model_extra for c in streamed if c is not finish_chunk)
     stack.assert_free()
 

@@ -131,8 +131,12 @@ def test_first_token_that_ends_the_request_never_opens_decode(cluster, oracle):
     assert first_text == "til", "the first token needs whole characters for this test"
 
     async def body():
+        # the pull after the prefill: a streamed hand-over opens Decode with the prefill
+        # (tests/faults/test_stream_handover.py covers a first token that ends it there)
         async with running_router(
-            router_config(cluster.model, [cluster.prefill], [cluster.decode])
+            router_config(
+                cluster.model, [cluster.prefill], [cluster.decode], routing={"kv_streaming": False}
+            )
         ) as (r, stub):
             before = await worker_load(cluster.decode, "decode")
             one = await generate(stub, ids_request(prompt, greedy(1)))  # prefill says LENGTH
@@ -228,12 +232,15 @@ def test_server_info_health_reflection_and_metrics(cluster):
 
 def test_ttft_components_are_observed_per_request(cluster):
     """The workers report the parts of TTFT (prefill queue and compute on PrefillResponse, KV
-    transfer and decode queue on the first DecodeResponse); the router observes each once."""
+    transfer and decode queue on the first DecodeResponse); the router observes each once. (The
+    pull after the prefill: a streamed transfer overlaps the prefill, `transfer_streamed`.)"""
     components = ("prefill_queue", "prefill_compute", "transfer", "decode_queue")
 
     async def body():
         async with running_router(
-            router_config(cluster.model, [cluster.prefill], [cluster.decode])
+            router_config(
+                cluster.model, [cluster.prefill], [cluster.decode], routing={"kv_streaming": False}
+            )
         ) as (r, stub):
             res = await generate(stub, ids_request(ID_PROMPTS[1], greedy(5)))
             await cluster.assert_free()

@@ -1,0 +1,182 @@
+"""Prefill side of a streamed pull: the KV of a request that is still being prefilled, sent
+layer group by layer group as the prefill writes it (the first token rides in the last message).
+
+    decode worker (layer_stream_client.py)          prefill listener (this module)
+    ──────────────────────────────────────          ──────────────────────────────
+    reserve the prompt's blocks (waits while full)
+    KvPullRequest(stream, request, num_tokens, ────▶ check geometry + hash; attach to the request
+                  geometry, hash)                    (queued, prefilling, or done and leased;
+                                                      not yet arrived: waits for it)
+                                     ◀────────────── KvPullReply(OK)
+                                                     already computed (prefix-cache hits first):
+    land each piece in its blocks ◀═ KvStreamPiece + payload   all layers of those blocks
+                                                     each step of this request's chunk: after
+                                  ◀═ KvStreamPiece + payload   layer group g's KV write (a CUDA
+                                     ...                       event; on CPU its completion),
+                                                               g's K and V of the chunk's blocks
+                                  ◀─ KvStreamPiece(final, first token, lease)   prompt done
+    first decode step may run
+    KvPullDone(ok) ────────────────────────────────▶ release the lease (blocks freed or cached)
+
+A request aborted or failed on the prefill side ends the stream with a final piece of status
+ABORTED; a decode side that goes away leaves the lease to the router (ReleaseLease) or its TTL.
+The listener (server.py) hands a KvPullRequest with `stream` set to `serve_stream`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from splitserve.kvtransfer.buffers import TransferStream, ucx_view
+from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
+from splitserve.kvtransfer.config import KvTransferConfig, TransferFaults
+from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
+from splitserve.kvtransfer.metrics import KvTransferMetrics
+from splitserve.protos import kv_pb2
+
+log = logging.getLogger("splitserve.kvtransfer")
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    """Layers [layer_start, layer_end) of the request's blocks [block_start, block_end), whose
+    pool ids are `block_ids`; ready once `event` (a CUDA event, None on CPU) has completed."""
+
+    layer_start: int
+    layer_end: int
+    block_start: int
+    block_end: int
+    block_ids: tuple[int, ...]
+    event: object | None = None
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """The stream's last message: OK with the first token and the lease, or ABORTED."""
+
+    status: int
+    message: str = ""
+    first_token_id: int = 0
+    finished: bool = False
+    lease_id: str = ""
+
+
+class StreamFeed(Protocol):
+    async def next(self, timeout: float) -> StreamPiece | StreamEnd:
+        """The next piece to send, or the end (TimeoutError after `timeout` without one)."""
+
+
+class StreamSource(Protocol):
+    """The prefill engine as a streamed pull sees it (its event loop, like LeaseSource)."""
+
+    async def begin_stream(self, request_id: str, num_tokens: int) -> StreamFeed:
+        """Attaches to the request (waits for it to arrive); raises server.LeaseLookupError."""
+
+    def end_stream(self, request_id: str, lease_id: str, delivered: bool) -> None:
+        """Detaches; when delivered, releases the lease (the decode side has every block)."""
+
+
+class LayerStreamSender:
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        spec: PoolSpec,
+        source: StreamSource,
+        config: KvTransferConfig,
+        faults: TransferFaults,
+        metrics: KvTransferMetrics,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.spec = spec
+        self.source = source
+        self.config = config
+        self.faults = faults
+        self.metrics = metrics
+        self.stream = TransferStream(kv_cache.device)
+
+    async def serve_stream(self, ep, req: kv_pb2.KvPullRequest, lookup_error: type) -> None:
+        """One streamed pull on `ep`; a failure of the peer propagates (the endpoint is aborted)."""
+        try:
+            check_compatible(req, self.spec)
+            feed = await self.source.begin_stream(req.request_id, req.num_tokens)
+        except KvIncompatibleError as exc:
+            await self._reply(ep, kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, str(exc))
+            return
+        except lookup_error as exc:
+            await self._reply(ep, exc.status, str(exc))
+            return
+        delivered, lease_id = False, ""
+        try:
+            await self._reply(ep, kv_pb2.KV_PULL_STATUS_OK, "")
+            delivered, lease_id = await self._send_all(ep, req, feed)
+        finally:
+            self.source.end_stream(req.request_id, lease_id, delivered)
+
+    async def _reply(self, ep, status: int, message: str) -> None:
+        reply = kv_pb2.KvPullReply(status=status, message=message)
+        await asyncio.wait_for(ep.send_obj(reply.SerializeToString()), self.config.data_timeout_s)
+
+    async def _send_all(self, ep, req: kv_pb2.KvPullRequest, feed: StreamFeed) -> tuple[bool, str]:
+        timeout = self.config.data_timeout_s
+        hit = self.faults.hits(req.request_id)
+        sent = 0
+        with self.metrics.sending.track_inprogress():
+            if hit and self.faults.stall_before_payload_s:  # tests only: a stall before any piece
+                await asyncio.sleep(self.faults.stall_before_payload_s)
+            while True:
+                item = await feed.next(timeout)
+                if hit and 0 < self.faults.stream_break_after_pieces <= sent:
+                    # tests only: the prefill side dies between two pieces (or before the last)
+                    raise ConnectionError("fault injected: stream broken between layer groups")
+                if isinstance(item, StreamEnd):
+                    return await self._finish(ep, item, timeout), item.lease_id
+                await self._send_piece(ep, item, timeout, hit and self.faults.corrupt_payload)
+                sent += 1
+
+    async def _send_piece(self, ep, piece: StreamPiece, timeout: float, corrupt: bool) -> None:
+        stream = self.stream.stream
+        if stream is not None and piece.event is None:
+            self.stream.after_engine()  # computed by earlier steps, maybe still queued
+        with self.stream.context():
+            if stream is not None and piece.event is not None:
+                stream.wait_event(piece.event)  # that group's KV write on the prefill stream
+            ids = torch.tensor(piece.block_ids, dtype=torch.int64).to(
+                self.kv_cache.device, non_blocking=True
+            )
+            data = self.kv_cache[piece.layer_start : piece.layer_end].index_select(2, ids)
+            checksum = payload_checksum_async(data) if self.config.verify_checksum else None
+        await self.stream.wait()
+        payload = data.reshape(-1).view(torch.uint8)
+        if corrupt:  # tests only: flipped after the checksum, like the pull's corrupt_payload
+            payload[: min(64, payload.numel())] ^= 0x5A
+        header = kv_pb2.KvStreamPiece(
+            layer_start=piece.layer_start,
+            layer_end=piece.layer_end,
+            block_start=piece.block_start,
+            block_end=piece.block_end,
+            payload_bytes=payload.numel(),
+            checksum=to_u64(checksum) if checksum is not None else 0,
+        )
+        await asyncio.wait_for(ep.send_obj(header.SerializeToString()), timeout)
+        await asyncio.wait_for(ep.send(ucx_view(payload)), timeout)
+        self.metrics.bytes.labels("sent").inc(payload.numel())
+
+    async def _finish(self, ep, end: StreamEnd, timeout: float) -> bool:
+        header = kv_pb2.KvStreamPiece(
+            final=True,
+            status=end.status,
+            message=end.message,
+            first_token_id=end.first_token_id,
+            finished=end.finished,
+            lease_id=end.lease_id,
+        )
+        await asyncio.wait_for(ep.send_obj(header.SerializeToString()), timeout)
+        if end.status != kv_pb2.KV_PULL_STATUS_OK or end.finished:
+            return False  # nothing to confirm: the decode side drops its blocks
+        done = kv_pb2.KvPullDone.FromString(bytes(await asyncio.wait_for(ep.recv_obj(), timeout)))
+        return done.ok and done.lease_id == end.lease_id

@@ -1,0 +1,29 @@
+"""The streamed hand-over on a GPU: both pools in device memory, each layer's piece ordered by a
+CUDA event on the prefill stream, moved GPU to GPU (cuda_ipc on one host); the same tokens as the
+pull after the prefill and as the offline oracle, multi-chunk prompts included; all blocks free."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fault_helpers import start_worker
+from test_stream_handover import LONG, PROMPTS, _run, _want
+
+pytestmark = pytest.mark.gpu
+
+
+def test_gpu_streamed_handover_equals_pull_and_oracle(tiny_llama, oracle, procs):
+    cuda = ("--device", "cuda")
+    p, _ = start_worker(
+        procs, "prefill", tiny_llama, None, *cuda, "--max-num-batched-tokens", "16", wait=False
+    )
+    d, _ = start_worker(procs, "decode", tiny_llama, None, *cuda, wait=False)
+    p.wait_serving()
+    d.wait_serving()
+    prompts = [*PROMPTS, LONG]
+    streamed = asyncio.run(_run(tiny_llama, p.address, d.address, prompts, 12))
+    pulled = asyncio.run(_run(tiny_llama, p.address, d.address, prompts, 12, False, "p"))
+    for prompt, s, q in zip(prompts, streamed, pulled):
+        assert s.tokens == q.tokens == _want(oracle, prompt, 12)
+        assert s.last.kv_handover.streamed and not q.last.kv_handover.streamed

@@ -1,0 +1,94 @@
+"""The prefill side of a streamed hand-over, in process (no UCX): what the listener would send
+for a request attached before it arrives (every layer of every block, layer by layer as each
+chunk is computed, then the first token and the lease), for a prefix-cache hit (its cached blocks
+first, all layers at once), after the prompt finished (everything from the lease), and after
+an abort (ABORTED). Delivery releases the lease; every block is free at the end."""
+
+from __future__ import annotations
+
+import asyncio
+
+from prefill_helpers import assert_all_free, serving, wait_until, worker_config
+
+from splitserve.kvtransfer.layer_stream_server import StreamEnd
+from splitserve.protos import kv_pb2
+from splitserve.request.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+PROMPT = [1] + [(5 * i) % 300 + 3 for i in range(49)]  # 50 tokens: 13 blocks, 4 chunks of 16
+
+
+async def _drain(feed) -> tuple[list, StreamEnd]:
+    pieces = []
+    while not isinstance(item := await feed.next(10), StreamEnd):
+        pieces.append(item)
+    return pieces, item
+
+
+def _coverage(pieces, num_layers: int) -> set[tuple[int, int]]:
+    return {
+        (layer, b)
+        for p in pieces
+        for layer in range(p.layer_start, p.layer_end)
+        for b in range(p.block_start, p.block_end)
+    }
+
+
+def test_stream_feed_covers_every_layer_of_every_block(tiny_llama):
+    async def body():
+        async with serving(worker_config(tiny_llama, budget=16)) as (worker, _):
+            engine, hub = worker.engine, worker.engine.stream_hub
+            layers, nblocks = hub.num_layers, -(-len(PROMPT) // 4)
+            everything = {(la, b) for la in range(layers) for b in range(nblocks)}
+            # attached before the Prefill arrives: it waits for it
+            attach = asyncio.create_task(hub.begin_stream("early", len(PROMPT)))
+            result = await engine.prefill("early", PROMPT, PARAMS, 30.0)
+            pieces, end = await _drain(await attach)
+            assert _coverage(pieces, layers) == everything
+            assert len(pieces) >= 4 * layers  # per layer, per chunk: streamed as computed
+            assert end.status == kv_pb2.KV_PULL_STATUS_OK and not end.finished
+            assert (end.first_token_id, end.lease_id) == (
+                result.first_token_id,
+                result.lease.lease_id,
+            )
+            hub.end_stream("early", end.lease_id, delivered=True)  # releases the lease
+            # a prefix-cache hit: its cached blocks go first, all layers in one piece
+            hit = PROMPT[:40] + [7, 7, 7]
+            attach = asyncio.create_task(hub.begin_stream("hit", len(hit)))
+            await engine.prefill("hit", hit, PARAMS, 30.0)
+            pieces, end = await _drain(await attach)
+            first = pieces[0]
+            assert (first.layer_start, first.layer_end, first.block_start) == (0, layers, 0)
+            assert first.block_end == 10  # the 40 cached tokens
+            assert _coverage(pieces, layers) == {
+                (la, b) for la in range(layers) for b in range(-(-len(hit) // 4))
+            }
+            # attached after the prompt finished: all of it from the lease, then the end
+            late = await engine.prefill("late", PROMPT[:30], PARAMS, 30.0)
+            pieces, end = await _drain(await hub.begin_stream("late", 30))
+            assert len(pieces) == 1 and _coverage(pieces, layers) == {
+                (la, b) for la in range(layers) for b in range(8)
+            }
+            assert end.lease_id == late.lease.lease_id
+            hub.end_stream("late", end.lease_id, delivered=True)
+            # not delivered (the decode side went away): the lease stays for the router
+            hub.end_stream("hit", end.lease_id, delivered=False)
+            assert engine.release_lease(
+                next(iter(engine.leases._leases))  # noqa: SLF001 - the one lease left
+            )
+            # aborted while attached: the stream ends ABORTED
+            attach = asyncio.create_task(hub.begin_stream("gone", len(PROMPT)))
+            call = asyncio.create_task(engine.prefill("gone", PROMPT, PARAMS, 30.0))
+            feed = await attach
+            await wait_until(lambda: engine.scheduler.find("gone") is not None)
+            engine.abort("gone")
+            _, end = await _drain(feed)
+            assert end.status == kv_pb2.KV_PULL_STATUS_ABORTED
+            hub.end_stream("gone", "", delivered=False)
+            [err] = await asyncio.gather(call, return_exceptions=True)
+            assert "aborted" in str(err)
+            await wait_until(lambda: not engine.scheduler.running)  # freed after its step
+            assert not hub.feeds
+            assert_all_free(engine)
+
+    asyncio.run(body())
