@@ -87,6 +87,11 @@ class Constraint(BaseModel):
                     schema = json.loads(self.text)
                 except json.JSONDecodeError as exc:
                     raise ValueError(f"the json_schema is not valid JSON: {exc}") from None
+                except RecursionError:  # deeper than the interpreter's recursion limit
+                    raise ValueError(
+                        "the json_schema nests too deeply to parse (the grammar engine takes about "
+                        "120 levels at most)"
+                    ) from None
                 if not isinstance(schema, (dict, bool)):
                     raise ValueError("the json_schema must be a JSON object (or true / false)")
             # no free whitespace by default; `json_whitespace` allows a small bound

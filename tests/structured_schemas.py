@@ -61,3 +61,34 @@ def schemas(seed: int, count: int) -> list[dict]:
 
 def check_instance(value: object, schema: dict) -> None:
     jsonschema.validate(value, schema)
+
+
+def features(schema: dict) -> set[str]:
+    """What a generated schema exercises: "nested object", "array", "enum", "bounded number",
+    "bounded string", "boolean", "optional field" (every object requires a subset of its
+    fields; the top level all of them)."""
+    found: set[str] = set()
+
+    def walk(node: dict, depth: int) -> None:
+        kind = node.get("type")
+        if kind == "object":
+            if depth:
+                found.add("nested object")
+            if set(node["properties"]) - set(node["required"]):
+                found.add("optional field")
+            for child in node["properties"].values():
+                walk(child, depth + 1)
+        elif kind == "array":
+            found.add("array")
+            walk(node["items"], depth + 1)
+        elif "enum" in node:
+            found.add("enum")
+        elif kind in ("integer", "number"):
+            found.add("bounded number")
+        elif kind == "string":
+            found.add("bounded string")
+        elif kind == "boolean":
+            found.add("boolean")
+
+    walk(schema, 0)
+    return found

@@ -15,7 +15,7 @@ import torch
 from splitserve.engine.grammar_masks import fill_masks, mask_words
 from splitserve.kernels.token_bitmask import apply_token_bitmask_
 from splitserve.protos import generate_pb2
-from splitserve.request.constraint import MAX_CHOICES, MAX_CONSTRAINT_BYTES, Constraint
+from splitserve.request.constraint import LIMITS, MAX_CHOICES, MAX_CONSTRAINT_BYTES, Constraint
 from splitserve.request.errors import RequestError
 from splitserve.request.grammar_cache import GrammarCache
 from splitserve.service.proto_convert import check_sampling_constraint, sampling_params_from_proto
@@ -81,6 +81,55 @@ def test_grammar_cache_compiles_once_and_hands_out_copies(tiny_llama):
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "unknown name" in info.value.message
     assert asyncio.run(cache.matcher(None)) is None
+
+
+def _many_optional_fields(n: int) -> Constraint:
+    """A schema of n optional fields: llguidance's compile grows with n squared (~1 s at 2800
+    fields on a CI core), under the 64 KiB bound."""
+    props = {str(i): {"type": "null"} for i in range(n)}
+    return Constraint(
+        kind="json_schema",
+        text=json.dumps({"type": "object", "properties": props}, separators=(",", ":")),
+    )
+
+
+def test_grammar_limits_and_compile_timeout_are_invalid_argument_naming_them(
+    tiny_llama, monkeypatch
+):
+    """A constraint over one of the grammar engine's LIMITS (lowered here, so that a small
+    schema crosses it) is refused by the router's check and by the worker's compile, each
+    naming the limit; a compile over the worker's time limit is refused naming that; the cache
+    keeps serving either way."""
+    schema = json.dumps(
+        {"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(20)}}
+    )
+    c = Constraint(kind="json_schema", text=schema)
+    cache = GrammarCache(tiny_llama, 512, [2], compile_timeout_s=0.1)
+    for limit, says in (
+        (
+            "max_grammar_size",
+            "grammar size (number of symbols) too big (limit for this grammar: 40)",
+        ),
+        ("initial_lexer_fuel", "initial lexer configuration (grammar) too big"),
+    ):
+        monkeypatch.setitem(LIMITS, limit, 40)
+        _refused(says, json_schema=schema)  # the router's check, without a tokenizer
+        with pytest.raises(RequestError) as info:  # the worker's compile
+            asyncio.run(cache.matcher(c))
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling.json_schema" in info.value.message and says in info.value.message
+        monkeypatch.undo()
+    assert asyncio.run(cache.matcher(c)) is not None and cache.compiles == 1
+    # too slow: a real compile of ~1 s against the 0.1 s limit
+    slow = _many_optional_fields(2800)
+    assert len(slow.text.encode()) <= MAX_CONSTRAINT_BYTES
+    with pytest.raises(RequestError) as info:
+        asyncio.run(cache.matcher(slow))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "compiling it took over 0.1 s" in info.value.message, info.value.message
+    assert asyncio.run(cache.matcher(Constraint(kind="regex", text="ab+"))) is not None
+    # nesting past the JSON parser: the engine's bound, not a RecursionError
+    _refused("nests too deeply", json_schema="[" * 20_000 + "]" * 20_000)
 
 
 def test_whitespace_bound(tiny_llama):

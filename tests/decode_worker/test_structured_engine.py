@@ -81,14 +81,29 @@ def test_schemas_parse_and_validate_colocated(tiny_llama, temperature):
     assert_all_free(engine)
 
 
+def _same_logprobs(got, want) -> None:
+    """Logprobs of the same tokens, in batches of other sizes: equal up to float rounding."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.token_id == w.token_id and g.logprob == pytest.approx(w.logprob, abs=1e-4)
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
+        assert [x for _, x in g.top] == pytest.approx([x for _, x in w.top], abs=1e-4)
+
+
 def test_regex_choice_and_mixed_batch_keeps_free_rows(tiny_llama):
-    free = _params(None, temperature=1.0, seed=7, max_tokens=24)
-    alone = _run(make_engine(tiny_llama), {"free": (free, False, None)})
+    """Unconstrained rows, sampled and greedy, both with logprobs, get the same tokens and
+    logprobs beside constrained rows (a masked batch samples every row through the sampling
+    kernels, greedy ones too, with the all-ones mask) as alone."""
+    free = {
+        "free": (_params(None, temperature=1.0, seed=7, max_tokens=24, logprobs=3), False, None),
+        "greedy": (_params(None, temperature=0.0, max_tokens=24, logprobs=2), False, None),
+    }
+    alone = _run(make_engine(tiny_llama), free)
     engine = make_engine(tiny_llama)
     col = _run(
         engine,
         {
-            "free": (free, False, None),
+            **free,
             "rx": (
                 _params(Constraint(kind="regex", text=r"[a-c]{2,5}-[0-9]{3}"), temperature=1.0),
                 False,
@@ -101,7 +116,11 @@ def test_regex_choice_and_mixed_batch_keeps_free_rows(tiny_llama):
             ),
         },
     )
-    assert col.tokens["free"] == alone.tokens["free"]
+    assert engine.graphs.masks.steps > 0  # the free rows were in masked steps
+    for rid in free:
+        assert col.tokens[rid] == alone.tokens[rid] and len(col.tokens[rid]) > 1, rid
+        assert all(lp is not None and len(lp.top) > 0 for lp in col.logprobs[rid])
+        _same_logprobs(col.logprobs[rid], alone.logprobs[rid])
     assert re.fullmatch(r"[a-c]{2,5}-[0-9]{3}", _text(tiny_llama, col.tokens["rx"]))
     assert _text(tiny_llama, col.tokens["ch"]) in ("red", "green", "blue sky")
     assert_all_free(engine)

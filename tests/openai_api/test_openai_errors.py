@@ -137,6 +137,7 @@ def test_refused_parameter_is_a_400_naming_it(stack, client, endpoint, kw, param
     assert err.body["param"] == param and param in err.body["message"], err.body
     assert err.body["type"] == "invalid_request_error" and err.body["code"], err.body
     _still_serving(client)
+    stack.assert_free()  # refused before anything was allocated, on every worker
 
 
 def test_logit_bias_and_min_tokens_are_served(stack, client, oracle):

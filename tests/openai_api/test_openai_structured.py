@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from openai_helpers import MODEL
-from structured_schemas import MAX_TOKENS, check_instance, schemas
+from structured_schemas import MAX_TOKENS, check_instance, features, schemas
 
 from splitserve.protos import generate_pb2
 
@@ -24,30 +27,55 @@ def _fmt(schema: dict) -> dict:
     }
 
 
-def test_json_schemas_through_http_and_grpc(stack, client):
-    """Generated schemas, sampled at temperature 1: every output parses and validates."""
-    for i, schema in enumerate(schemas(seed=35, count=20)):
-        if i % 2:
-            out = client.chat.completions.create(
-                model=MODEL,
-                messages=MSGS,
-                max_completion_tokens=MAX_TOKENS,
-                temperature=1.0,
-                seed=i,
-                response_format=_fmt(schema),
-            )
-            choice = out.choices[0]
-            assert choice.finish_reason == "stop", (schema, choice)
-            text = choice.message.content
-        else:
-            sp = generate_pb2.SamplingParams(
-                max_tokens=MAX_TOKENS, temperature=1.0, seed=i, json_schema=json.dumps(schema)
-            )
-            chunks = stack.grpc_generate("A thing:", sp)
-            assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_STOP, schema
-            assert chunks[-1].HasField("kv_handover") and not chunks[-1].kv_handover.recomputed
-            text = "".join(c.text for c in chunks)
-        check_instance(json.loads(text), schema)
+SCHEMAS = 50  # issue 35: each through gRPC and through the openai client
+
+
+def _via_openai(client, schema: dict, seed: int, max_tokens: int = MAX_TOKENS) -> str:
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=MSGS,
+        max_completion_tokens=max_tokens,
+        temperature=1.0,
+        seed=seed,
+        response_format=_fmt(schema),
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", (schema, choice)
+    return choice.message.content
+
+
+def _via_grpc(
+    stack, schema: dict, seed: int, max_tokens: int = MAX_TOKENS, handed_over: bool = True
+) -> str:
+    sp = generate_pb2.SamplingParams(
+        max_tokens=max_tokens, temperature=1.0, seed=seed, json_schema=json.dumps(schema)
+    )
+    chunks = stack.grpc_generate("A thing:", sp)
+    assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_STOP, schema
+    if handed_over:  # the decode worker pulled the prompt's KV (it did not recompute it)
+        assert chunks[-1].HasField("kv_handover") and not chunks[-1].kv_handover.recomputed
+    return "".join(c.text for c in chunks)
+
+
+def test_fifty_schemas_through_grpc_and_the_openai_client(stack, client):
+    """50 generated schemas (seeded), each sampled at temperature 1 through gRPC and through
+    the official openai client (response_format json_schema), each one's KV handed from the
+    prefill to the decode worker: every output parses and validates."""
+    cases = schemas(seed=35, count=SCHEMAS)
+    covered = Counter(f for s in cases for f in features(s))
+    for feature in ("nested object", "array", "enum", "bounded number", "optional field"):
+        assert covered[feature] >= 10, covered
+    pulls = _decode_metric(stack, "splitserve_kv_transfer_seconds_count")
+    # the two calls of a schema run side by side (batched: half the wall time); two requests'
+    # KV (<= 2 x ~45 blocks) always fits the decode pool, so no pull has to fall back
+    with ThreadPoolExecutor(2) as pool:
+        for i, schema in enumerate(cases):
+            via_grpc = pool.submit(_via_grpc, stack, schema, seed=i)
+            via_openai = pool.submit(_via_openai, client, schema, seed=i)
+            check_instance(json.loads(via_grpc.result()), schema)
+            check_instance(json.loads(via_openai.result()), schema)
+    # every request of both paths pulled its prompt's KV from the prefill worker
+    assert _decode_metric(stack, "splitserve_kv_transfer_seconds_count") == pulls + 2 * SCHEMAS
     stack.assert_free()
 
 
@@ -249,6 +277,39 @@ def test_invalid_constraints_are_invalid_argument_on_router_and_workers(stack):
     stack.assert_free()
 
 
+def test_constraints_over_the_limits_are_refused_and_the_service_keeps_serving(stack, client):
+    """A schema over 64 KiB, or nested past the JSON parser, is INVALID_ARGUMENT / HTTP 400
+    naming the limit (router, before any worker is touched), through gRPC and the openai
+    client; then the service still serves a constrained request and every block is free."""
+    import grpc
+    import openai
+
+    big = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(3000)}}
+    deep = {"type": "array", "items": {"type": "integer"}}
+    for _ in range(130):  # past the grammar engine's nesting bound, within the HTTP front's
+        deep = {"type": "array", "items": deep}
+    for schema, says in ((big, "send at most 65536"), (deep, "recursion limit exceeded")):
+        with pytest.raises(grpc.RpcError) as info:
+            stack.grpc_generate("Hi", generate_pb2.SamplingParams(json_schema=json.dumps(schema)))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+        assert "sampling.json_schema" in info.value.details(), info.value.details()
+        assert says in info.value.details(), info.value.details()
+        if schema is deep:  # the HTTP front refuses bodies this deep itself (MAX_JSON_DEPTH)
+            continue
+        with pytest.raises(openai.BadRequestError) as http_info:
+            _via_openai(client, schema, seed=0)
+        assert http_info.value.body["param"] == "response_format", http_info.value.body
+        assert says in http_info.value.body["message"], http_info.value.body
+    deeper = "[" * 20_000 + "]" * 20_000  # past Python's own recursion limit
+    with pytest.raises(grpc.RpcError) as info:
+        stack.grpc_generate("Hi", generate_pb2.SamplingParams(json_schema=deeper))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "nests too deeply" in info.value.details(), info.value.details()
+    schema = schemas(seed=39, count=1)[0]
+    check_instance(json.loads(_via_openai(client, schema, seed=1)), schema)
+    stack.assert_free()
+
+
 def test_greedy_constrained_equals_the_single_process_engine(stack, oracle):
     """Prefill masks token 0, decode rebuilds the matcher from the hand-over: the tokens are the
     offline engine's (one process, one matcher) exactly."""
@@ -281,12 +342,12 @@ def _decode_metric(stack, name: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
-def test_constrained_requests_under_decode_preemption(stack):
-    """Eight concurrent constrained requests whose outputs outgrow the decode worker's pool (128
-    blocks of 4): sequences are preempted and recomputed, and every output still validates."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    cases = schemas(seed=37, count=8)
+@pytest.mark.parametrize("path", ["grpc", "openai"])
+def test_constrained_requests_under_decode_preemption(stack, client, path):
+    """Eight concurrent constrained requests (gRPC, or the openai client's response_format)
+    whose outputs outgrow the decode worker's pool (128 blocks of 4): sequences are preempted
+    and recomputed, and every output still validates."""
+    cases = schemas(seed=37 if path == "grpc" else 38, count=8)
     for s in cases:  # long required strings: ~8 x 110 tokens > the pool's 508 slots
         s["properties"]["pad"] = {"type": "string", "minLength": 90, "maxLength": 100}
         s["required"].append("pad")
@@ -294,12 +355,9 @@ def test_constrained_requests_under_decode_preemption(stack):
     masked = _decode_metric(stack, "splitserve_decode_mask_seconds_count")
 
     def one(i: int) -> str:
-        sp = generate_pb2.SamplingParams(
-            max_tokens=230, temperature=1.0, seed=i, json_schema=json.dumps(cases[i])
-        )
-        chunks = stack.grpc_generate("Go:", sp)
-        assert chunks[-1].finish_reason == generate_pb2.FINISH_REASON_STOP
-        return "".join(c.text for c in chunks)
+        if path == "grpc":  # a pull may find the pool full here: then the prompt is recomputed
+            return _via_grpc(stack, cases[i], seed=i, max_tokens=200, handed_over=False)
+        return _via_openai(client, cases[i], seed=i, max_tokens=200)
 
     with ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(one, range(8)))
