@@ -56,7 +56,7 @@ async def _run(
     register=True,
 ):
     cfg = cfg or KvTransferConfig(
-        max_message_bytes=2**20, data_timeout_s=3, lease_request_timeout_s=3
+        max_message_bytes=2**20, data_timeout_s=3, lease_request_timeout_s=3, checksum="always"
     )
     src, src_spec, dst, dst_spec = _pools(dst_block_size, dst_hash)
     leases = Leases()
