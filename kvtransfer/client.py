@@ -147,18 +147,20 @@ class KvTransferClient:
         try:
             nbytes, tail = await self._exchange(ep, handle, src, dest_blocks)
         except KvTransferError as exc:
-            ep.abort()  # a half-used endpoint may hold stray messages: never reuse it
-            if not (reused and exc.reason == "peer_failed" and not exc.payload_started):
+            retry = reused and exc.reason == "peer_failed" and not exc.payload_started
+            # a half-used endpoint may hold stray messages: never reuse it
+            self.pool.discard(host, port, ep, keep_slot=retry)
+            if not retry:
                 raise
             # a cached endpoint whose peer restarted: one retry on a fresh connection
             ep, _ = await self.pool.acquire(host, port, fresh=True)
             try:
                 nbytes, tail = await self._exchange(ep, handle, src, dest_blocks)
             except BaseException:
-                ep.abort()
+                self.pool.discard(host, port, ep)
                 raise
         except BaseException:
-            ep.abort()
+            self.pool.discard(host, port, ep)
             raise
         # the rest of the pull (trailer, KvPullDone) is off the critical path: the endpoint
         # goes back to the pool when it is done
@@ -174,7 +176,7 @@ class KvTransferClient:
             await asyncio.wait_for(trailer, self.config.lease_request_timeout_s)
             await asyncio.wait_for(frames.send(ep, done), self.config.lease_request_timeout_s)
         except BaseException as exc:
-            ep.abort()
+            self.pool.discard(host, port, ep)
             log.debug("KV pull's KvPullDone not sent: %s", exc)
             if not isinstance(exc, Exception):
                 raise

@@ -235,3 +235,47 @@ def test_dead_peer_and_stalled_peer_time_out():
     with pytest.raises(KvTransferError) as info:
         asyncio.run(_run(faults=TransferFaults(stall_before_payload_s=3), cfg=stall))
     assert info.value.reason == "data_timeout"
+
+
+def test_a_burst_of_pulls_shares_a_bounded_number_of_endpoints():
+    """40 pulls at once: each lands its own blocks, over at most MAX_PER_PEER connections
+    (the rest queue for an endpoint instead of connecting all at once)."""
+    from splitserve.kvtransfer.endpoint_pool import MAX_PER_PEER
+
+    cfg = KvTransferConfig(data_timeout_s=10, lease_request_timeout_s=10, checksum="always")
+
+    async def main():
+        src, spec, dst, dspec = _pools()
+        leases = Leases()
+        server = KvTransferServer(src, spec, leases, cfg)
+        port = await server.start()
+        client = KvTransferClient(dst, dspec, cfg)
+        peak = 0
+
+        async def pull(i):
+            nonlocal peak
+            leases.table[f"B{i}"] = [2 + i]
+            await client.pull(
+                make_handle(
+                    spec,
+                    host="127.0.0.1",
+                    port=port,
+                    lease_id=f"B{i}",
+                    request_id=f"r{i}",
+                    num_blocks=1,
+                    num_tokens=16,
+                    ttl_s=30,
+                ),
+                [39 + i],
+            )
+            peak = max(peak, len(server._handlers))
+
+        try:
+            await asyncio.gather(*(pull(i) for i in range(40)))
+            assert torch.equal(dst[:, :, 39:79], src[:, :, 2:42])
+            assert 1 <= peak <= MAX_PER_PEER, peak
+        finally:
+            client.close()
+            await server.close()
+
+    asyncio.run(main())
