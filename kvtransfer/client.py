@@ -297,6 +297,8 @@ class KvTransferClient:
         """Checksum (when `trailer` is given) and unpack in one pass of the transfer stream,
         then one wait. On a mismatch the destination blocks hold garbage, but they were never
         admitted: they go back unused."""
+        if staging is not None:  # the unpack writes blocks a queued engine step may still write
+            self.stream.after_engine()
         with self.stream.context():
             checksum = readback(payload_checksum_async(payload)) if trailer is not None else None
             if staging is not None and self.install is None:
