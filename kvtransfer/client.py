@@ -1,5 +1,7 @@
 """Decode side of the KV pull (protocol diagram in server.py): connect, ask for the lease,
-receive the packed payload into staging, verify, unpack into the destination blocks, confirm.
+receive the payload into the destination blocks (one contiguous run, slab framing) or into
+staging, verify (between hosts by default), unpack; the trailer and KvPullDone finish after
+`pull` returned, and only then does the endpoint go back to the pool.
 
 A handle with a tensor-parallel shard map is pulled shard by shard (shards.py: other ranks
 concurrently, rank 0 last); each shard's heads land in their slice of the pool, or go to

@@ -3,17 +3,31 @@
     decode worker                                   prefill worker (this listener)
     ─────────────                                   ──────────────────────────────
     allocate destination blocks
-    connect (endpoint pool) ───────────────────────▶ accept
-    KvPullRequest(lease, geometry, hash) ──────────▶ check geometry + hash, look up lease
-                                     ◀────────────── KvPullReply(status, bytes, checksum)
-                                                     pack all layers' K and V of the lease's
-                                                     blocks into one staging buffer (pack kernel)
-    receive into staging  ◀════ payload in 1..k messages (never one per block)
-    verify checksum, unpack into its blocks
-    KvPullDone(ok) ────────────────────────────────▶ release the lease (blocks freed or cached)
+    connect (endpoint pool, <= 16 per peer) ───────▶ accept
+    KvPullRequest(lease, geometry, hash) ──────────▶ check geometry + hash, look up lease, pin
+      (reply's receive posted with it)
+                                     ◀────────────── KvPullReply header (status, bytes, messages):
+                                                     sent at once, it needs no packed byte
+                                                     zero-copy slabs straight from the pool when
+                                                     the blocks are one run (large payloads),
+                                                     else pack all layers' K and V (one kernel)
+    receive into its blocks / staging ◀═══ payload in 1..k messages on the payload tag
+                                     ◀────────────── KvPullReply trailer (checksum, computed while
+                                                     the payload was on the wire)
+    [checksum if between hosts] + unpack; pull() returns: the blocks are ready
+    KvPullDone(ok) ─ ─ (after pull() returned) ─ ─ ▶ release the lease (blocks freed or cached)
+
+Control messages are one frame each (frames.py: no size message first); the payload has its own
+tag, so neither matches the other's receives. One round trip before the payload, none after it
+on the critical path. Framing (buffers.py): payloads whose (layer, K/V) slabs are >= 1 MiB go
+as whole slabs, so either side lands them in its pool directly when its blocks are one
+contiguous run, independently of the other side. The checksum is verified per
+`KvTransferConfig.checksum` (checksum.py: by default between hosts only).
 
 One pull owns an endpoint at a time, so messages of two pulls never interleave; an endpoint
-serves pulls one after another until the peer closes it.
+serves pulls one after another until the peer closes it. ucxx 0.52's Python API has no RMA
+(memory registration, rkeys, put/get: only libucxx's C++ has them), so the payload moves as
+tagged sends into posted receives, which UCX runs as rendezvous (zero-copy get) for large ones.
 """
 
 from __future__ import annotations
@@ -120,8 +134,8 @@ class KvTransferServer:
                 # no polling receive while idle (idle_wait.py)
                 await until_message(ep, last, self._expecting, self.wake)
                 req = await frames.recv(ep, kv_pb2.KvPullRequest, buf)
-                last = time.monotonic()
                 await self._serve(ep, req, buf)
+                last = time.monotonic()  # hot from the pull's last message (KvPullDone) on
         except Exception as exc:  # the peer closed or died: nothing to clean but the endpoint
             log.debug("KV endpoint closed: %s", exc)
         finally:
