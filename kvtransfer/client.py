@@ -46,6 +46,7 @@ from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, chec
 from splitserve.kvtransfer.endpoint_pool import EndpointPool
 from splitserve.kvtransfer.errors import KvTransferError
 from splitserve.kvtransfer.frames import PAYLOAD_TAG
+from splitserve.kvtransfer.lease_request import request_lease
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.shards import ShardSource, shard_sources
 from splitserve.protos import kv_pb2
@@ -54,12 +55,6 @@ from splitserve.protos import kv_pb2
 # shard somewhere other than this client's own pool
 log = logging.getLogger("splitserve.kvtransfer")
 Installer = Callable[[torch.Tensor, list[int], int, int], Awaitable[None]]
-
-_STATUS_REASON = {
-    kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN: "lease_unknown",
-    kv_pb2.KV_PULL_STATUS_LEASE_EXPIRED: "lease_expired",
-    kv_pb2.KV_PULL_STATUS_INCOMPATIBLE: "incompatible",
-}
 
 
 def _retrieved(fut: asyncio.Future) -> None:
@@ -194,44 +189,12 @@ class KvTransferClient:
                 2, ids, staging
             )
 
-    async def _request(self, ep, handle: kv_pb2.KvHandle, buf) -> kv_pb2.KvPullReply:
-        cfg = self.config
-        request = kv_pb2.KvPullRequest(
-            lease_id=handle.lease_id,
-            request_id=handle.request_id,
-            max_message_bytes=cfg.max_message_bytes,
-            **self.spec.fields(),
-        )
-        try:  # the reply's receive is posted with the request: one round trip
-            _, reply = await asyncio.wait_for(
-                asyncio.gather(frames.send(ep, request), frames.recv(ep, kv_pb2.KvPullReply, buf)),
-                cfg.lease_request_timeout_s,
-            )
-        except TimeoutError as exc:
-            raise KvTransferError(
-                "lease_timeout",
-                f"no answer to the lease request within {cfg.lease_request_timeout_s}s",
-            ) from exc
-        except Exception as exc:
-            raise KvTransferError(
-                "peer_failed", f"prefill worker failed during the lease request: {exc}"
-            ) from exc
-        if reply.status != kv_pb2.KV_PULL_STATUS_OK:
-            reason = _STATUS_REASON.get(reply.status, "rejected")
-            status = (
-                grpc.StatusCode.FAILED_PRECONDITION
-                if reason == "incompatible"
-                else grpc.StatusCode.UNAVAILABLE
-            )
-            raise KvTransferError(reason, reply.message or f"pull rejected ({reason})", status)
-        return reply
-
     async def _exchange(
         self, ep, handle: kv_pb2.KvHandle, src: ShardSource, dest_blocks: list[int]
     ) -> tuple[int, tuple[asyncio.Future, kv_pb2.KvPullDone]]:
         cfg = self.config
         buf = frames.new_buffer()
-        reply = await self._request(ep, handle, buf)
+        reply = await request_lease(ep, handle, self.spec, cfg, buf)
         if self.install is None and not (
             self.head_range[0] <= src.head_start and src.head_end <= self.head_range[1]
         ):
