@@ -236,7 +236,8 @@ class KvTransferServer:
         timeout = self.config.data_timeout_s
         if hit:
             pieces = self._apply_faults(pieces)
-            await asyncio.sleep(self.faults.stall_before_payload_s)
+            if self.faults.stall_before_payload_s:  # (no loop turn lost when there is none)
+                await asyncio.sleep(self.faults.stall_before_payload_s)
             if self.faults.stall_after_first_message_s:  # the peer holds part of the payload
                 await asyncio.wait_for(ep.send(pieces[0], tag=PAYLOAD_TAG), timeout)
                 await asyncio.sleep(self.faults.stall_after_first_message_s)
