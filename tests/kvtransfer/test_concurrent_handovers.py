@@ -1,6 +1,7 @@
 """64 hand-overs at once between one prefill and one decode worker (real processes, gRPC, UCX
-over TCP only): every one is pulled (none recomputed, none timed out), its tokens are the
-single-process engine's, and every block and lease is free on both sides afterwards."""
+over TCP only on the CPU; cuda_ipc on a GPU): every one is pulled (none recomputed, none timed
+out), its tokens are the single-process engine's, and every block and lease is free on both
+sides afterwards."""
 
 from __future__ import annotations
 
@@ -38,10 +39,19 @@ def _metric(port: int, name: str, labels: str = "") -> float:
 
 def test_64_concurrent_handovers_over_tcp(tiny_llama, expected, tmp_path, monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp")  # the path between hosts, not shared memory
+    _concurrent_handovers(tiny_llama, expected, tmp_path)
+
+
+@pytest.mark.gpu
+def test_64_concurrent_handovers_on_the_gpu(tiny_llama, expected, tmp_path):
+    _concurrent_handovers(tiny_llama, expected, tmp_path, "--device", "cuda")
+
+
+def _concurrent_handovers(tiny_llama, expected, tmp_path, *device: str) -> None:
     sampling = generate_pb2.SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     metrics = helpers_procs.free_port()
     with helpers_procs.ProcessGroup(tmp_path) as procs:
-        blocks = ["--block-size", "4", "--num-blocks", "600"]
+        blocks = ["--block-size", "4", "--num-blocks", "600", *device]
         p = procs.prefill_worker(tiny_llama, *blocks)
         d = procs.decode_worker(
             tiny_llama,
