@@ -207,19 +207,23 @@ class KvTransferServer:
                 payload = ops.pack_kv_blocks(self.kv_cache, ids, out=self.staging.take(shape))
                 pieces = piece_views(payload, num_messages)
         await self.stream.wait()
-        # the checksum (for the trailer) is computed while the payload is on the wire
-        checksum = asyncio.ensure_future(self._checksum(payload))
+        # the trailer's checksum: on the GPU computed while the payload is on the wire; on the
+        # CPU once it left (the host's cores move the payload first)
+        on_gpu = payload.is_cuda
+        checksum = asyncio.ensure_future(self._checksum(payload)) if on_gpu else None
         try:
             with self.metrics.sending.track_inprogress():
                 await asyncio.wait_for(header, timeout)
                 await self._send_payload(ep, pieces, hit)
             self.metrics.bytes.labels("sent").inc(nbytes)
+            checksum = checksum or asyncio.ensure_future(self._checksum(payload))
             trailer = kv_pb2.KvPullReply(status=kv_pb2.KV_PULL_STATUS_OK, checksum=await checksum)
             await asyncio.wait_for(frames.send(ep, trailer), timeout)
             done = await asyncio.wait_for(frames.recv(ep, kv_pb2.KvPullDone, buf), timeout)
         finally:
             header.cancel()
-            checksum.cancel()
+            if checksum is not None:
+                checksum.cancel()
             if not zero_copy:
                 self.staging.give(payload)
         return done.ok
