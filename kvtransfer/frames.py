@@ -12,7 +12,7 @@ import struct
 
 import numpy as np
 
-FRAME_BYTES = 4096
+FRAME_BYTES = 16384  # a request id of 1024 characters (UTF-8) and a capped message fit
 PAYLOAD_TAG = 0x4B5650  # an int: ucxx hashes a tag with hash(), which is per-process for str
 _LEN = struct.Struct("<I")
 _MESSAGE_ROOM = 2048  # a reply's human-readable message is cut to fit the frame
