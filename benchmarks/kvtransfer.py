@@ -2,12 +2,19 @@
 
 For payloads from 1 MiB to 1 GiB and the KV of a 1k / 8k-token prompt of the llama-3.2-1b
 shape, prints side by side, measured in the same run:
-  splitserve path  pack + send + checksum + unpack through KvTransferServer/Client
-  raw ucxx         one contiguous buffer sent over a ucxx endpoint
+  splitserve path  a whole pull through KvTransferServer/Client (request, reply, payload;
+                   zero-copy slabs for a contiguous run of blocks, else pack + unpack;
+                   the checksum per `--checksum`, default between_hosts: off on one host)
+  raw ucxx         one contiguous buffer sent over a ucxx endpoint after a one-message request
   d2d copy         a device-to-device copy of the same bytes (the local ceiling)
-and writes JSON (--out). Runs on CPU too (TCP loopback), where only ratios mean anything.
+`--scattered` gives each side a non-contiguous block list (the pack/unpack path). Runs on CPU
+too (TCP loopback or shared memory), where only ratios mean anything.
 
-    python benchmarks/kvtransfer.py --out kv.json
+`--out` merges into that JSON file (other keys, e.g. the streaming case's "exposed_ms", are
+kept): "sizes": [{"mib", "path_ms", "raw_ms", "ratio" (raw_ms / path_ms)}], the issue-32
+table, and "kvtransfer_rows" with every case's details.
+
+    python benchmarks/kvtransfer.py --out benchmarks/results/<gpu>-<date>/kv_handover.json
 """
 
 from __future__ import annotations
@@ -22,16 +29,40 @@ import time
 MIB = 2**20
 # llama-3.2-1b: 16 layers, 8 kv heads, head_dim 64, bf16 -> 32 KiB of K+V per token
 LLAMA_1B = dict(layers=16, heads=8, head_dim=64, elem=2)
+CHECKSUM_MODES = ("between_hosts", "always", "never")
+
+
+def block_list(n: int, scattered: bool) -> list[int]:
+    """Blocks 1..n: in order (one contiguous run), or every other block first (no run)."""
+    ids = list(range(1, n + 1))
+    return ids[::2] + ids[1::2] if scattered else ids
+
+
+def merge_json(path: str, update: dict) -> dict:
+    """`update` written over the keys of the JSON object at `path` (created if missing)."""
+    import os
+
+    data = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data.update(update)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2)
+    return data
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--sizes-mib", default="1,4,16,64,256,1024", help="payload sizes in MiB")
+    p.add_argument("--sizes-mib", default="1,16,64,256,1024", help="payload sizes in MiB")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--device", default="auto")
-    p.add_argument("--out", default=None)
+    p.add_argument("--no-prompts", action="store_true", help="skip the 1k / 8k-token cases")
+    p.add_argument("--scattered", action="store_true", help="non-contiguous blocks (pack path)")
+    p.add_argument("--checksum", default="between_hosts", choices=CHECKSUM_MODES)
+    p.add_argument("--out", default=None, help="JSON file to write or merge into")
     return p.parse_args(argv)
 
 
@@ -48,7 +79,7 @@ def _pool_for(nbytes: int, device):
     return pool, n
 
 
-def _server(port_q, cmd_q, sizes, device):
+def _server(port_q, cmd_q, sizes, device, scattered, checksum):
     import torch
 
     from splitserve.kvtransfer.config import KvTransferConfig
@@ -60,7 +91,7 @@ def _server(port_q, cmd_q, sizes, device):
             self.n = n
 
         def begin_pull(self, lease_id, request_id):
-            return list(range(1, self.n + 1))
+            return block_list(self.n, scattered)
 
         def end_pull(self, lease_id, delivered):
             pass
@@ -71,7 +102,8 @@ def _server(port_q, cmd_q, sizes, device):
         servers, raws = [], []
         for nbytes in sizes:
             pool, n = _pool_for(nbytes, device)
-            srv = KvTransferServer(pool, PoolSpec.of(pool, "bench"), Leases(n), KvTransferConfig())
+            cfg = KvTransferConfig(checksum=checksum)
+            srv = KvTransferServer(pool, PoolSpec.of(pool, "bench"), Leases(n), cfg)
             await srv.start()
             buf = torch.empty(
                 n * (pool[0, 0, 0].numel() * 2 * pool.shape[0]) * 2,
@@ -80,11 +112,16 @@ def _server(port_q, cmd_q, sizes, device):
             )
 
             async def raw_handler(ep, buf=buf):
-                from splitserve.kvtransfer.buffers import ucx_view
+                import numpy as np
 
+                from splitserve.kvtransfer.buffers import ucx_view
+                from splitserve.kvtransfer.idle_wait import PullWake, until_message
+
+                wake, req = PullWake(), np.empty(64, np.uint8)
                 while True:
-                    try:
-                        await ep.recv_obj()
+                    try:  # waits for a request as the KV listener does (no polling receive)
+                        await until_message(ep, time.monotonic(), lambda: True, wake)
+                        await ep.recv(req)
                     except Exception:
                         return
                     await ep.send(ucx_view(buf))
@@ -100,6 +137,7 @@ def _server(port_q, cmd_q, sizes, device):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import numpy as np
     import torch
     from tqdm import tqdm
 
@@ -116,11 +154,14 @@ def main(argv=None) -> int:
     g = LLAMA_1B
     per_token = 2 * g["layers"] * g["heads"] * g["head_dim"] * g["elem"]
     cases = [(f"{m} MiB", m * MIB) for m in map(int, args.sizes_mib.split(","))]
-    cases += [("1k-token prompt", 1024 * per_token), ("8k-token prompt", 8192 * per_token)]
+    if not args.no_prompts:
+        cases += [("1k-token prompt", 1024 * per_token), ("8k-token prompt", 8192 * per_token)]
     ctx = mp.get_context("spawn")
     port_q, cmd_q = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(
-        target=_server, args=(port_q, cmd_q, [c[1] for c in cases], str(device)), daemon=True
+        target=_server,
+        args=(port_q, cmd_q, [c[1] for c in cases], str(device), args.scattered, args.checksum),
+        daemon=True,
     )
     proc.start()
     ports = [port_q.get(timeout=300) for _ in cases]
@@ -133,7 +174,8 @@ def main(argv=None) -> int:
             list(zip(cases, ports)), desc="kv transfer", unit="size"
         ):
             pool, _ = _pool_for(n * per_token * 16, device)
-            client = KvTransferClient(pool, PoolSpec.of(pool, "bench"), KvTransferConfig())
+            cfg = KvTransferConfig(checksum=args.checksum)
+            client = KvTransferClient(pool, PoolSpec.of(pool, "bench"), cfg)
             spec = PoolSpec.of(pool, "bench")
             handle = make_handle(
                 spec,
@@ -147,14 +189,16 @@ def main(argv=None) -> int:
             )
             nbytes = n * spec.block_bytes()
             ep = await ucxx.create_endpoint("127.0.0.1", raw_port)
+            go = np.frombuffer(b"go", np.uint8).copy()
+            dest = block_list(n, args.scattered)
             raw_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             src = torch.empty_like(raw_buf)
             t_path, t_raw, t_copy = [], [], []
             for i in range(args.iters + 1):
                 t0 = time.perf_counter()
-                await client.pull(handle, list(range(1, n + 1)))
+                await client.pull(handle, dest)
                 t1 = time.perf_counter()
-                await ep.send_obj(b"go")
+                await ep.send(go)
                 await ep.recv(ucx_view(raw_buf))
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -193,10 +237,25 @@ def main(argv=None) -> int:
     proc.join(timeout=10)
     import ucxx
 
-    result = dict(device=str(device), transports=sorted(ucxx.get_active_transports()), rows=rows)
+    sizes = [
+        dict(
+            mib=r["bytes"] // MIB,
+            path_ms=round(r["path_ms"], 4),
+            raw_ms=round(r["raw_ms"], 4),
+            ratio=round(r["raw_ms"] / r["path_ms"], 4),
+        )
+        for r in rows
+        if r["case"].endswith(" MiB")
+    ]
+    result = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        transports=sorted(ucxx.get_active_transports()),
+        sizes=sizes,
+        kvtransfer_rows=rows,
+        kvtransfer_command="python benchmarks/kvtransfer.py " + " ".join(argv or sys.argv[1:]),
+    )
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+        merge_json(args.out, result)
         print(f"wrote {args.out}")
     return 0
 

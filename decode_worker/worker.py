@@ -24,6 +24,7 @@ from splitserve.decode_worker.servicer import DecodeWorkerServicer
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.kvtransfer.client import KvTransferClient
 from splitserve.kvtransfer.descriptor import PoolSpec
+from splitserve.kvtransfer.endpoint_pool import EndpointPool
 from splitserve.kvtransfer.layer_stream_client import LayerStreamClient
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import worker_pb2, worker_pb2_grpc
@@ -103,8 +104,11 @@ class DecodeWorker(WorkerSkeleton):
             client, self.cfg.kv_transfer.failure_policy, self.cfg.faults
         )
         if self.cfg.kv_transfer.streaming and not runner.tp.enabled:  # TP: the classic pull
+            # endpoints of their own: a stream holds one for a whole prefill, so pulls (a
+            # stream's fallback among them) must not queue behind streams for the per-peer cap
+            self._stream_pool = EndpointPool(self.cfg.kv_transfer.connect_timeout_s)
             stream_client = LayerStreamClient(
-                runner.kv_cache, spec, self.cfg.kv_transfer, client.pool, kv_metrics
+                runner.kv_cache, spec, self.cfg.kv_transfer, self._stream_pool, kv_metrics
             )
             self.servicer.streamer = StreamPuller(
                 stream_client,
@@ -118,6 +122,9 @@ class DecodeWorker(WorkerSkeleton):
         if self.servicer.puller is not None:
             self.servicer.puller.close()
             self.servicer.puller = None
+        if getattr(self, "_stream_pool", None) is not None:
+            self._stream_pool.close()
+            self._stream_pool = None
         if self.loop is not None:
             await asyncio.to_thread(self.loop.stop)
         elif self.engine is not None:

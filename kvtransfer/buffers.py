@@ -4,6 +4,12 @@ UCX reads host memory through the buffer protocol and device memory through
 `__cuda_array_interface__`; both are exposed on a uint8 view (bf16 has no numpy or CAI type).
 Pack/unpack run on their own CUDA stream and are awaited through an event in a worker thread,
 never with a device-wide synchronize, so the engine's stream keeps running.
+
+Payload framing (both sides compute it from the geometry, the reply states it): the payload
+[L, 2, n, BS, heads, D] goes as `num_messages` even pieces. Large payloads go as whole
+(layer, K/V) slabs of n blocks, k pieces per slab (`plan_messages`): a side whose n blocks are
+one contiguous run in its pool (and all of its heads) then sends from / receives into the pool
+itself, with no pack or unpack (`slab_views`); otherwise it packs into / unpacks from staging.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from contextlib import nullcontext
 import torch
 
 _POLLS = 200
+# below this slab size a packed single message wins (fewer messages, one kernel each side)
+ZERO_COPY_MIN_SLAB_BYTES = 2**20
 
 
 def ucx_view(t: torch.Tensor):
@@ -46,3 +54,82 @@ class TransferStream:
         """Orders this stream after work already queued on the engine's current stream."""
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+
+
+def ids_tensor(blocks: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids on `device`, copied from pinned memory on the current stream (no sync)."""
+    host = torch.tensor(blocks, dtype=torch.int64, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def contiguous_start(blocks: list[int]) -> int | None:
+    """The first block when `blocks` are one ascending run (b, b+1, ...), else None."""
+    if not blocks:
+        return None
+    b0 = blocks[0]
+    return b0 if blocks == list(range(b0, b0 + len(blocks))) else None
+
+
+def plan_messages(payload_bytes: int, num_layers: int, limit: int) -> int:
+    """How many even pieces the sender splits a payload into: per-slab pieces (a multiple of
+    2 * num_layers, each within one slab) when slabs are large, else ceil(bytes / limit)."""
+    slabs = 2 * num_layers
+    slab = payload_bytes // slabs
+    if slab >= ZERO_COPY_MIN_SLAB_BYTES and payload_bytes % slabs == 0:
+        k = -(-slab // limit)
+        while slab % k:  # pieces must not straddle two slabs
+            k += 1
+        return slabs * k
+    return max(1, -(-payload_bytes // limit))
+
+
+def slab_framed(num_messages: int, payload_bytes: int, num_layers: int) -> bool:
+    slabs = 2 * num_layers
+    if num_messages % slabs or payload_bytes % slabs:
+        return False
+    k = num_messages // slabs
+    return (payload_bytes // slabs) % k == 0
+
+
+def slab_views(kv_cache: torch.Tensor, b0: int, n: int, num_messages: int) -> list:
+    """The UCX buffers of each piece of a slab-framed payload, straight in the pool: blocks
+    [b0, b0 + n) of every (layer, K/V), k pieces each."""
+    layers = kv_cache.shape[0]
+    k = num_messages // (2 * layers)
+    views = []
+    for layer in range(layers):
+        for kv in range(2):
+            slab = kv_cache[layer, kv, b0 : b0 + n].reshape(-1).view(torch.uint8)
+            step = slab.numel() // k
+            views += [ucx_view(slab[i : i + step]) for i in range(0, slab.numel(), step)]
+    return views
+
+
+def piece_views(payload: torch.Tensor, num_messages: int) -> list:
+    """Even pieces of a contiguous payload (the receiver sizes its buffers the same way)."""
+    flat = payload.reshape(-1).view(torch.uint8)
+    chunk = -(-flat.numel() // num_messages)
+    return [ucx_view(flat[o : o + chunk]) for o in range(0, flat.numel(), chunk)]
+
+
+class StagingCache:
+    """Host staging buffers kept for reuse (a fresh CPU tensor of a large payload costs page
+    faults on every pull); device staging comes from the caching allocator instead. At most
+    `keep` buffers of each shape are kept; concurrent pulls beyond that allocate."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, keep: int = 2) -> None:
+        self.device, self.dtype, self.keep = device, dtype, keep
+        self.free: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, shape: tuple) -> torch.Tensor:
+        free = self.free.get(shape)
+        if free:
+            return free.pop()
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def give(self, t: torch.Tensor) -> None:
+        if t.is_cuda:
+            return
+        free = self.free.setdefault(tuple(t.shape), [])
+        if len(free) < self.keep:
+            free.append(t)

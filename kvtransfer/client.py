@@ -1,5 +1,7 @@
 """Decode side of the KV pull (protocol diagram in server.py): connect, ask for the lease,
-receive the packed payload into staging, verify, unpack into the destination blocks, confirm.
+receive the payload into the destination blocks (one contiguous run, slab framing) or into
+staging, verify (between hosts by default), unpack; the trailer and KvPullDone finish after
+`pull` returned, and only then does the endpoint go back to the pool.
 
 A handle with a tensor-parallel shard map is pulled shard by shard (shards.py: other ranks
 concurrently, rank 0 last); each shard's heads land in their slice of the pool, or go to
@@ -13,6 +15,8 @@ re-created next time).
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -21,25 +25,41 @@ import grpc
 import torch
 
 from splitserve.kernels import ops
-from splitserve.kvtransfer.buffers import TransferStream, ucx_view
-from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
+from splitserve.kvtransfer import frames
+from splitserve.kvtransfer.buffers import (
+    StagingCache,
+    TransferStream,
+    contiguous_start,
+    ids_tensor,
+    piece_views,
+    slab_framed,
+    slab_views,
+)
+from splitserve.kvtransfer.checksum import (
+    payload_checksum_async,
+    readback,
+    to_u64,
+    wants_checksum,
+)
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
 from splitserve.kvtransfer.endpoint_pool import EndpointPool
 from splitserve.kvtransfer.errors import KvTransferError
+from splitserve.kvtransfer.frames import PAYLOAD_TAG
+from splitserve.kvtransfer.lease_request import request_lease
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.shards import ShardSource, shard_sources
 from splitserve.protos import kv_pb2
 
 # install(staging [L,2,n,BS,heads,D], dest_blocks, head_start, head_end): places a verified
 # shard somewhere other than this client's own pool
+log = logging.getLogger("splitserve.kvtransfer")
 Installer = Callable[[torch.Tensor, list[int], int, int], Awaitable[None]]
 
-_STATUS_REASON = {
-    kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN: "lease_unknown",
-    kv_pb2.KV_PULL_STATUS_LEASE_EXPIRED: "lease_expired",
-    kv_pb2.KV_PULL_STATUS_INCOMPATIBLE: "incompatible",
-}
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,8 @@ class KvTransferClient:
         self.install = install
         self.stream = TransferStream(kv_cache.device)
         self.pool = EndpointPool(config.connect_timeout_s)
+        self.staging = StagingCache(kv_cache.device, kv_cache.dtype)
+        self._tails: set[asyncio.Task] = set()  # pulls' last messages, off the critical path
 
     async def pull(self, handle: kv_pb2.KvHandle, dest_blocks: list[int]) -> PullStats:
         try:
@@ -120,23 +142,43 @@ class KvTransferClient:
         host, port = src.host, src.port
         ep, reused = await self.pool.acquire(host, port)
         try:
-            nbytes = await self._exchange(ep, handle, src, dest_blocks)
+            nbytes, tail = await self._exchange(ep, handle, src, dest_blocks)
         except KvTransferError as exc:
-            ep.abort()  # a half-used endpoint may hold stray messages: never reuse it
-            if not (reused and exc.reason == "peer_failed" and not exc.payload_started):
+            retry = reused and exc.reason == "peer_failed" and not exc.payload_started
+            # a half-used endpoint may hold stray messages: never reuse it
+            self.pool.discard(host, port, ep, keep_slot=retry)
+            if not retry:
                 raise
             # a cached endpoint whose peer restarted: one retry on a fresh connection
             ep, _ = await self.pool.acquire(host, port, fresh=True)
             try:
-                nbytes = await self._exchange(ep, handle, src, dest_blocks)
+                nbytes, tail = await self._exchange(ep, handle, src, dest_blocks)
             except BaseException:
-                ep.abort()
+                self.pool.discard(host, port, ep)
                 raise
         except BaseException:
-            ep.abort()
+            self.pool.discard(host, port, ep)
             raise
-        self.pool.release(host, port, ep)
+        # the rest of the pull (trailer, KvPullDone) is off the critical path: the endpoint
+        # goes back to the pool when it is done
+        task = asyncio.ensure_future(self._finish(host, port, ep, *tail))
+        self._tails.add(task)
+        task.add_done_callback(self._tails.discard)
         return nbytes
+
+    async def _finish(
+        self, host: str, port: int, ep, trailer: asyncio.Future, done: kv_pb2.KvPullDone
+    ) -> None:
+        try:
+            await asyncio.wait_for(trailer, self.config.lease_request_timeout_s)
+            await asyncio.wait_for(frames.send(ep, done), self.config.lease_request_timeout_s)
+        except BaseException as exc:
+            self.pool.discard(host, port, ep)
+            log.debug("KV pull's KvPullDone not sent: %s", exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        self.pool.release(host, port, ep)
 
     def _unpack_local(self, staging: torch.Tensor, ids: torch.Tensor, src: ShardSource) -> None:
         h0, h1 = self.head_range
@@ -149,37 +191,10 @@ class KvTransferClient:
 
     async def _exchange(
         self, ep, handle: kv_pb2.KvHandle, src: ShardSource, dest_blocks: list[int]
-    ) -> int:
+    ) -> tuple[int, tuple[asyncio.Future, kv_pb2.KvPullDone]]:
         cfg = self.config
-        request = kv_pb2.KvPullRequest(
-            lease_id=handle.lease_id,
-            request_id=handle.request_id,
-            max_message_bytes=cfg.max_message_bytes,
-            **self.spec.fields(),
-        )
-        try:
-            await asyncio.wait_for(
-                ep.send_obj(request.SerializeToString()), cfg.lease_request_timeout_s
-            )
-            raw = await asyncio.wait_for(ep.recv_obj(), cfg.lease_request_timeout_s)
-        except TimeoutError as exc:
-            raise KvTransferError(
-                "lease_timeout",
-                f"no answer to the lease request within {cfg.lease_request_timeout_s}s",
-            ) from exc
-        except Exception as exc:
-            raise KvTransferError(
-                "peer_failed", f"prefill worker failed during the lease request: {exc}"
-            ) from exc
-        reply = kv_pb2.KvPullReply.FromString(bytes(raw))
-        if reply.status != kv_pb2.KV_PULL_STATUS_OK:
-            reason = _STATUS_REASON.get(reply.status, "rejected")
-            status = (
-                grpc.StatusCode.FAILED_PRECONDITION
-                if reason == "incompatible"
-                else grpc.StatusCode.UNAVAILABLE
-            )
-            raise KvTransferError(reason, reply.message or f"pull rejected ({reason})", status)
+        buf = frames.new_buffer()
+        reply = await request_lease(ep, handle, self.spec, cfg, buf)
         if self.install is None and not (
             self.head_range[0] <= src.head_start and src.head_end <= self.head_range[1]
         ):
@@ -189,67 +204,92 @@ class KvTransferClient:
                 f"pool's heads {list(self.head_range)}",
                 grpc.StatusCode.INVALID_ARGUMENT,
             )
-        shape = (
-            self.spec.num_layers,
-            2,
-            len(dest_blocks),
-            self.spec.block_size,
-            src.num_heads,
-            self.spec.head_dim,
-        )
-        # UCX writes the staging outside any CUDA stream: allocate it from the transfer stream's
-        # pool (never the engine's, whose queued kernels may still use a block the allocator
-        # just handed out) and let that stream drain before the first receive is posted
-        with self.stream.context():
-            staging = torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device)
-        await self.stream.wait()
-        payload = staging.reshape(-1).view(torch.uint8)
-        if reply.payload_bytes != payload.numel() or reply.num_messages < 1:
+        n, layers = len(dest_blocks), self.spec.num_layers
+        shape = (layers, 2, n, self.spec.block_size, src.num_heads, self.spec.head_dim)
+        nbytes = math.prod(shape) * self.kv_cache.element_size()
+        if reply.payload_bytes != nbytes or reply.num_messages < 1:
             raise KvTransferError(
                 "invalid",
                 f"payload of {reply.payload_bytes} bytes in {reply.num_messages} "
-                f"messages; expected {payload.numel()} bytes",
+                f"messages; expected {nbytes} bytes",
             )
-        chunk = -(-payload.numel() // reply.num_messages)
+        run = contiguous_start(dest_blocks)
+        # straight into the pool: one contiguous run of blocks holding all of its heads
+        direct = (
+            self.install is None
+            and run is not None
+            and (src.head_start, src.head_end) == self.head_range
+            and slab_framed(reply.num_messages, nbytes, layers)
+        )
+        verify = wants_checksum(cfg.checksum, src.host)
+        # UCX writes outside any CUDA stream: into the pool only once the engine's queued
+        # kernels (a step may still write a block freed just before) are done; into staging
+        # from the transfer stream's pool once that stream (an earlier pull's unpack) drained
+        if direct:
+            self.stream.after_engine()
+            payload, staging = self.kv_cache[:, :, run : run + n], None
+            buffers = slab_views(self.kv_cache, run, n, reply.num_messages)
+        else:
+            with self.stream.context():
+                payload = staging = self.staging.take(shape)
+            buffers = piece_views(staging, reply.num_messages)
+        await self.stream.wait()
+        trailer = asyncio.ensure_future(frames.recv(ep, kv_pb2.KvPullReply, buf))
+        trailer.add_done_callback(_retrieved)  # a failed or cancelled trailer is not an error
         try:
-            await asyncio.wait_for(self._receive(ep, payload, chunk), cfg.data_timeout_s)
+            await asyncio.wait_for(self._receive(ep, buffers), cfg.data_timeout_s)
         except TimeoutError as exc:
+            trailer.cancel()
             raise KvTransferError(
                 "data_timeout", f"KV payload not received within {cfg.data_timeout_s}s"
             ) from exc
         except Exception as exc:
+            trailer.cancel()
             raise KvTransferError(
                 "peer_failed", f"prefill worker failed mid-transfer: {exc}", payload_started=True
             ) from exc
-        # Checksum and unpack in one pass of the transfer stream, then one wait. On a mismatch the
-        # destination blocks hold garbage, but they were never admitted: they go back unused.
-        self.stream.after_engine()
+        try:
+            await self._land(payload, staging, dest_blocks, src, trailer if verify else None)
+        except BaseException:
+            trailer.cancel()
+            raise
+        finally:
+            if staging is not None and self.install is None:
+                self.staging.give(staging)
+        return nbytes, (trailer, kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=True))
+
+    async def _land(self, payload, staging, dest_blocks, src: ShardSource, trailer) -> None:
+        """Checksum (when `trailer` is given) and unpack in one pass of the transfer stream,
+        then one wait. On a mismatch the destination blocks hold garbage, but they were never
+        admitted: they go back unused."""
+        if staging is not None:  # the unpack writes blocks a queued engine step may still write
+            self.stream.after_engine()
         with self.stream.context():
-            checksum = payload_checksum_async(staging) if cfg.verify_checksum else None
-            if self.install is None:
-                ids = torch.tensor(dest_blocks, dtype=torch.int64).to(
-                    self.kv_cache.device, non_blocking=True
-                )
+            checksum = readback(payload_checksum_async(payload)) if trailer is not None else None
+            if staging is not None and self.install is None:
+                ids = ids_tensor(dest_blocks, self.kv_cache.device)
                 self._unpack_local(staging, ids, src)
+        if trailer is not None:
+            try:
+                sent = await asyncio.wait_for(trailer, self.config.lease_request_timeout_s)
+            except Exception as exc:
+                raise KvTransferError(
+                    "peer_failed", f"no checksum after the KV payload: {exc}", payload_started=True
+                ) from exc
         await self.stream.wait()
-        if checksum is not None and to_u64(checksum) != reply.checksum:
-            await ep.send_obj(
-                kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=False).SerializeToString()
-            )
+        if checksum is not None and to_u64(checksum) != sent.checksum:
             raise KvTransferError(
                 "checksum",
                 "KV payload failed its checksum (corrupted or truncated); it was discarded",
             )
         if self.install is not None:  # verified first: garbage never reaches another rank
             await self.install(staging, list(dest_blocks), src.head_start, src.head_end)
-        await ep.send_obj(kv_pb2.KvPullDone(lease_id=handle.lease_id, ok=True).SerializeToString())
-        return payload.numel()
 
-    async def _receive(self, ep, payload: torch.Tensor, chunk: int) -> None:
+    async def _receive(self, ep, buffers: list) -> None:
         # all receives posted at once: UCX matches them in order and overlaps the messages
-        await asyncio.gather(
-            *(ep.recv(ucx_view(payload[o : o + chunk])) for o in range(0, payload.numel(), chunk))
-        )
+        await asyncio.gather(*(ep.recv(b, tag=PAYLOAD_TAG) for b in buffers))
 
     def close(self) -> None:
+        for task in list(self._tails):
+            task.cancel()
         self.pool.close()

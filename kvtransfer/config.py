@@ -20,7 +20,11 @@ class KvTransferConfig(BaseModel):
     max_message_bytes: int = Field(
         256 * 2**20, ge=2**20, description="payload split above this size"
     )
-    verify_checksum: bool = True
+    checksum: Literal["between_hosts", "always", "never"] = Field(
+        "between_hosts",
+        description="verify the payload's checksum: between_hosts (pulls from another host, "
+        "TCP or RDMA; skipped on one host: shared memory, cuda_ipc), always or never",
+    )
     streaming: bool = Field(
         True,
         description="streamed hand-over: the decode worker is called while the prompt is "

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from splitserve.kvtransfer import frames
 from splitserve.kvtransfer.buffers import TransferStream, ucx_view
-from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
+from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64, wants_checksum
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.endpoint_pool import EndpointPool
 from splitserve.kvtransfer.errors import KvTransferError
+from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import kv_pb2
 
@@ -92,9 +94,10 @@ class LayerStreamClient:
             raise KvTransferError("cancelled", "the Decode call was cancelled")
         self._live[request_id] = ep
         try:
-            result = await self._exchange(ep, request_id, num_tokens, dest, start)
+            verify = wants_checksum(self.config.checksum, host)
+            result = await self._exchange(ep, request_id, num_tokens, dest, start, verify)
         except BaseException:
-            ep.abort()  # half-used: it may hold stray messages
+            self.pool.discard(host, port, ep)  # half-used: it may hold stray messages
             raise
         finally:
             self._live.pop(request_id, None)
@@ -105,7 +108,7 @@ class LayerStreamClient:
 
     async def _recv_obj(self, ep, timeout: float, what: str, cls):
         try:
-            return cls.FromString(bytes(await asyncio.wait_for(ep.recv_obj(), timeout)))
+            return await asyncio.wait_for(frames.recv(ep, cls), timeout)
         except TimeoutError as exc:
             raise KvTransferError("data_timeout", f"no {what} within {timeout}s") from exc
         except Exception as exc:
@@ -114,7 +117,7 @@ class LayerStreamClient:
             ) from exc
 
     async def _exchange(
-        self, ep, request_id: str, num_tokens: int, dest: list[int], start: float
+        self, ep, request_id: str, num_tokens: int, dest: list[int], start: float, verify: bool
     ) -> StreamResult:
         cfg = self.config
         request = kv_pb2.KvPullRequest(
@@ -125,9 +128,7 @@ class LayerStreamClient:
             **self.spec.fields(),
         )
         try:
-            await asyncio.wait_for(
-                ep.send_obj(request.SerializeToString()), cfg.lease_request_timeout_s
-            )
+            await asyncio.wait_for(frames.send(ep, request), cfg.lease_request_timeout_s)
         except Exception as exc:
             raise KvTransferError("peer_failed", f"stream request not sent: {exc}") from exc
         # the request may not have reached the prefill worker yet: it waits up to its own
@@ -151,13 +152,16 @@ class LayerStreamClient:
                 landed = time.perf_counter()
                 if not head.finished:
                     ok = kv_pb2.KvPullDone(lease_id=head.lease_id, ok=True)
-                    await ep.send_obj(ok.SerializeToString())
+                    await frames.send(ep, ok)
                 return StreamResult(
                     head.first_token_id, head.finished, nbytes, landed - start, landed
                 )
-            nbytes += await self._land(ep, head, dest_ids)
+            nbytes += await self._land(ep, head, dest_ids, verify)
 
-    async def _land(self, ep, head: kv_pb2.KvStreamPiece, dest_ids: torch.Tensor) -> int:
+    async def _land(
+        self, ep, head: kv_pb2.KvStreamPiece, dest_ids: torch.Tensor, verify: bool
+    ) -> int:
+        """One piece into its blocks; its checksum checked when `verify` (checksum.py)."""
         s = self.spec
         layers = head.layer_end - head.layer_start
         blocks = head.block_end - head.block_start
@@ -179,18 +183,20 @@ class LayerStreamClient:
                 "invalid", f"piece of {head.payload_bytes} bytes; expected {payload.numel()}"
             )
         try:
-            await asyncio.wait_for(ep.recv(ucx_view(payload)), self.config.data_timeout_s)
+            await asyncio.wait_for(
+                ep.recv(ucx_view(payload), tag=PAYLOAD_TAG), self.config.data_timeout_s
+            )
         except TimeoutError as exc:
             raise KvTransferError("data_timeout", "stream piece payload timed out") from exc
         except Exception as exc:
             raise KvTransferError("peer_failed", f"prefill worker failed mid-piece: {exc}") from exc
         self.stream.after_engine()  # a block freed a moment ago may still be written by a step
         with self.stream.context():
-            if self.config.verify_checksum:
+            if verify:
                 checksum = payload_checksum_async(staging)
             ids = dest_ids[head.block_start : head.block_end]
             self.kv_cache[head.layer_start : head.layer_end].index_copy_(2, ids, staging)
-        if self.config.verify_checksum:
+        if verify:
             await self.stream.wait()
             if to_u64(checksum) != head.checksum:
                 raise KvTransferError("checksum", "a KV stream piece failed its checksum")

@@ -32,10 +32,12 @@ from typing import Protocol
 
 import torch
 
+from splitserve.kvtransfer import frames
 from splitserve.kvtransfer.buffers import TransferStream, ucx_view
 from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
 from splitserve.kvtransfer.config import KvTransferConfig, TransferFaults
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
+from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import kv_pb2
 
@@ -119,7 +121,7 @@ class LayerStreamSender:
 
     async def _reply(self, ep, status: int, message: str) -> None:
         reply = kv_pb2.KvPullReply(status=status, message=message)
-        await asyncio.wait_for(ep.send_obj(reply.SerializeToString()), self.config.data_timeout_s)
+        await asyncio.wait_for(frames.send(ep, reply), self.config.data_timeout_s)
 
     async def _send_all(self, ep, req: kv_pb2.KvPullRequest, feed: StreamFeed) -> tuple[bool, str]:
         timeout = self.config.data_timeout_s
@@ -149,7 +151,7 @@ class LayerStreamSender:
                 self.kv_cache.device, non_blocking=True
             )
             data = self.kv_cache[piece.layer_start : piece.layer_end].index_select(2, ids)
-            checksum = payload_checksum_async(data) if self.config.verify_checksum else None
+            checksum = payload_checksum_async(data)  # the receiver decides whether to check it
         await self.stream.wait()
         payload = data.reshape(-1).view(torch.uint8)
         if corrupt:  # tests only: flipped after the checksum, like the pull's corrupt_payload
@@ -160,10 +162,10 @@ class LayerStreamSender:
             block_start=piece.block_start,
             block_end=piece.block_end,
             payload_bytes=payload.numel(),
-            checksum=to_u64(checksum) if checksum is not None else 0,
+            checksum=to_u64(checksum),
         )
-        await asyncio.wait_for(ep.send_obj(header.SerializeToString()), timeout)
-        await asyncio.wait_for(ep.send(ucx_view(payload)), timeout)
+        await asyncio.wait_for(frames.send(ep, header), timeout)
+        await asyncio.wait_for(ep.send(ucx_view(payload), tag=PAYLOAD_TAG), timeout)
         self.metrics.bytes.labels("sent").inc(payload.numel())
 
     async def _finish(self, ep, end: StreamEnd, timeout: float) -> bool:
@@ -175,8 +177,8 @@ class LayerStreamSender:
             finished=end.finished,
             lease_id=end.lease_id,
         )
-        await asyncio.wait_for(ep.send_obj(header.SerializeToString()), timeout)
+        await asyncio.wait_for(frames.send(ep, header), timeout)
         if end.status != kv_pb2.KV_PULL_STATUS_OK or end.finished:
             return False  # nothing to confirm: the decode side drops its blocks
-        done = kv_pb2.KvPullDone.FromString(bytes(await asyncio.wait_for(ep.recv_obj(), timeout)))
+        done = await asyncio.wait_for(frames.recv(ep, kv_pb2.KvPullDone), timeout)
         return done.ok and done.lease_id == end.lease_id

@@ -3,20 +3,34 @@
     decode worker                                   prefill worker (this listener)
     ─────────────                                   ──────────────────────────────
     allocate destination blocks
-    connect (endpoint pool) ───────────────────────▶ accept
-    KvPullRequest(lease, geometry, hash) ──────────▶ check geometry + hash, look up lease
-                                     ◀────────────── KvPullReply(status, bytes, checksum)
-                                                     pack all layers' K and V of the lease's
-                                                     blocks into one staging buffer (pack kernel)
-    receive into staging  ◀════ payload in 1..k messages (never one per block)
-    verify checksum, unpack into its blocks
-    KvPullDone(ok) ────────────────────────────────▶ release the lease (blocks freed or cached)
+    connect (endpoint pool, <= 16 per peer) ───────▶ accept
+    KvPullRequest(lease, geometry, hash) ──────────▶ check geometry + hash, look up lease, pin
+      (reply's receive posted with it)
+                                     ◀────────────── KvPullReply header (status, bytes, messages):
+                                                     sent at once, it needs no packed byte
+                                                     zero-copy slabs straight from the pool when
+                                                     the blocks are one run (large payloads),
+                                                     else pack all layers' K and V (one kernel)
+    receive into its blocks / staging ◀═══ payload in 1..k messages on the payload tag
+                                     ◀────────────── KvPullReply trailer (checksum, computed while
+                                                     the payload was on the wire)
+    [checksum if between hosts] + unpack; pull() returns: the blocks are ready
+    KvPullDone(ok) ─ ─ (after pull() returned) ─ ─ ▶ release the lease (blocks freed or cached)
+
+Control messages are one frame each (frames.py: no size message first); the payload has its own
+tag, so neither matches the other's receives. One round trip before the payload, none after it
+on the critical path. Framing (buffers.py): payloads whose (layer, K/V) slabs are >= 1 MiB go
+as whole slabs, so either side lands them in its pool directly when its blocks are one
+contiguous run, independently of the other side. The checksum is verified per
+`KvTransferConfig.checksum` (checksum.py: by default between hosts only).
 
 A KvPullRequest with `stream` set is a streamed pull (the KV of a request still being prefilled,
 layer group by layer group): layer_stream_server.py, handed over in `_serve`.
 
 One pull owns an endpoint at a time, so messages of two pulls never interleave; an endpoint
-serves pulls one after another until the peer closes it.
+serves pulls one after another until the peer closes it. ucxx 0.52's Python API has no RMA
+(memory registration, rkeys, put/get: only libucxx's C++ has them), so the payload moves as
+tagged sends into posted receives, which UCX runs as rendezvous (zero-copy get) for large ones.
 """
 
 from __future__ import annotations
@@ -30,10 +44,21 @@ from typing import Protocol
 import torch
 
 from splitserve.kernels import ops
-from splitserve.kvtransfer.buffers import TransferStream, ucx_view
-from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
+from splitserve.kvtransfer import frames
+from splitserve.kvtransfer.buffers import (
+    StagingCache,
+    TransferStream,
+    contiguous_start,
+    ids_tensor,
+    piece_views,
+    plan_messages,
+    slab_framed,
+    slab_views,
+)
+from splitserve.kvtransfer.checksum import payload_checksum_async, readback, to_u64
 from splitserve.kvtransfer.config import KvTransferConfig, TransferFaults
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
+from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.idle_wait import PullWake, until_message
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import kv_pb2
@@ -62,6 +87,10 @@ class LeaseSource(Protocol):
     # more often; without it, always assumed)
 
 
+def _error(status: int, message: str) -> kv_pb2.KvPullReply:
+    return kv_pb2.KvPullReply(status=status, message=message)
+
+
 class KvTransferServer:
     def __init__(
         self,
@@ -80,6 +109,7 @@ class KvTransferServer:
         self.faults = faults or TransferFaults()
         self.metrics = metrics or KvTransferMetrics()
         self.stream = TransferStream(kv_cache.device)
+        self.staging = StagingCache(kv_cache.device, kv_cache.dtype)
         self._listener = None
         self.stream_sender = None  # a LayerStreamSender: serves KvPullRequest.stream (issue 32)
         self._handlers: dict[asyncio.Task, object] = {}  # handler task -> its accepted endpoint
@@ -101,15 +131,15 @@ class KvTransferServer:
     async def _on_connect(self, ep) -> None:
         task = asyncio.current_task()
         self._handlers[task] = ep
+        buf = frames.new_buffer()
         try:
             last = time.monotonic()
             while not ep.closed:
                 # no polling receive while idle (idle_wait.py)
                 await until_message(ep, last, self._expecting, self.wake)
-                raw = await ep.recv_obj()
-                last = time.monotonic()
-                req = kv_pb2.KvPullRequest.FromString(bytes(raw))
-                await self._serve(ep, req)
+                req = await frames.recv(ep, kv_pb2.KvPullRequest, buf)
+                await self._serve(ep, req, buf)
+                last = time.monotonic()  # hot from the pull's last message (KvPullDone) on
         except Exception as exc:  # the peer closed or died: nothing to clean but the endpoint
             log.debug("KV endpoint closed: %s", exc)
         finally:
@@ -126,15 +156,11 @@ class KvTransferServer:
         pending = getattr(self.leases, "pulls_expected", None)
         return True if pending is None else pending()
 
-    def _reply_error(self, status: int, message: str) -> kv_pb2.KvPullReply:
-        return kv_pb2.KvPullReply(status=status, message=message)
-
-    async def _serve(self, ep, req: kv_pb2.KvPullRequest) -> None:
+    async def _serve(self, ep, req: kv_pb2.KvPullRequest, buf) -> None:
         if req.stream:  # streamed pull: layer_stream_server.py
             if self.stream_sender is None:
                 msg = "this prefill worker does not stream KV (kv_transfer.streaming off)"
-                reply = self._reply_error(kv_pb2.KV_PULL_STATUS_ABORTED, msg)  # falls back
-                await ep.send_obj(reply.SerializeToString())
+                await frames.send(ep, _error(kv_pb2.KV_PULL_STATUS_ABORTED, msg))  # falls back
             else:
                 await self.stream_sender.serve_stream(ep, req, LeaseLookupError)
             return
@@ -146,87 +172,102 @@ class KvTransferServer:
             ):  # a tensor-parallel follower may wait for rank 0's grant
                 blocks = await blocks
         except KvIncompatibleError as exc:
-            await ep.send_obj(
-                self._reply_error(kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, str(exc)).SerializeToString()
-            )
+            await frames.send(ep, _error(kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, str(exc)))
             return
         except LeaseLookupError as exc:
-            await ep.send_obj(self._reply_error(exc.status, str(exc)).SerializeToString())
+            await frames.send(ep, _error(exc.status, str(exc)))
             return
         # any failure below (timeout, dead peer) propagates to _on_connect, which aborts the
         # endpoint; end_pull has already unpinned the blocks
         delivered = False
         try:
-            delivered = await self._send_blocks(ep, req, blocks)
+            delivered = await self._send_blocks(ep, req, blocks, buf)
         finally:
             self.leases.end_pull(req.lease_id, delivered)
 
-    async def _send_blocks(self, ep, req: kv_pb2.KvPullRequest, blocks: list[int]) -> bool:
-        self.stream.after_engine()
-        with self.stream.context():
-            ids = torch.tensor(blocks, dtype=torch.int64).to(
-                self.kv_cache.device, non_blocking=True
-            )
-            packed = ops.pack_kv_blocks(self.kv_cache, ids)
-            checksum = payload_checksum_async(packed) if self.config.verify_checksum else None
-        await self.stream.wait()
-        checksum = to_u64(checksum) if checksum is not None else 0
-        payload = packed.reshape(-1).view(torch.uint8)
-        limit = max(
-            1,
-            min(
-                self.config.max_message_bytes,
-                req.max_message_bytes or self.config.max_message_bytes,
-            ),
-        )
+    async def _send_blocks(self, ep, req: kv_pb2.KvPullRequest, blocks: list[int], buf) -> bool:
+        n = len(blocks)
+        layers = self.kv_cache.shape[0]
+        nbytes = n * self.kv_cache[0, 0, 0].numel() * 2 * layers * self.kv_cache.element_size()
+        limit = max(1, min(self.config.max_message_bytes, req.max_message_bytes or 2**62))
         hit = self.faults.hits(req.request_id)
         if hit and self.faults.message_bytes:
             limit = self.faults.message_bytes
-        # Even pieces: the receiver sizes its buffers as ceil(bytes / num_messages).
-        chunk = -(-payload.numel() // -(-payload.numel() // limit))
-        pieces = [payload[i : i + chunk] for i in range(0, payload.numel(), chunk)]
+        num_messages = plan_messages(nbytes, layers, limit)
+        run = contiguous_start(blocks)
+        zero_copy = run is not None and slab_framed(num_messages, nbytes, layers)
+        # the header goes at once: it depends on the geometry only, not on the packed bytes
         reply = kv_pb2.KvPullReply(
             status=kv_pb2.KV_PULL_STATUS_OK,
-            payload_bytes=payload.numel(),
-            num_messages=len(pieces),
-            num_blocks=len(blocks),
-            checksum=checksum,
+            payload_bytes=nbytes,
+            num_messages=num_messages,
+            num_blocks=n,
         )
         if hit and self.faults.misstate_payload_bytes:
             reply.payload_bytes -= 1
         timeout = self.config.data_timeout_s  # a hung peer must not pin the blocks past this
-        await asyncio.wait_for(ep.send_obj(reply.SerializeToString()), timeout)
-        with self.metrics.sending.track_inprogress():
-            return await self._send_payload(ep, req, pieces, payload.numel(), hit)
+        header = asyncio.ensure_future(frames.send(ep, reply))
+        self.stream.after_engine()  # the prefill's writes of these blocks come first
+        with self.stream.context():
+            if zero_copy:
+                payload = self.kv_cache[:, :, run : run + n]
+                pieces = slab_views(self.kv_cache, run, n, num_messages)
+            else:
+                shape = (*self.kv_cache.shape[:2], n, *self.kv_cache.shape[3:])
+                ids = ids_tensor(blocks, self.kv_cache.device)
+                payload = ops.pack_kv_blocks(self.kv_cache, ids, out=self.staging.take(shape))
+                pieces = piece_views(payload, num_messages)
+        await self.stream.wait()
+        # the trailer's checksum: on the GPU computed while the payload is on the wire; on the
+        # CPU once it left (the host's cores move the payload first)
+        on_gpu = payload.is_cuda
+        checksum = asyncio.ensure_future(self._checksum(payload)) if on_gpu else None
+        try:
+            with self.metrics.sending.track_inprogress():
+                await asyncio.wait_for(header, timeout)
+                await self._send_payload(ep, pieces, hit)
+            self.metrics.bytes.labels("sent").inc(nbytes)
+            checksum = checksum or asyncio.ensure_future(self._checksum(payload))
+            trailer = kv_pb2.KvPullReply(status=kv_pb2.KV_PULL_STATUS_OK, checksum=await checksum)
+            await asyncio.wait_for(frames.send(ep, trailer), timeout)
+            done = await asyncio.wait_for(frames.recv(ep, kv_pb2.KvPullDone, buf), timeout)
+        finally:
+            header.cancel()
+            if checksum is not None:
+                checksum.cancel()
+            if not zero_copy:
+                self.staging.give(payload)
+        return done.ok
 
-    async def _send_payload(
-        self, ep, req: kv_pb2.KvPullRequest, pieces: list[torch.Tensor], nbytes: int, hit: bool
-    ) -> bool:
+    async def _checksum(self, payload: torch.Tensor) -> int:
+        if not payload.is_cuda:  # the CPU sums off the loop: UCX's completions keep flowing
+            return to_u64(await asyncio.to_thread(payload_checksum_async, payload))
+        with self.stream.context():
+            host = readback(payload_checksum_async(payload))
+        await self.stream.wait()
+        return to_u64(host)
+
+    async def _send_payload(self, ep, pieces: list, hit: bool) -> None:
         timeout = self.config.data_timeout_s
         if hit:
             pieces = self._apply_faults(pieces)
-            await asyncio.sleep(self.faults.stall_before_payload_s)
+            if self.faults.stall_before_payload_s:  # (no loop turn lost when there is none)
+                await asyncio.sleep(self.faults.stall_before_payload_s)
             if self.faults.stall_after_first_message_s:  # the peer holds part of the payload
-                await asyncio.wait_for(ep.send(ucx_view(pieces[0])), timeout)
+                await asyncio.wait_for(ep.send(pieces[0], tag=PAYLOAD_TAG), timeout)
                 await asyncio.sleep(self.faults.stall_after_first_message_s)
                 pieces = pieces[1:]
         # pipelined, tag-ordered
         await asyncio.wait_for(
-            asyncio.gather(*(ep.send(ucx_view(piece)) for piece in pieces)), timeout
+            asyncio.gather(*(ep.send(piece, tag=PAYLOAD_TAG) for piece in pieces)), timeout
         )
-        self.metrics.bytes.labels("sent").inc(nbytes)
-        done = kv_pb2.KvPullDone.FromString(bytes(await asyncio.wait_for(ep.recv_obj(), timeout)))
-        return done.ok
 
-    def _apply_faults(self, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.faults.corrupt_payload:
-            pieces = [p.clone() for p in pieces]
-            pieces[0][: min(64, pieces[0].numel())] ^= 0x5A
-        if self.faults.truncate_payload:
-            pieces = [p.clone() for p in pieces]
-            pieces[-1] = pieces[-1][
-                : pieces[-1].numel() // 2
-            ]  # fewer bytes on the wire than announced
+    def _apply_faults(self, pieces: list) -> list:
+        if self.faults.corrupt_payload:  # copies: never the pool's own blocks
+            pieces = [p.clone() if isinstance(p, torch.Tensor) else p.copy() for p in pieces]
+            pieces[0][:64] ^= 0x5A
+        if self.faults.truncate_payload:  # fewer bytes on the wire than announced
+            pieces = [*pieces[:-1], pieces[-1][: len(pieces[-1]) // 2]]
         return pieces
 
     async def close_connections(self) -> None:

@@ -65,9 +65,8 @@ def _stubs(p, d):
 
 
 def _all_free(stub) -> worker_pb2.WorkerLoad:
-    load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
-    assert load.free_blocks == load.total_blocks and load.leases_held == 0, load
-    return load
+    helpers_procs.all_free(stub)  # polled: a lease goes once KvPullDone (sent after the pull) lands
+    return stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
 
 
 def _received_bytes(metrics_port: int) -> float:

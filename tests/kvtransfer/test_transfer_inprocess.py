@@ -56,7 +56,7 @@ async def _run(
     register=True,
 ):
     cfg = cfg or KvTransferConfig(
-        max_message_bytes=2**20, data_timeout_s=3, lease_request_timeout_s=3
+        max_message_bytes=2**20, data_timeout_s=3, lease_request_timeout_s=3, checksum="always"
     )
     src, src_spec, dst, dst_spec = _pools(dst_block_size, dst_hash)
     leases = Leases()
@@ -235,3 +235,105 @@ def test_dead_peer_and_stalled_peer_time_out():
     with pytest.raises(KvTransferError) as info:
         asyncio.run(_run(faults=TransferFaults(stall_before_payload_s=3), cfg=stall))
     assert info.value.reason == "data_timeout"
+
+
+def test_a_burst_of_pulls_shares_a_bounded_number_of_endpoints():
+    """40 pulls at once: each lands its own blocks, over at most MAX_PER_PEER connections
+    (the rest queue for an endpoint instead of connecting all at once)."""
+    from splitserve.kvtransfer.endpoint_pool import MAX_PER_PEER
+
+    cfg = KvTransferConfig(data_timeout_s=10, lease_request_timeout_s=10, checksum="always")
+
+    async def main():
+        src, spec, dst, dspec = _pools()
+        leases = Leases()
+        server = KvTransferServer(src, spec, leases, cfg)
+        port = await server.start()
+        client = KvTransferClient(dst, dspec, cfg)
+        peak = 0
+
+        async def pull(i):
+            nonlocal peak
+            leases.table[f"B{i}"] = [2 + i]
+            await client.pull(
+                make_handle(
+                    spec,
+                    host="127.0.0.1",
+                    port=port,
+                    lease_id=f"B{i}",
+                    request_id=f"r{i}",
+                    num_blocks=1,
+                    num_tokens=16,
+                    ttl_s=30,
+                ),
+                [39 + i],
+            )
+            peak = max(peak, len(server._handlers))
+
+        try:
+            await asyncio.gather(*(pull(i) for i in range(40)))
+            assert torch.equal(dst[:, :, 39:79], src[:, :, 2:42])
+            assert 1 <= peak <= MAX_PER_PEER, peak
+        finally:
+            client.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("src_blocks", "dst_start"),
+    [
+        (tuple(range(10, 42)), 40),  # both sides one run: pool to pool, no pack or unpack
+        (tuple(range(10, 42)), None),  # sender zero-copy, receiver unpacks
+        (tuple(range(41, 9, -1)), 40),  # sender packs, receiver lands in its pool directly
+    ],
+)
+def test_slab_framed_pulls_match_whichever_side_is_zero_copy(monkeypatch, src_blocks, dst_start):
+    from splitserve.kernels import ops
+    from splitserve.kvtransfer import buffers
+
+    monkeypatch.setattr(buffers, "ZERO_COPY_MIN_SLAB_BYTES", 4096)  # 32 blocks: 256 KiB slabs
+    calls = []
+    for name in ("pack_kv_blocks", "unpack_kv_blocks"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(
+            ops, name, lambda *a, _n=name, _f=real, **k: calls.append(_n) or _f(*a, **k)
+        )
+    cfg = KvTransferConfig(
+        max_message_bytes=2**20, data_timeout_s=5, lease_request_timeout_s=5, checksum="always"
+    )
+    dest = list(range(dst_start, dst_start + 32)) if dst_start else [3 + 2 * i for i in range(32)]
+
+    async def main(faults=None):
+        src, spec, dst, dspec = _pools()
+        leases = Leases()
+        leases.table["Z"] = list(src_blocks)
+        server = KvTransferServer(src, spec, leases, cfg, faults)
+        port = await server.start()
+        client = KvTransferClient(dst, dspec, cfg)
+        handle = make_handle(
+            spec,
+            host="127.0.0.1",
+            port=port,
+            lease_id="Z",
+            request_id="z",
+            num_blocks=32,
+            num_tokens=500,
+            ttl_s=30,
+        )
+        try:
+            await client.pull(handle, dest)
+            return src, dst
+        finally:
+            client.close()
+            await server.close()
+
+    src, dst = asyncio.run(main())
+    assert torch.equal(dst[:, :, dest], src[:, :, list(src_blocks)])
+    packed = src_blocks != tuple(range(10, 42))
+    assert calls == ["pack_kv_blocks"] * packed + ["unpack_kv_blocks"] * (dst_start is None)
+    assert buffers.plan_messages(32 * 32 * 1024, 2, 2**20) == 4  # one message per slab
+    with pytest.raises(KvTransferError) as info:
+        asyncio.run(main(TransferFaults(corrupt_payload=True)))
+    assert info.value.reason == "checksum"
