@@ -78,6 +78,17 @@ def test_full_decode_pool_makes_streams_wait_nothing_lost(cluster, oracle, procs
     assert all(r.last.kv_handover.streamed for r in results)
 
 
+def test_64_concurrent_streamed_handovers_all_stream(cluster, oracle, procs):
+    # more streams than a peer's endpoint cap (16): the rest queue for an endpoint and attach
+    # late (catching up on what is computed), none times out, none recomputes
+    prefill, _ = start_worker(procs, "prefill", cluster.model, None)
+    prompts = [[1] + [200 + (7 * i + j) % 300 for j in range(5 + i % 9)] for i in range(64)]
+    results = asyncio.run(_run(cluster.model, prefill.address, cluster.decode, prompts, 4))
+    for p, r in zip(prompts, results):
+        assert r.tokens == _want(oracle, p, 4)
+        assert r.last.kv_handover.streamed and not r.last.kv_handover.recomputed
+
+
 def test_stream_broken_between_layer_groups_falls_back_to_the_pull(cluster, oracle, procs):
     faults = {"transfer": {"stream_break_after_pieces": 1, "request_id_prefix": "brk"}}
     prefill, _ = start_worker(procs, "prefill", cluster.model, faults, wait=False)
