@@ -30,7 +30,8 @@ def warm_up(engine) -> list[int]:
         # the local prefill's pieces share the decode graphs' pool (one pool per worker)
         capture_prefill_graphs(runner, cfg.prefill_graph_sizes, budget, graphs.pool)
         if not runner.tp.enabled:  # first tokens of local prompts (engine/sampler_graphs.py)
-            engine.sampler.capture_graphs(runner.model_config.vocab_size, runner.device)
+            vocab = runner.model_config.vocab_size
+            engine.sampler.capture_graphs(vocab, runner.device, graphs.pool)  # the one pool
     warm_up_prefill(runner, engine.sampler, budget, engine.max_batch_size)
     warm_eager_steps(graphs)
     runner.zero_kv()

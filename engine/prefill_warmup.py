@@ -10,7 +10,8 @@ classes a prefill step can meet are, per kernel family:
                ops.SMALL_M_MAX), or more (norm / RoPE / SiLU kernels + cuBLAS)
     lm_head    sequences R (one logits row each): 1, 2, 3-4 (GEMV), or more
     attention  block-table width W: 1, a multiple of 16, or any other (its `max_blocks` and
-               row stride arguments)
+               row stride arguments), on each path: a step of few sequences and tokens may
+               run the fused pieces (static metadata), others the plain path (spec_keys)
 
 `warmup_batches` covers the union of the classes reachable under the worker's limits, each
 with a few batches of null-block tables; on CUDA it adds one step of every token bucket (16,
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
+from splitserve.engine.prefill_graphs import FUSED_MAX_TOKENS, FUSED_SEQS
 from splitserve.engine.sampler import Sampler, SeqSamplingInfo
+from splitserve.engine.sampler_graphs import GRAPH_ROWS
 from splitserve.kernels import ops
 from splitserve.request.block_allocator import NULL_BLOCK
 from splitserve.request.sampling_params import SamplingParams
@@ -58,14 +61,18 @@ def width_class(width: int) -> str:
     return "1" if width == 1 else ("x16" if width % 16 == 0 else "other")
 
 
-def spec_keys(batch: Sequence[WarmSeq]) -> set[tuple[str, str]]:
-    """The (kernel family, class) pairs one prefill step of `batch` compiles, if never seen."""
+def spec_keys(batch: Sequence[WarmSeq]) -> set[tuple[str, ...]]:
+    """The (kernel family, class...) keys one prefill step of `batch` compiles, if never seen.
+    Attention is keyed by the path too: a step of few sequences and tokens may run the fused
+    pieces (prefill_graphs.py: attention captured over static metadata), any other the plain
+    path's eager attention over the step's own block tables."""
     total = sum(s.tokens for s in batch)
     width = max(s.width for s in batch)
+    many = len(batch) > FUSED_SEQS or total > FUSED_MAX_TOKENS
     return {
         ("layers", size_class(total)),
         ("lm_head", size_class(len(batch))),
-        ("attention", width_class(width)),
+        ("attention", width_class(width), "many" if many else "few"),
     }
 
 
@@ -116,6 +123,9 @@ def warmup_batches(
         for t in {1, min(max_tokens, max_model_len, ops.SMALL_M_MAX + 1, w * block_size)}:
             computed = max(0, min(w * block_size - t, block_size, max_model_len - t))
             batches.append([WarmSeq(t, computed, w)])
+            # the same width among more sequences than the fused pieces take: the plain path
+            if max_batch_size > FUSED_SEQS and t + FUSED_SEQS <= max_tokens:
+                batches.append([WarmSeq(t, computed, w), *[WarmSeq(1, 0, 1)] * FUSED_SEQS])
     if buckets:
         for t in token_buckets(max_tokens):
             split = _split(t, max_model_len, max_batch_size, block_size)
@@ -146,8 +156,11 @@ def _warm_sampler(sampler: Sampler, logits: torch.Tensor) -> None:
             logit_bias=((1, 1.0),),
         ),
     )
-    for params in variants:
-        sampler.sample(row.clone(), [SeqSamplingInfo(params, [0], ())])
+    # one row (a graph replay on CUDA), then more rows than the graphs take: the eager path in
+    # both of Triton's int classes (multiple of 16 or not)
+    for n in (1, GRAPH_ROWS + 1, 2 * GRAPH_ROWS):
+        for params in variants:
+            sampler.sample(row.expand(n, -1).clone(), [SeqSamplingInfo(params, [0], ())] * n)
 
 
 def _warm_kv_copy(runner: ModelRunner) -> None:

@@ -73,13 +73,14 @@ class Sampler:
         self._cached: tuple | None = None  # (capacity, vocab, device, state, out, logprobs)
         self.graphs: SamplerGraphs | None = None
 
-    def capture_graphs(self, vocab: int, device: torch.device) -> None:
-        """CUDA: the sampling of up to GRAPH_ROWS rows as graphs (sampler_graphs.py)."""
+    def capture_graphs(self, vocab: int, device: torch.device, pool=None) -> None:
+        """CUDA: the sampling of up to GRAPH_ROWS rows as graphs (sampler_graphs.py), into
+        `pool` (the worker's one graph pool)."""
         if device.type != "cuda":
             return
         self.release_graphs()
         graphs = SamplerGraphs(vocab, device, len(self.eos_token_ids))
-        graphs.capture()
+        graphs.capture(pool)
         self.graphs = graphs
 
     def release_graphs(self) -> None:

@@ -106,9 +106,10 @@ class SamplerGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self, warmup_steps: int = 2) -> None:
+    def capture(self, pool=None, warmup_steps: int = 2) -> None:
         """Every row count and variant: warmed on a side stream (compiles every kernel), then
-        captured largest first into one pool. Padding rows only: the state stays as it was."""
+        captured largest first into `pool` (the worker's other graphs' pool; a new one when
+        None). Padding rows only: the state stays as it was."""
         dev = self.device
         with torch.cuda.device(dev):
             side = torch.cuda.Stream(dev)
@@ -120,7 +121,7 @@ class SamplerGraphs:
                             self._body(b, variant)
             torch.cuda.current_stream(dev).wait_stream(side)
             torch.cuda.synchronize(dev)
-            self.pool = torch.cuda.graph_pool_handle()
+            self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
             for b in reversed(self.sizes):
                 for variant in VARIANTS:
                     graph = torch.cuda.CUDAGraph()

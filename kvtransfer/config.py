@@ -3,9 +3,10 @@ the listener's fault-injection seam (TransferFaults), for tests only."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class KvTransferConfig(BaseModel):
@@ -20,6 +21,28 @@ class KvTransferConfig(BaseModel):
     max_message_bytes: int = Field(
         256 * 2**20, ge=2**20, description="payload split above this size"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_verify_checksum(cls, data):
+        """`verify_checksum` (before wire protocol 2): true -> checksum always, false -> never."""
+        if isinstance(data, dict) and "verify_checksum" in data:
+            data = dict(data)
+            old = data.pop("verify_checksum")
+            if "checksum" in data:
+                raise ValueError(
+                    "kv_transfer.verify_checksum is replaced by kv_transfer.checksum: set only "
+                    "checksum (between_hosts, always or never)"
+                )
+            warnings.warn(
+                "kv_transfer.verify_checksum is deprecated: use kv_transfer.checksum "
+                "(between_hosts, always or never)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            data["checksum"] = "always" if old else "never"
+        return data
+
     checksum: Literal["between_hosts", "always", "never"] = Field(
         "between_hosts",
         description="verify the payload's checksum: between_hosts (pulls from another host, "

@@ -272,6 +272,8 @@ class PrefillEngine:
         self._freed()
 
     def _drop_lease(self, lease: Lease) -> None:
+        if self.stream_hub is not None:  # a stream still sending must not read freed blocks
+            self.stream_hub.lease_gone(lease.request_id)
         self.cache.free(lease.block_ids)
         self._freed()
 

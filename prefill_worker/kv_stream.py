@@ -182,6 +182,19 @@ class StreamHub:
         if (feed := self.feeds.get(request_id)) is not None:
             feed.end(StreamEnd(kv_pb2.KV_PULL_STATUS_ABORTED, message=why))
 
+    def lease_gone(self, request_id: str) -> None:
+        """The request's lease was dropped (expired, released, aborted) while its stream may
+        still be sending: its queued pieces name freed blocks, so they are dropped and the
+        stream ends ABORTED (the decode side discards what it landed) instead of OK."""
+        self.done.pop(request_id, None)
+        feed = self.feeds.get(request_id)
+        if feed is None:
+            return
+        while not feed.queue.empty():
+            feed.queue.get_nowait()
+        feed.ended = False
+        feed.end(StreamEnd(kv_pb2.KV_PULL_STATUS_ABORTED, message="the lease was dropped"))
+
     # ---- pieces ----------------------------------------------------------------------------------
     def _catch_up(self, feed: Feed, table, upto: int) -> None:
         if upto > feed.sent_tokens:

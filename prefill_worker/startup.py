@@ -18,7 +18,8 @@ def warm_up(cfg: PrefillWorkerConfig, runner: ModelRunner, sampler: Sampler) -> 
     if cfg.cuda_graph:
         capture_prefill_graphs(runner, cfg.prefill_graph_sizes, sc.max_num_batched_tokens)
         if not runner.tp.enabled:  # the first token's sampling (engine/sampler_graphs.py)
-            sampler.capture_graphs(runner.model_config.vocab_size, runner.device)
+            pool = runner.prefill_graphs.pool if runner.prefill_graphs is not None else None
+            sampler.capture_graphs(runner.model_config.vocab_size, runner.device, pool)
     warm_up_prefill(runner, sampler, sc.max_num_batched_tokens, sc.max_batch_size)
     runner.zero_kv()
 

@@ -78,9 +78,11 @@ def test_full_decode_pool_makes_streams_wait_nothing_lost(cluster, oracle, procs
     assert all(r.last.kv_handover.streamed for r in results)
 
 
-def test_64_concurrent_streamed_handovers_all_stream(cluster, oracle, procs):
+def test_64_concurrent_streamed_handovers_all_stream(cluster, oracle, procs, monkeypatch):
     # more streams than a peer's endpoint cap (16): the rest queue for an endpoint and attach
-    # late (catching up on what is computed), none times out, none recomputes
+    # late (catching up on what is computed), none times out, none recomputes; over TCP (the
+    # path between hosts: this prefill worker offers UCX nothing else)
+    monkeypatch.setenv("UCX_TLS", "tcp")
     prefill, _ = start_worker(procs, "prefill", cluster.model, None)
     prompts = [[1] + [200 + (7 * i + j) % 300 for j in range(5 + i % 9)] for i in range(64)]
     results = asyncio.run(_run(cluster.model, prefill.address, cluster.decode, prompts, 4))

@@ -92,3 +92,21 @@ def test_stream_feed_covers_every_layer_of_every_block(tiny_llama):
             assert_all_free(engine)
 
     asyncio.run(body())
+
+
+def test_a_lease_dropped_mid_stream_ends_it_aborted_without_its_pieces(tiny_llama):
+    async def body():
+        async with serving(worker_config(tiny_llama, budget=16)) as (worker, _):
+            engine, hub = worker.engine, worker.engine.stream_hub
+            done = await engine.prefill("slow", PROMPT[:30], PARAMS, 30.0)
+            feed = await hub.begin_stream("slow", 30)  # late attach: pieces + OK end queued
+            assert not feed.queue.empty()
+            assert engine.release_lease(done.lease.lease_id)  # (or its expiry): blocks freed
+            pieces, end = await _drain(feed)
+            assert pieces == []  # none names a freed block
+            assert end.status == kv_pb2.KV_PULL_STATUS_ABORTED
+            hub.end_stream("slow", end.lease_id, delivered=False)
+            assert not hub.feeds
+            assert_all_free(engine)
+
+    asyncio.run(body())
