@@ -92,6 +92,10 @@ class DecodeEngine:
         self.vocab_size = self.runner.model_config.vocab_size
         self._inflight: StepHandle | None = None
         self._unread: StepHandle | None = None  # within step(): the previous step, until read
+        # blocks reserved for pulls / streams, not yet admitted or released; while nothing can
+        # run for want of them, the engine waits for the next command (engine_loop.py: an
+        # admission, a release, an abort) instead of stepping: `blocked`
+        self.reserved_blocks, self.blocked = 0, False
         self.load = LoadSnapshot(
             free_blocks=self.allocator.num_free, total_blocks=self.allocator.num_usable
         )
@@ -160,19 +164,24 @@ class DecodeEngine:
         except RequestError:
             self.release_blocks(block_ids)
             raise
+        self.reserved_blocks -= len(block_ids)
         self._snapshot()
 
     def reserve_blocks(self, num_blocks: int) -> list[int] | None:
         """Blocks for a KV pull (None: the pool is short now); `admit` or `release_blocks` next."""
         got = self.allocator.allocate(num_blocks)
         self._snapshot()
-        return None if got is None else list(got.block_ids)
+        if got is None:
+            return None
+        self.reserved_blocks += num_blocks
+        return list(got.block_ids)
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Gives back reserved blocks that were never admitted. The load snapshot is refreshed
         here, not only by a step: an idle engine runs no step, and GetLoad (the router's
         placement, the tests' "all blocks free") would go on reporting them held."""
         self.allocator.free(block_ids)
+        self.reserved_blocks -= len(block_ids)
         self._snapshot()
 
     def abort(self, request_id: str, reason: str = "abort", error: Exception | None = None) -> bool:
@@ -192,7 +201,7 @@ class DecodeEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.scheduler.by_id) or self._inflight is not None
+        return (bool(self.scheduler.by_id) and not self.blocked) or self._inflight is not None
 
     # ---- one step ----------------------------------------------------------------------------------
     def step(self) -> None:
@@ -219,9 +228,11 @@ class DecodeEngine:
                 ).inc()
                 self.metrics.batch_size.observe(len(seqs))
         elif self._unread is None and self.scheduler.by_id:
-            raise RuntimeError(
-                "decode scheduler stalled: requests wait but nothing can run or is in flight"
-            )
+            if not self.reserved_blocks:
+                raise RuntimeError(
+                    "decode scheduler stalled: requests wait but nothing can run or is in flight"
+                )
+            self.blocked = True  # pulls hold blocks; they come back admitted or released
         self._read_unread()
         if handle is not None:
             if not self.cfg.overlap:

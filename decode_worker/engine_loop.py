@@ -166,6 +166,7 @@ class EngineLoop:
                     cmd()
                 if cmds:
                     self.progress += 1
+                    self.engine.blocked = False  # a command may have freed or brought blocks
                 if stopping:
                     break
                 if self.engine.has_work:

@@ -49,10 +49,11 @@ class DecodeStream(GenerationBase):
     """A Generate call's decode side; Generation adds the prefill and runs the whole call."""
 
     # ---- decode ------------------------------------------------------------------------------------
-    async def _decode(self, first: worker_pb2.PrefillResponse | None) -> None:
+    async def _decode(self, first: worker_pb2.PrefillResponse | None, avoid: str = "") -> None:
         """Streams the decode side; `first` None: colocated, the decode worker makes the first token.
         A Decode refused UNAVAILABLE before its first chunk (the worker died or is draining; the
-        lease is still ours) is retried once on another decode worker: nothing of it was sent."""
+        lease is still ours) is retried once on another decode worker: nothing of it was sent.
+        `avoid`: a decode worker to pass over while another is healthy (its pool was full)."""
         req = self.req
         if first is None:
             compat = ""
@@ -69,6 +70,8 @@ class DecodeStream(GenerationBase):
                 kv=first.kv,
             )
         tried: list[str] = []
+        if avoid and any(x.address != avoid for x in self.ctx.registry.healthy(DECODE)):
+            tried.append(avoid)
         while True:
             w = self.ctx.registry.choose(
                 DECODE, self.ctx.decode_policy, req.prompt, exclude=tried, compat_hash=compat

@@ -10,7 +10,9 @@
 Falls back to the pull after the prefill (decode_stream.py) when streaming is off or a worker
 does not stream (tensor parallel, older version), when the prefill is retried on another worker
 (D's stream is cancelled), and when D answers `kv_stream_fallback` (its stream failed before
-delivering; the lease is untouched) or fails UNAVAILABLE before its first chunk. A first token
+delivering; the lease is untouched: after `pool_full`, its blocks never freed within
+kv_transfer.stream_reserve_wait_s, the pull goes to another decode worker where one is healthy)
+or fails UNAVAILABLE before its first chunk. A first token
 that ends the request, or any failure, cancels D's call; D gives its blocks back.
 """
 
@@ -93,4 +95,6 @@ class StreamedHandover(DecodeStream):
                 refused.why,
             )
         self.ctx.metrics.stream_fallbacks.labels(self.stream_fallback).inc()
-        await self._decode(first)
+        # backpressure: a decode worker whose pool stayed full is passed over where another is
+        full = w.address if self.stream_fallback == "pool_full" else ""
+        await self._decode(first, avoid=full)

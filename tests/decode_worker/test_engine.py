@@ -297,3 +297,45 @@ def test_waiting_kv_holders_cannot_starve_the_queue_head(tiny_llama, oracle):
     )
     assert recomputed >= 2 * 19  # the head, and kv2 whose KV was given back
     assert_all_free(engine)
+
+
+def test_blocks_reserved_for_a_pull_make_the_engine_wait_not_fail(tiny_llama, oracle):
+    """A running request preempted for want of blocks that pulls hold (reserved, neither
+    admitted nor released yet) waits for them: the engine once took "requests wait, nothing
+    runs or is in flight" for a stalled scheduler and stopped serving."""
+    import threading
+    import time
+
+    from splitserve.decode_worker.engine_loop import EngineLoop
+    from splitserve.decode_worker.sequence import DecodeInput
+    from splitserve.engine.model_runner import PrefillChunk
+
+    engine = make_engine(tiny_llama, num_blocks=13, max_batch_size=4)  # 12 usable 4-token blocks
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        [p] = _prompts(1, seed=41, lo=18, hi=19)  # 19 tokens: 5 blocks, growing to 8
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        ref = oracle(p, params)
+        blocks = loop.reserve_blocks(5).result(5)
+        engine.runner.prefill([PrefillChunk(p, 0, blocks)])  # the pull's stand-in
+        spare = loop.reserve_blocks(6).result(5)  # another pull's: one block left for A
+        assert spare is not None
+        col, done = Collected(), threading.Event()
+        sink = col.sink("A")
+        loop.submit(
+            DecodeInput("A", p, ref.token_ids[0], params),
+            lambda out: (sink(out), out.finished and done.set()),
+            blocks,
+        )
+        deadline = time.monotonic() + 30
+        while not engine.blocked and loop.fatal is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert loop.fatal is None and engine.blocked  # preempted, waiting for the reservation
+        loop.release_blocks(spare)  # that pull failed: A gets the blocks, is recomputed
+        assert done.wait(30)
+        assert col.tokens["A"] == ref.token_ids[1:]
+        assert loop.fatal is None
+    finally:
+        loop.stop()
+    assert_all_free(engine)

@@ -65,13 +65,16 @@ def start_worker(
     *args: str,
     num_blocks: int = 128,
     wait: bool = True,
+    kv_transfer: dict | None = None,
 ) -> tuple[ServiceProcess, int]:
     """A worker process (tiny model, block size 4) with the test-only `faults` config section
-    and a metrics port; (process, metrics port)."""
+    (and `kv_transfer` settings) and a metrics port; (process, metrics port)."""
     flags = [*worker_flags(num_blocks), *args, "--metrics-port", str(port := free_port())]
     config = {"faults": faults} if faults else {}
     if role == "decode":  # the corrupted-payload cases run on one host, where it is off by default
         config["kv_transfer"] = {"checksum": "always"}
+    if kv_transfer:
+        config["kv_transfer"] = {**config.get("kv_transfer", {}), **kv_transfer}
     if config:
         path = procs.log_dir / f"{role}-faults-{len(procs.procs)}.yaml"
         path.write_text(yaml.safe_dump(config))

@@ -16,6 +16,7 @@ from router_helpers import (
     generate,
     greedy,
     ids_request,
+    read_rest,
     router_config,
     running_router,
 )
@@ -89,6 +90,38 @@ def test_64_concurrent_streamed_handovers_all_stream(cluster, oracle, procs, mon
     for p, r in zip(prompts, results):
         assert r.tokens == _want(oracle, p, 4)
         assert r.last.kv_handover.streamed and not r.last.kv_handover.recomputed
+
+
+def test_a_pool_that_stays_full_falls_back_to_the_pull(cluster, oracle, procs):
+    # 15 usable blocks of 4 tokens: A (44 + 4 tokens: 12 blocks from its admission on, none
+    # more) holds them for 4 decode steps of 50 ms (a test-only step delay); B's 20-token prompt
+    # (5 blocks) does not fit beside it: B's stream waits 10 ms for room, gives up (pool_full),
+    # and the pull after the prefill serves it (here by recomputing once A is done). The engine
+    # meanwhile waits with requests queued and blocks reserved (it once took that for a stall)
+    prefill, _ = start_worker(procs, "prefill", cluster.model, None, wait=False)
+    small, _ = start_worker(
+        procs, "decode", cluster.model, {"step_delay_s": 0.05, "request_id_prefix": "A"},
+        num_blocks=16, wait=False, kv_transfer={"stream_reserve_wait_s": 0.01},
+    )  # fmt: skip
+    prefill.wait_serving()
+    small.wait_serving()
+    a_prompt = [1] + [(3 * i) % 300 + 3 for i in range(43)]
+    b_prompt = [1] + [(5 * i) % 300 + 7 for i in range(19)]
+
+    async def body():
+        cfg = router_config(cluster.model, [prefill.address], [small.address])
+        async with running_router(cfg) as (_, stub):
+            call = stub.Generate(ids_request(a_prompt, greedy(4, ignore_eos=True), "A"), timeout=60)
+            first = await call.read()  # A's blocks are reserved on `small`
+            b = await generate(stub, ids_request(b_prompt, greedy(8, ignore_eos=True), "B"), 60)
+            rest = await read_rest(call)
+        await assert_workers_free([prefill.address], [small.address])
+        return [first, *rest], b
+
+    a_chunks, b = asyncio.run(body())
+    assert [t for c in a_chunks for t in c.token_ids] == _want(oracle, a_prompt, 4)
+    assert b.tokens == _want(oracle, b_prompt, 8)
+    assert b.last.kv_handover.stream_fallback == "pool_full" and not b.last.kv_handover.streamed
 
 
 def test_stream_broken_between_layer_groups_falls_back_to_the_pull(cluster, oracle, procs):
