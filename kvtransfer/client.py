@@ -277,7 +277,9 @@ class KvTransferClient:
                     "peer_failed", f"no checksum after the KV payload: {exc}", payload_started=True
                 ) from exc
         await self.stream.wait()
-        if checksum is not None and to_u64(checksum) != sent.checksum:
+        if checksum is not None and (
+            to_u64(checksum) != sent.checksum or sent.payload_bytes != payload.nbytes
+        ):
             raise KvTransferError(
                 "checksum",
                 "KV payload failed its checksum (corrupted or truncated); it was discarded",

@@ -87,6 +87,10 @@ class LeaseSource(Protocol):
     # more often; without it, always assumed)
 
 
+def _nbytes(piece) -> int:
+    return piece.nbytes if hasattr(piece, "nbytes") else piece.numel() * piece.element_size()
+
+
 def _error(status: int, message: str) -> kv_pb2.KvPullReply:
     return kv_pb2.KvPullReply(status=status, message=message)
 
@@ -225,10 +229,12 @@ class KvTransferServer:
         try:
             with self.metrics.sending.track_inprogress():
                 await asyncio.wait_for(header, timeout)
-                await self._send_payload(ep, pieces, hit)
+                sent = await self._send_payload(ep, pieces, hit)
             self.metrics.bytes.labels("sent").inc(nbytes)
             checksum = checksum or asyncio.ensure_future(self._checksum(payload))
-            trailer = kv_pb2.KvPullReply(status=kv_pb2.KV_PULL_STATUS_OK, checksum=await checksum)
+            trailer = kv_pb2.KvPullReply(  # the bytes really sent: a receiver that verifies
+                status=kv_pb2.KV_PULL_STATUS_OK, checksum=await checksum, payload_bytes=sent
+            )  # checks them too (a short message leaves stale bytes the checksum could match)
             await asyncio.wait_for(frames.send(ep, trailer), timeout)
             done = await asyncio.wait_for(frames.recv(ep, kv_pb2.KvPullDone, buf), timeout)
         finally:
@@ -247,8 +253,10 @@ class KvTransferServer:
         await self.stream.wait()
         return to_u64(host)
 
-    async def _send_payload(self, ep, pieces: list, hit: bool) -> None:
+    async def _send_payload(self, ep, pieces: list, hit: bool) -> int:
+        """Sends the pieces; returns the bytes sent."""
         timeout = self.config.data_timeout_s
+        sent = 0
         if hit:
             pieces = self._apply_faults(pieces)
             if self.faults.stall_before_payload_s:  # (no loop turn lost when there is none)
@@ -256,11 +264,12 @@ class KvTransferServer:
             if self.faults.stall_after_first_message_s:  # the peer holds part of the payload
                 await asyncio.wait_for(ep.send(pieces[0], tag=PAYLOAD_TAG), timeout)
                 await asyncio.sleep(self.faults.stall_after_first_message_s)
-                pieces = pieces[1:]
+                sent, pieces = _nbytes(pieces[0]), pieces[1:]
         # pipelined, tag-ordered
         await asyncio.wait_for(
             asyncio.gather(*(ep.send(piece, tag=PAYLOAD_TAG) for piece in pieces)), timeout
         )
+        return sent + sum(_nbytes(p) for p in pieces)
 
     def _apply_faults(self, pieces: list) -> list:
         if self.faults.corrupt_payload:  # copies: never the pool's own blocks
