@@ -210,19 +210,19 @@ class ModelRunner:
                     ],
                 )
             )  # snapshots: the caller's lists may grow
+        last_rows = [c - 1 for c in cu[1:]]  # each chunk's last token: its logits row
         if self.prefill_graphs is not None:  # few sequences: fused pieces (prefill_graphs.py)
-            rows = [c - 1 for c in cu[1:]]
             tables = [c.block_table for c in chunks]
-            logits = self.prefill_graphs.run_fused(ids, pos, slots, rows, cu, lens, tables)
+            logits = self.prefill_graphs.run_fused(ids, pos, slots, last_rows, cu, lens, tables)
             if logits is not None:
                 return logits
         # two copies per step: the int64 lists, then the int32 ones
         ids_d, pos_d, slots_d, last = self._to_device_packed(
-            [ids, pos, slots, [c - 1 for c in cu[1:]]], torch.int64
+            [ids, pos, slots, last_rows], torch.int64
         )
-        rows = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
+        padded = [list(c.block_table) + [0] * (width - len(c.block_table)) for c in chunks]
         tables, lens_d, cu_d = self._to_device_packed(
-            [[b for r in rows for b in r], lens, cu], torch.int32
+            [[b for r in padded for b in r], lens, cu], torch.int32
         )
         meta = AttentionMetadata(
             slot_mapping=slots_d,

@@ -59,6 +59,25 @@ class TokenLogprobs:
     top: list[tuple[int, float]] = field(default_factory=list)  # n best (id, logprob), desc
 
 
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """The host sampler's buffers for up to `state.num_slots` rows (Sampler._buffers)."""
+
+    vocab: int
+    device: torch.device
+    state: SamplingState
+    out: torch.Tensor  # [rows] int64 tokens
+    logprobs: LogprobBuffers
+    slots: torch.Tensor  # [rows] 0..rows-1: row i uses slot i
+
+    @classmethod
+    def of(cls, rows: int, vocab: int, dev: torch.device, num_eos: int) -> _Kept:
+        state = SamplingState(rows, vocab, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS + num_eos, dev)
+        out = torch.empty(rows, dtype=torch.int64, device=dev)
+        lp = LogprobBuffers.empty(rows, vocab, dev)
+        return cls(vocab, dev, state, out, lp, torch.arange(rows, device=dev))
+
+
 @dataclass(slots=True)
 class SampleOutput:
     token_ids: list[int]
@@ -70,7 +89,7 @@ class Sampler:
         self._rng = random.Random(secrets.randbits(63) if seed is None else seed)
         self.eos_token_ids = tuple(eos_token_ids)
         self._lock = threading.Lock()
-        self._cached: tuple | None = None  # (capacity, vocab, device, state, out, logprobs)
+        self._kept: _Kept | None = None
         self.graphs: SamplerGraphs | None = None
 
     def capture_graphs(self, vocab: int, device: torch.device, pool=None) -> None:
@@ -88,22 +107,18 @@ class Sampler:
             self.graphs.release()
             self.graphs = None
 
-    def _buffers(self, n: int, vocab: int, dev: torch.device):
+    def _buffers(self, n: int, vocab: int, dev: torch.device) -> _Kept:
         """The sampling state and outputs of >= n rows, kept between calls: building them took
         ~15 allocations and fills per first token. Capacity grows by powers of two; tables as
         wide as the limits (as the decode worker's), so one kernel specialisation serves any
         request and no first token waits on a compilation (engine/prefill_warmup.py)."""
-        c = self._cached
-        if c is None or c[0] < n or c[1] != vocab or c[2] != dev:
-            cap = 1 << max(0, n - 1).bit_length()
-            bans = MAX_STOP_TOKEN_IDS + len(self.eos_token_ids)
-            state = SamplingState(cap, vocab, MAX_LOGIT_BIAS, bans, dev)
-            out = torch.empty(cap, dtype=torch.int64, device=dev)
-            c = (cap, vocab, dev, state, out, LogprobBuffers.empty(cap, vocab, dev))
-            if cap > CACHED_ROWS:  # rare wide calls: [rows, V] tables not kept
-                return state, out, c[5], torch.arange(cap, device=dev)
-            self._cached, self._arange = c, torch.arange(cap, device=dev)
-        return c[3], c[4], c[5], self._arange
+        k = self._kept
+        if k is not None and k.state.num_slots >= n and (k.vocab, k.device) == (vocab, dev):
+            return k
+        k = _Kept.of(1 << max(0, n - 1).bit_length(), vocab, dev, len(self.eos_token_ids))
+        if k.state.num_slots <= CACHED_ROWS:  # rare wide calls: [rows, V] tables not kept
+            self._kept = k
+        return k
 
     def seed_for(self, params: SamplingParams) -> int:
         """The request's seed, or a fresh one from this sampler's generator."""
@@ -136,14 +151,14 @@ class Sampler:
             if g is not None and not constrained and g.serves(n, vocab):
                 out, lp = g.sample(logits, rows, self.eos_token_ids, want, filters)
                 return SampleOutput(out.tolist(), to_token_logprobs(out, lp, params))
-            state, out, lp, arange = self._buffers(n, vocab, dev)
-            state.write(list(range(n)), rows, self.eos_token_ids)
+            k = self._buffers(n, vocab, dev)
+            k.state.write(list(range(n)), rows, self.eos_token_ids)
             x = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
             mask = host_masks(matchers, vocab, dev) if constrained else None
-            slots = arange[:n]
-            lp = lp if want else None
-            sample_step(x, slots, torch.ones_like(slots), state, out, lp, filters, mask)
-            out = out[:n]
+            slots = k.slots[:n]
+            lp = k.logprobs if want else None
+            sample_step(x, slots, torch.ones_like(slots), k.state, k.out, lp, filters, mask)
+            out = k.out[:n]
             return SampleOutput(out.tolist(), to_token_logprobs(out, lp, params))
 
 

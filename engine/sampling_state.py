@@ -6,7 +6,9 @@ generated so far) and its penalty state: output-token counts and a prompt-token 
 [S, V], updated by the step itself. The decode worker keeps one state of max_batch + 1 slots
 for its whole life (the last slot: plain greedy, for greedy rows and padding lanes) and fills
 a slot once per admitted sequence (`write`); a step only says which slot each row uses. The
-prefill worker and the host paths build a small state per call (`from_rows`).
+host sampler (engine/sampler.py: a prompt's first token, recompute) keeps a state between
+calls, and its graphs one of their own (engine/sampler_graphs.py); `from_rows` builds one for a
+single call (tests, benchmarks).
 
 `sample_step` is the whole sampling of one step: on CUDA a fixed number of Triton launches
 (kernels/triton_sampling.py), elsewhere the torch twin, so it runs inside a captured graph:
@@ -55,7 +57,8 @@ def _put(values, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
     return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)
 
 
-# a slot no row uses: plain greedy, no penalties (padding columns of staged writes)
+# FLOAT_FIELDS of a plain greedy slot (what `reset` writes; padding columns of staged writes);
+# its INT_FIELDS are all 0
 GREEDY_FLOATS = (0.0, 1.0, 0.0, 1.0, 0.0, 0.0)
 
 
@@ -123,10 +126,10 @@ class SamplingState:
 
     def reset(self) -> None:
         """Every slot plain greedy (what capture runs on, and what the greedy slot stays)."""
-        for name in (*FLOAT_FIELDS, *INT_FIELDS):
+        for name, value in zip(FLOAT_FIELDS, GREEDY_FLOATS):
+            getattr(self, name).fill_(value)
+        for name in INT_FIELDS:
             getattr(self, name).zero_()
-        self.top_p.fill_(1.0)
-        self.rep.fill_(1.0)
         for t in (self.counts, self.prompt_seen, self.bias_ids, self.bias_vals):
             t.zero_()
         self.ban_ids.fill_(-1)
