@@ -103,7 +103,7 @@ def prefill_side(args, model_dir, info_q, cmd_q, out_q) -> None:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         while (cmd := await asyncio.to_thread(cmd_q.get)) is not None:
             rid, prompt = cmd
-            res = await engine.prefill(rid, prompt, params, 30.0)
+            res = await engine.prefill(rid, prompt, params, 30.0, stream_token=_token(rid))
             handle = make_handle(
                 spec,
                 host="127.0.0.1",
@@ -119,6 +119,11 @@ def prefill_side(args, model_dir, info_q, cmd_q, out_q) -> None:
         await engine.stop()
 
     asyncio.run(main())
+
+
+def _token(rid: str) -> str:
+    """The stream secret both sides know here (the router makes a random one per request)."""
+    return f"bench-stream-{rid}"
 
 
 def decode_side(args, info, cmd_q, out_q) -> None:
@@ -149,7 +154,7 @@ def decode_side(args, info, cmd_q, out_q) -> None:
             rid, n, handle = cmd
             dest = list(range(1, -(-n // args.block_size) + 1))
             if handle is None:
-                got = await streamer.pull("127.0.0.1", port, rid, n, dest)
+                got = await streamer.pull("127.0.0.1", port, rid, n, dest, _token(rid))
                 out_q.put((rid, got.last_piece_at))
             else:
                 await client.pull(kv_pb2.KvHandle.FromString(handle), dest)

@@ -71,7 +71,9 @@ class StreamPuller:
         # its own task: a cancelled caller must not leave UCX writing into a buffer it freed; the
         # task ends on its own timeouts (or the endpoint's abort) and only then are blocks freed
         task = asyncio.ensure_future(
-            self.client.pull(src.host, src.port, request.request_id, num_tokens, ids)
+            self.client.pull(
+                src.host, src.port, request.request_id, num_tokens, ids, request.kv_stream.token
+            )
         )
         try:
             result = await asyncio.shield(task)

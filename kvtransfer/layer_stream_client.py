@@ -71,16 +71,23 @@ class LayerStreamClient:
             ep.abort()
 
     async def pull(
-        self, host: str, port: int, request_id: str, num_tokens: int, dest_blocks: list[int]
+        self,
+        host: str,
+        port: int,
+        request_id: str,
+        num_tokens: int,
+        dest_blocks: list[int],
+        token: str = "",
     ) -> StreamResult:
+        """`token`: the request's stream secret (KvStreamSource.token)."""
         try:
-            return await self._pull(host, port, request_id, num_tokens, dest_blocks)
+            return await self._pull(host, port, request_id, num_tokens, dest_blocks, token)
         except KvTransferError as exc:
             self.metrics.failures.labels(exc.reason).inc()
             raise
 
     async def _pull(
-        self, host: str, port: int, request_id: str, num_tokens: int, dest: list[int]
+        self, host: str, port: int, request_id: str, num_tokens: int, dest: list[int], token: str
     ) -> StreamResult:
         start = time.perf_counter()
         try:
@@ -95,7 +102,15 @@ class LayerStreamClient:
         self._live[request_id] = ep
         try:
             verify = wants_checksum(self.config.checksum, host)
-            result = await self._exchange(ep, request_id, num_tokens, dest, start, verify)
+            request = kv_pb2.KvPullRequest(
+                request_id=request_id,
+                stream=True,
+                num_tokens=num_tokens,
+                stream_token=token,
+                max_message_bytes=self.config.max_message_bytes,
+                **self.spec.fields(),
+            )
+            result = await self._exchange(ep, request, dest, start, verify)
         except BaseException:
             self.pool.discard(host, port, ep)  # half-used: it may hold stray messages
             raise
@@ -117,16 +132,9 @@ class LayerStreamClient:
             ) from exc
 
     async def _exchange(
-        self, ep, request_id: str, num_tokens: int, dest: list[int], start: float, verify: bool
+        self, ep, request: kv_pb2.KvPullRequest, dest: list[int], start: float, verify: bool
     ) -> StreamResult:
         cfg = self.config
-        request = kv_pb2.KvPullRequest(
-            request_id=request_id,
-            stream=True,
-            num_tokens=num_tokens,
-            max_message_bytes=cfg.max_message_bytes,
-            **self.spec.fields(),
-        )
         try:
             await asyncio.wait_for(frames.send(ep, request), cfg.lease_request_timeout_s)
         except Exception as exc:

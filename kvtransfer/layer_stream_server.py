@@ -76,7 +76,7 @@ class StreamFeed(Protocol):
 class StreamSource(Protocol):
     """The prefill engine as a streamed pull sees it (its event loop, like LeaseSource)."""
 
-    async def begin_stream(self, request_id: str, num_tokens: int) -> StreamFeed:
+    async def begin_stream(self, request_id: str, num_tokens: int, token: str) -> StreamFeed:
         """Attaches to the request (waits for it to arrive); raises server.LeaseLookupError."""
 
     def end_stream(self, request_id: str, lease_id: str, delivered: bool) -> None:
@@ -105,7 +105,7 @@ class LayerStreamSender:
         """One streamed pull on `ep`; a failure of the peer propagates (the endpoint is aborted)."""
         try:
             check_compatible(req, self.spec)
-            feed = await self.source.begin_stream(req.request_id, req.num_tokens)
+            feed = await self.source.begin_stream(req.request_id, req.num_tokens, req.stream_token)
         except KvIncompatibleError as exc:
             await self._reply(ep, kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, str(exc))
             return

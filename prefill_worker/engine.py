@@ -123,6 +123,7 @@ class PrefillEngine:
         params: SamplingParams,
         lease_ttl_s: float,
         matcher: object | None = None,
+        stream_token: str = "",
     ) -> PrefillResult:
         """Queues a validated request and waits for its first token (`matcher`: its compiled
         constraint, which masks that token)."""
@@ -144,6 +145,7 @@ class PrefillEngine:
             block_keys(prompt, self.runner.block_size),
             asyncio.get_running_loop().create_future(),
             matcher=matcher,
+            stream_token=stream_token,
         )
         self.scheduler.add(seq)
         if self.stream_hub is not None:

@@ -17,6 +17,7 @@ sequence, then by its lease, until the decode side confirms (then the lease is r
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -58,7 +59,8 @@ class StreamHub:
         self.wait_s = wait_s
         self.feeds: dict[str, Feed] = {}
         self.arrived: dict[str, asyncio.Event] = {}
-        self.done: OrderedDict[str, tuple[StreamEnd, float]] = OrderedDict()  # for late attaches
+        # for late attaches: (its end, when, its stream token)
+        self.done: OrderedDict[str, tuple[StreamEnd, float, str]] = OrderedDict()
         self._step: list = []  # the step in flight: (seq, start, end, block ids)
         self._groups_done: list[tuple[int, int, object]] = []
         self._loop = asyncio.get_running_loop()
@@ -69,7 +71,9 @@ class StreamHub:
         return self.engine.runner.block_size
 
     # ---- the listener (layer_stream_server.StreamSource) -----------------------------------------
-    async def begin_stream(self, request_id: str, num_tokens: int) -> Feed:
+    async def begin_stream(self, request_id: str, num_tokens: int, token: str) -> Feed:
+        """`token`: the request's PrefillRequest.kv_stream_token; a wrong or missing one is
+        answered like an unknown request (the request id alone is not a secret)."""
         if request_id in self.feeds:
             raise LeaseLookupError(
                 kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN, "this request is already being streamed"
@@ -89,6 +93,7 @@ class StreamHub:
             seq = self.engine.scheduler.find(request_id)
         feed = Feed(request_id)
         if seq is not None:
+            _check_token(seq.stream_token, token)
             if len(seq.prompt) != num_tokens:
                 raise LeaseLookupError(
                     kv_pb2.KV_PULL_STATUS_INCOMPATIBLE,
@@ -102,7 +107,8 @@ class StreamHub:
             for lo, hi, event in self._groups_done:  # attached mid-step: its groups so far
                 self._queue_step_groups(feed, lo, hi, event)
             return feed
-        end, at = self.done.get(request_id, (None, 0.0))
+        end, at, expected = self.done.get(request_id, (None, 0.0, ""))
+        _check_token(expected, token)
         lease = self.engine.leases.get(end.lease_id) if end is not None else None
         if lease is None or lease.num_tokens != num_tokens:
             raise LeaseLookupError(
@@ -173,7 +179,7 @@ class StreamHub:
                 first_token_id=result.first_token_id,
                 lease_id=result.lease.lease_id,
             )
-            self._remember(seq.request_id, end)
+            self._remember(seq.request_id, end, seq.stream_token)
         if (feed := self.feeds.get(seq.request_id)) is not None:
             feed.end(end)
 
@@ -211,13 +217,21 @@ class StreamHub:
             b0, b1 = start // self.block_size, -(-end // self.block_size)
             feed.queue.put_nowait(StreamPiece(lo, hi, b0, b1, table[b0:b1], event))
 
-    def _remember(self, request_id: str, end: StreamEnd) -> None:
-        self.done[request_id] = (end, time.perf_counter())
+    def _remember(self, request_id: str, end: StreamEnd, token: str) -> None:
+        self.done[request_id] = (end, time.perf_counter(), token)
         leases = self.engine.leases  # oldest first: drop those whose lease is gone
         while (
             len(self.done) > 4096 or leases.get(next(iter(self.done.values()))[0].lease_id) is None
         ):
             self.done.popitem(last=False)
+
+
+def _check_token(expected: str, given: str) -> None:
+    if not expected or not secrets.compare_digest(expected.encode(), given.encode()):
+        raise LeaseLookupError(
+            kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
+            "no streamable request with this id and token on this prefill worker",
+        )
 
 
 def attach_stream_hub(engine, kv_server, cfg: KvTransferConfig, spec: PoolSpec) -> StreamHub:

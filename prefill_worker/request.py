@@ -35,6 +35,7 @@ class PrefillSeq:
     sampling_time_s: float = 0.0  # its first token's sampling (set by the step that samples it)
     matcher: object | None = None  # structured output: masks the first token (never advanced)
     first_kv_at: float = 0.0  # when its first KV was computed (streamed hand-over's wait metric)
+    stream_token: str = ""  # what a streamed pull of it must present ("": none may attach)
 
     @property
     def num_remaining(self) -> int:

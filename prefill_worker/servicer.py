@@ -57,7 +57,12 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             ttl_s = self._lease_ttl_s(request.lease_ttl_ms)
             matcher = await engine.grammars.matcher(params.constraint)  # before any allocation
             result = await engine.prefill(
-                request.request_id, request.prompt_token_ids, params, ttl_s, matcher
+                request.request_id,
+                request.prompt_token_ids,
+                params,
+                ttl_s,
+                matcher,
+                stream_token=request.kv_stream_token,
             )
             if delay := self.cfg.faults.reply_delay(request.request_id):  # tests only
                 await asyncio.sleep(delay)

@@ -26,7 +26,7 @@ from splitserve.protos import generate_pb2 as splitserve_dot_v1_dot_generate__pb
 from splitserve.protos import kv_pb2 as splitserve_dot_v1_dot_kv__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1csplitserve/v1/generate.proto\x1a\x16splitserve/v1/kv.proto\"\x85\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"\x83\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x38\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x19.splitserve.v1.StopReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12#\n\x02kv\x18\x07 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x15\n\rqueue_time_ms\x18\x08 \x01(\x02\x12\x17\n\x0f\x63ompute_time_ms\x18\t \x01(\x02\x12\x18\n\x10sampling_time_ms\x18\n \x01(\x02\x12\x19\n\x11handover_start_ms\x18\x0b \x01(\x02\";\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xf5\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x30\n\tkv_stream\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.KvStreamSourceB\x11\n\x0f_first_token_id\"W\n\x0eKvStreamSource\x12*\n\x07\x61\x64\x64ress\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.UcxAddress\x12\x19\n\x11model_compat_hash\x18\x02 \x01(\t\"\xcc\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.StopReason\x12\x18\n\x10transfer_time_ms\x18\x05 \x01(\x02\x12\x15\n\rqueue_time_ms\x18\x06 \x01(\x02\x12\x15\n\rkv_recomputed\x18\x07 \x01(\x08\x12\x1b\n\x13kv_recompute_reason\x18\x08 \x01(\t\x12\x1a\n\x12kv_stream_fallback\x18\t \x01(\t\x12\x13\n\x0bkv_streamed\x18\n \x01(\x08\"+\n\x0eGetLoadRequest\x12\x19\n\x11max_prefix_hashes\x18\x01 \x01(\r\"]\n\x12PrefixCacheSummary\x12\x18\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x42\x02\x18\x01\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_keys\x18\x03 \x03(\x0c\"\xcc\x02\n\nWorkerLoad\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x37\n\x0cprefix_cache\x18\x07 \x01(\x0b\x32!.splitserve.v1.PrefixCacheSummary\x12\x13\n\x0bleases_held\x18\x08 \x01(\r\x12\x19\n\x11model_compat_hash\x18\t \x01(\t\x12-\n\nkv_address\x18\n \x01(\x0b\x32\x19.splitserve.v1.UcxAddress\x12\x14\n\x0ckv_streaming\x18\x0b \x01(\x08\x32\xbb\x02\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12W\n\x0cReleaseLease\x12\".splitserve.v1.ReleaseLeaseRequest\x1a#.splitserve.v1.ReleaseLeaseResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoad2\xe0\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1csplitserve/v1/generate.proto\x1a\x16splitserve/v1/kv.proto\"\x9e\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\x12\x17\n\x0fkv_stream_token\x18\x05 \x01(\t\"\x83\x03\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12\x38\n\x13\x66irst_token_logprob\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x05 \x01(\x0b\x32\x19.splitserve.v1.StopReason\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x06 \x01(\r\x12#\n\x02kv\x18\x07 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x15\n\rqueue_time_ms\x18\x08 \x01(\x02\x12\x17\n\x0f\x63ompute_time_ms\x18\t \x01(\x02\x12\x18\n\x10sampling_time_ms\x18\n \x01(\x02\x12\x19\n\x11handover_start_ms\x18\x0b \x01(\x02\";\n\x13ReleaseLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"(\n\x14ReleaseLeaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xf5\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12#\n\x02kv\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KvHandle\x12\x30\n\tkv_stream\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.KvStreamSourceB\x11\n\x0f_first_token_id\"f\n\x0eKvStreamSource\x12*\n\x07\x61\x64\x64ress\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.UcxAddress\x12\x19\n\x11model_compat_hash\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\"\xcc\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12.\n\x0bstop_reason\x18\x04 \x01(\x0b\x32\x19.splitserve.v1.StopReason\x12\x18\n\x10transfer_time_ms\x18\x05 \x01(\x02\x12\x15\n\rqueue_time_ms\x18\x06 \x01(\x02\x12\x15\n\rkv_recomputed\x18\x07 \x01(\x08\x12\x1b\n\x13kv_recompute_reason\x18\x08 \x01(\t\x12\x1a\n\x12kv_stream_fallback\x18\t \x01(\t\x12\x13\n\x0bkv_streamed\x18\n \x01(\x08\"+\n\x0eGetLoadRequest\x12\x19\n\x11max_prefix_hashes\x18\x01 \x01(\r\"]\n\x12PrefixCacheSummary\x12\x18\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x42\x02\x18\x01\x12\x19\n\x11num_cached_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_keys\x18\x03 \x03(\x0c\"\xcc\x02\n\nWorkerLoad\x12\'\n\x04role\x18\x01 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x37\n\x0cprefix_cache\x18\x07 \x01(\x0b\x32!.splitserve.v1.PrefixCacheSummary\x12\x13\n\x0bleases_held\x18\x08 \x01(\r\x12\x19\n\x11model_compat_hash\x18\t \x01(\t\x12-\n\nkv_address\x18\n \x01(\x0b\x32\x19.splitserve.v1.UcxAddress\x12\x14\n\x0ckv_streaming\x18\x0b \x01(\x08\x32\xbb\x02\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12W\n\x0cReleaseLease\x12\".splitserve.v1.ReleaseLeaseRequest\x1a#.splitserve.v1.ReleaseLeaseResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoad2\xe0\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,27 +36,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFIXCACHESUMMARY'].fields_by_name['block_hashes']._loaded_options = None
   _globals['_PREFIXCACHESUMMARY'].fields_by_name['block_hashes']._serialized_options = b'\030\001'
   _globals['_PREFILLREQUEST']._serialized_start=100
-  _globals['_PREFILLREQUEST']._serialized_end=233
-  _globals['_PREFILLRESPONSE']._serialized_start=236
-  _globals['_PREFILLRESPONSE']._serialized_end=623
-  _globals['_RELEASELEASEREQUEST']._serialized_start=625
-  _globals['_RELEASELEASEREQUEST']._serialized_end=684
-  _globals['_RELEASELEASERESPONSE']._serialized_start=686
-  _globals['_RELEASELEASERESPONSE']._serialized_end=726
-  _globals['_DECODEREQUEST']._serialized_start=729
-  _globals['_DECODEREQUEST']._serialized_end=974
-  _globals['_KVSTREAMSOURCE']._serialized_start=976
-  _globals['_KVSTREAMSOURCE']._serialized_end=1063
-  _globals['_DECODERESPONSE']._serialized_start=1066
-  _globals['_DECODERESPONSE']._serialized_end=1398
-  _globals['_GETLOADREQUEST']._serialized_start=1400
-  _globals['_GETLOADREQUEST']._serialized_end=1443
-  _globals['_PREFIXCACHESUMMARY']._serialized_start=1445
-  _globals['_PREFIXCACHESUMMARY']._serialized_end=1538
-  _globals['_WORKERLOAD']._serialized_start=1541
-  _globals['_WORKERLOAD']._serialized_end=1873
-  _globals['_PREFILLWORKER']._serialized_start=1876
-  _globals['_PREFILLWORKER']._serialized_end=2191
-  _globals['_DECODEWORKER']._serialized_start=2194
-  _globals['_DECODEWORKER']._serialized_end=2418
+  _globals['_PREFILLREQUEST']._serialized_end=258
+  _globals['_PREFILLRESPONSE']._serialized_start=261
+  _globals['_PREFILLRESPONSE']._serialized_end=648
+  _globals['_RELEASELEASEREQUEST']._serialized_start=650
+  _globals['_RELEASELEASEREQUEST']._serialized_end=709
+  _globals['_RELEASELEASERESPONSE']._serialized_start=711
+  _globals['_RELEASELEASERESPONSE']._serialized_end=751
+  _globals['_DECODEREQUEST']._serialized_start=754
+  _globals['_DECODEREQUEST']._serialized_end=999
+  _globals['_KVSTREAMSOURCE']._serialized_start=1001
+  _globals['_KVSTREAMSOURCE']._serialized_end=1103
+  _globals['_DECODERESPONSE']._serialized_start=1106
+  _globals['_DECODERESPONSE']._serialized_end=1438
+  _globals['_GETLOADREQUEST']._serialized_start=1440
+  _globals['_GETLOADREQUEST']._serialized_end=1483
+  _globals['_PREFIXCACHESUMMARY']._serialized_start=1485
+  _globals['_PREFIXCACHESUMMARY']._serialized_end=1578
+  _globals['_WORKERLOAD']._serialized_start=1581
+  _globals['_WORKERLOAD']._serialized_end=1913
+  _globals['_PREFILLWORKER']._serialized_start=1916
+  _globals['_PREFILLWORKER']._serialized_end=2231
+  _globals['_DECODEWORKER']._serialized_start=2234
+  _globals['_DECODEWORKER']._serialized_end=2458
 # @@protoc_insertion_point(module_scope)

@@ -121,7 +121,10 @@ class Generation(StreamedHandover):
             tried.append(w.address)
             call = w.stub.Prefill(
                 worker_pb2.PrefillRequest(
-                    request_id=req.request_id, prompt_token_ids=req.prompt, sampling=req.sampling
+                    request_id=req.request_id,
+                    prompt_token_ids=req.prompt,
+                    sampling=req.sampling,
+                    kv_stream_token=self.stream_token if self.streamed is not None else "",
                 ),
                 timeout=self._timeout(),
             )

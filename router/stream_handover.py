@@ -19,6 +19,7 @@ that ends the request, or any failure, cancels D's call; D gives its blocks back
 from __future__ import annotations
 
 import logging
+import secrets
 
 from splitserve.protos import worker_pb2
 from splitserve.request.errors import RequestError
@@ -32,6 +33,7 @@ class StreamedHandover(DecodeStream):
     """Adds the streamed Decode to a Generate call (Generation runs it)."""
 
     streamed: tuple[Worker, Worker, object, worker_pb2.DecodeRequest] | None = None
+    stream_token = ""  # the secret both workers get for this request's stream (kv.proto)
 
     def _start_stream(self, prefill: Worker) -> None:
         """Launches the streamed Decode for a prefill on `prefill`, where both sides stream."""
@@ -50,11 +52,15 @@ class StreamedHandover(DecodeStream):
             return  # the pull after the prefill reports it, with its own retry
         if not w.load.kv_streaming:
             return
+        self.stream_token = secrets.token_hex(16)
+        source = worker_pb2.KvStreamSource(
+            address=addr, model_compat_hash=compat, token=self.stream_token
+        )
         decode_req = worker_pb2.DecodeRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt,
             sampling=req.sampling,
-            kv_stream=worker_pb2.KvStreamSource(address=addr, model_compat_hash=compat),
+            kv_stream=source,
         )
         call = w.stub.Decode(decode_req, timeout=self._timeout())  # starts at once
         self.streamed = (prefill, w, call, decode_req)

@@ -264,19 +264,20 @@ WIRE = {
     "layout=7 dtype=8 num_layers=9 num_kv_heads=10 head_dim=11 model_compat_hash=12 "
     "expires_at_unix_ms=13 ttl_ms=14 shards=15",
     "KvPullRequest": "lease_id=1 request_id=2 layout=3 dtype=4 block_size=5 num_layers=6 "
-    "num_kv_heads=7 head_dim=8 model_compat_hash=9 max_message_bytes=10 stream=11 num_tokens=12",
+    "num_kv_heads=7 head_dim=8 model_compat_hash=9 max_message_bytes=10 stream=11 num_tokens=12 "
+    "stream_token=13",
     "KvPullReply": "status=1 message=2 payload_bytes=3 num_messages=4 num_blocks=5 checksum=6",
     "KvPullDone": "lease_id=1 ok=2",
     "KvStreamPiece": "layer_start=1 layer_end=2 block_start=3 block_end=4 payload_bytes=5 "
     "checksum=6 final=7 status=8 message=9 first_token_id=10 finished=11 lease_id=12",
-    "PrefillRequest": "request_id=1 prompt_token_ids=2 sampling=3 lease_ttl_ms=4",
+    "PrefillRequest": "request_id=1 prompt_token_ids=2 sampling=3 lease_ttl_ms=4 kv_stream_token=5",
     "PrefillResponse": "request_id=1 first_token_id=2 first_token_logprob=3 finish_reason=4 "
     "stop_reason=5 cached_prompt_tokens=6 kv=7 queue_time_ms=8 compute_time_ms=9 "
     "sampling_time_ms=10 handover_start_ms=11",
     "ReleaseLeaseRequest": "lease_id=1 request_id=2",
     "ReleaseLeaseResponse": "released=1",
     "DecodeRequest": "request_id=1 prompt_token_ids=2 first_token_id=3 sampling=4 kv=5 kv_stream=6",
-    "KvStreamSource": "address=1 model_compat_hash=2",
+    "KvStreamSource": "address=1 model_compat_hash=2 token=3",
     "DecodeResponse": "token_ids=1 logprobs=2 finish_reason=3 stop_reason=4 transfer_time_ms=5 "
     "queue_time_ms=6 kv_recomputed=7 kv_recompute_reason=8 kv_stream_fallback=9 kv_streamed=10",
     "GetLoadRequest": "max_prefix_hashes=1",
