@@ -133,3 +133,17 @@ class StagingCache:
         free = self.free.setdefault(tuple(t.shape), [])
         if len(free) < self.keep:
             free.append(t)
+
+
+async def receive_or_abort(ep, receive, timeout: float, *also_cancel) -> None:
+    """Awaits `receive` (UCX receives into a caller's buffers) for at most `timeout`; when it
+    fails, times out or is cancelled, the endpoint is aborted first (ending its posted
+    requests) and `also_cancel` futures are cancelled: a receive still posted could otherwise
+    write into staging freed by then, or into pool blocks another request owns."""
+    try:
+        await asyncio.wait_for(receive, timeout)
+    except BaseException:
+        ep.abort()  # (the endpoint pool's discard aborts again: a no-op)
+        for fut in also_cancel:
+            fut.cancel()
+        raise

@@ -32,6 +32,7 @@ from splitserve.kvtransfer.buffers import (
     contiguous_start,
     ids_tensor,
     piece_views,
+    receive_or_abort,
     slab_framed,
     slab_views,
 )
@@ -237,14 +238,12 @@ class KvTransferClient:
         trailer = asyncio.ensure_future(frames.recv(ep, kv_pb2.KvPullReply, buf))
         trailer.add_done_callback(_retrieved)  # a failed or cancelled trailer is not an error
         try:
-            await asyncio.wait_for(self._receive(ep, buffers), cfg.data_timeout_s)
+            await receive_or_abort(ep, self._receive(ep, buffers), cfg.data_timeout_s, trailer)
         except TimeoutError as exc:
-            trailer.cancel()
             raise KvTransferError(
                 "data_timeout", f"KV payload not received within {cfg.data_timeout_s}s"
             ) from exc
         except Exception as exc:
-            trailer.cancel()
             raise KvTransferError(
                 "peer_failed", f"prefill worker failed mid-transfer: {exc}", payload_started=True
             ) from exc

@@ -16,7 +16,7 @@ import grpc
 import torch
 
 from splitserve.kvtransfer import frames
-from splitserve.kvtransfer.buffers import TransferStream, ucx_view
+from splitserve.kvtransfer.buffers import TransferStream, receive_or_abort, ucx_view
 from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64, wants_checksum
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import PoolSpec
@@ -191,8 +191,8 @@ class LayerStreamClient:
                 "invalid", f"piece of {head.payload_bytes} bytes; expected {payload.numel()}"
             )
         try:
-            await asyncio.wait_for(
-                ep.recv(ucx_view(payload), tag=PAYLOAD_TAG), self.config.data_timeout_s
+            await receive_or_abort(
+                ep, ep.recv(ucx_view(payload), tag=PAYLOAD_TAG), self.config.data_timeout_s
             )
         except TimeoutError as exc:
             raise KvTransferError("data_timeout", "stream piece payload timed out") from exc
