@@ -19,6 +19,7 @@ _OVERRIDES = {
     "cuda_graph": "cuda_graph",
     "cuda_graph_sizes": "cuda_graph_sizes",
     "prefill_graph_sizes": "prefill_graph_sizes",
+    "prefill_chunk_tokens": "prefill_chunk_tokens",
     "kv_failure_policy": "kv_transfer.failure_policy",
     "kv_data_timeout_s": "kv_transfer.data_timeout_s",
     "kv_connect_timeout_s": "kv_transfer.connect_timeout_s",
@@ -65,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N,N,...",
         help="token counts of the local prefill's piecewise graphs (default 16, 32, ... up to "
         "--max-num-batched-tokens, at most 8192)",
+    )
+    p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        metavar="N",
+        help="local-prefill tokens (colocated prompts, recompute) per step, between decode "
+        "steps (default 512; 0: each prompt whole in one step)",
     )
     p.add_argument(
         "--kv-failure-policy",

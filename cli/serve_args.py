@@ -39,6 +39,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="no prefill workers: each decode worker prefills its own prompts in its batch",
     )
     p.add_argument(
+        "--prefill-chunk-tokens",
+        type=int,
+        metavar="N",
+        help="decode workers' local-prefill tokens per step (colocated prompts, recompute), "
+        "between decode steps (default 512; 0: each prompt whole in one step)",
+    )
+    p.add_argument(
         "--host", default="127.0.0.1", help="address every service binds (default 127.0.0.1)"
     )
     p.add_argument(

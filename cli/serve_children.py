@@ -73,11 +73,13 @@ def build(
         )
         for i in range(num_prefill)
     ]
+    chunk = getattr(args, "prefill_chunk_tokens", None)
+    decode_only = [] if chunk is None else ["--prefill-chunk-tokens", str(chunk)]
     decode = [
         launcher.add(
             f"decode-{i}",
             "decode-worker",
-            [*engine, *decode_at[i], *grace, *tls, *metrics()],
+            [*engine, *decode_at[i], *decode_only, *grace, *tls, *metrics()],
             SERVICES["decode-worker"],
             host=args.host,
             env=env_of("decode"),

@@ -7,6 +7,7 @@
       cuda_graph: bool          capture decode steps as CUDA graphs (CUDA only; --no-cuda-graph)
       cuda_graph_sizes          batch sizes to capture; None: 1, 2, 4, 8, then steps of 8
       overlap: bool             enqueue step N+1 before reading step N's tokens
+      prefill_chunk_tokens      local-prefill tokens per step (chunked prefill; 0: whole prompts)
 
 YAML (every section optional but engine.model_path):
 
@@ -80,7 +81,15 @@ class DecodeWorkerConfig(BaseModel):
         None,
         description="token counts of the piecewise graphs of the local prefill (recompute, "
         "colocated prompts), captured with cuda_graph into the decode graphs' pool; None: 16, "
-        "32, ... up to max_num_batched_tokens (at most 8192)",
+        "32, ... up to max_num_batched_tokens (at most 8192), or up to prefill_chunk_tokens "
+        "when that is smaller",
+    )
+    prefill_chunk_tokens: int = Field(
+        512,
+        ge=0,
+        description="local-prefill tokens (colocated prompts, recompute) per engine step, computed "
+        "before that step's decode: a long prompt spreads over several steps while running "
+        "sequences keep decoding (chunked prefill); 0: each admitted prompt whole in one step",
     )
     overlap: bool = Field(True, description="enqueue step N+1 before reading step N's tokens")
     warmup_steps: int = Field(

@@ -7,10 +7,12 @@ Single-threaded (the engine loop thread, or a test, calls it). One step:
 
     1. (overlap off only) the still-unread step is finished first
     2. schedule: grow / preempt / admit; recompute (local prefill, recompute.py) the KV of
-       admitted sequences that have none (preempted ones, and requests whose KvHandle is empty);
-       a request that had no prefill at all (colocated: no first token) gets its whole prompt
-       computed here and its first token sampled on the host, accepted like any other token,
-       then runs its first decode step in this same step: prefill and decode in one loop
+       admitted sequences that have none (preempted ones, and requests whose KvHandle is empty),
+       at most prefill_chunk_tokens of it a step (chunked prefill: a long prompt spreads over
+       several steps while the running sequences go on decoding); a request that had no
+       prefill at all (colocated: no first token) gets its first token sampled on the host
+       after its prompt's last chunk, accepted like any other token, then runs its first decode
+       step in this same step: prefill and decode in one loop
     3. launch the step (graph replay or eager); a batch with a structured-output row launches
        its forward, reads the previous step (4.) while it runs, then its masked sampling
     4. read the PREVIOUS step's tokens (overlap: the device already runs this one), run stop
@@ -79,6 +81,7 @@ class DecodeEngine:
             self.runner.max_model_len,
             sc.max_queue_len,
             sc.max_num_batched_tokens,
+            cfg.prefill_chunk_tokens,
         )
         self.eos = tuple(self.runner.model_config.eos_token_ids)
         self.sampler = Sampler(cfg.engine.seed, self.eos)
@@ -215,8 +218,8 @@ class DecodeEngine:
         if batch is not None:
             if batch.num_preempted:
                 self.metrics.preemptions.inc(batch.num_preempted)
-            if batch.recompute:
-                self._recompute(batch.recompute)
+            if batch.prefill:
+                self._recompute(batch.prefill)
             seqs = [s for s in batch.seqs if not s.finished]  # a sampled first token may end one
             if seqs:  # (rows changed whenever something was recomputed: new rows were admitted)
                 handle = self.graphs.launch(
@@ -242,11 +245,12 @@ class DecodeEngine:
         self._snapshot()
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
 
-    def _recompute(self, seqs: list[DecodeSequence]) -> None:
-        """Rebuilds the KV of `seqs` (recompute.py); sequences without a first token then get it
-        sampled on the host and accepted like any token (stops, logprobs, stream)."""
+    def _recompute(self, slices: list[tuple[DecodeSequence, int, int]]) -> None:
+        """Computes this step's local-prefill slices (recompute.py); sequences whose prompt
+        ended here and have no first token get it sampled on the host and accepted like any
+        token (stops, logprobs, stream)."""
         budget = self.cfg.engine.scheduler.max_num_batched_tokens
-        firsts, logits = recompute_kv(self.runner, seqs, budget, self.metrics)
+        firsts, logits = recompute_kv(self.runner, slices, budget, self.metrics)
         if firsts:
             out = sample_first_tokens(self.sampler, firsts, logits)
             now = time.monotonic()

@@ -1,9 +1,10 @@
 """Local prefill inside the decode worker: rebuilds admitted sequences' KV from their tokens.
 
-Preempted sequences and requests handed over without KV are recomputed here, in chunks of at
-most the scheduler's max_num_batched_tokens; a sequence with no first token yet (colocated:
-no prefill worker ran) gets it sampled on the host from its last prompt position's logits,
-as the prefill worker would (step 0, same seed rule).
+Preempted sequences and requests handed over without KV are recomputed here, in the slices
+the scheduler planned for this step (chunked prefill: scheduler.py), packed into prefill
+calls of at most max_num_batched_tokens; a sequence with no first token yet (colocated: no
+prefill worker ran) gets it sampled on the host from its last prompt position's logits after
+its last slice, as the prefill worker would (step 0, same seed rule).
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ from splitserve.engine.sampler import SampleOutput, Sampler, SeqSamplingInfo
 
 
 def recompute_kv(
-    runner: ModelRunner, seqs: list[DecodeSequence], budget: int, metrics: DecodeMetrics
+    runner: ModelRunner,
+    slices: list[tuple[DecodeSequence, int, int]],
+    budget: int,
+    metrics: DecodeMetrics,
 ) -> tuple[list[DecodeSequence], torch.Tensor | None]:
-    """Rebuilds the KV of `seqs` with local prefills, at most `budget` tokens a call; returns the
-    sequences that need a first token and their last prompt position's logits (stacked)."""
+    """Computes the KV of the planned (seq, start, stop) slices of each sequence's
+    recompute_tokens() with local prefills of at most `budget` tokens a call; returns the
+    sequences whose prompt ended here and that need a first token, and their last prompt
+    position's logits (stacked)."""
     chunks: list[PrefillChunk] = []
     lasts: list[tuple[int, DecodeSequence]] = []  # (chunk index, seq): a prompt's last chunk
     firsts: list[DecodeSequence] = []
@@ -33,14 +39,14 @@ def recompute_kv(
             rows.append(logits[i])
 
     used = 0
-    for seq in seqs:
+    for seq, begin, end in slices:
         tokens = seq.recompute_tokens()
         (metrics.prompt_tokens if seq.needs_first_token else metrics.recomputed_tokens).inc(
-            len(tokens)
+            end - begin
         )
-        start = 0
-        while start < len(tokens):
-            take = min(len(tokens) - start, budget - used)
+        start = begin
+        while start < end:
+            take = min(end - start, budget - used)
             chunks.append(PrefillChunk(tokens[start : start + take], start, seq.block_ids))
             start += take
             used += take

@@ -13,11 +13,22 @@
 Blocks: a sequence admitted through `admit(seq, block_ids)` brings its prompt's KV in blocks
 the caller allocated from `allocator` (the KV-transfer seam: allocate, pull, admit); a
 sequence queued with `add(seq)` has no KV and is recomputed with a local prefill when
-admitted (the engine runs it; `ScheduledBatch.recompute` lists them). A sequence without a
-first token (colocated: no prefill happened) is admitted the same way with blocks up to
-position P; the engine samples its first token after the recompute and drops it from the
+admitted (the engine runs it; `ScheduledBatch.prefill` lists the slices). A sequence without
+a first token (colocated: no prefill happened) is admitted the same way with blocks up to
+position P; the engine samples its first token after its last slice and drops it from the
 step's rows if that token finishes it. Each step a sequence crossing a block boundary gets
 one more block.
+
+Chunked prefill (`prefill_chunk_tokens` > 0, the default): each step computes at most that
+many local-prefill tokens, before the step's decode, so a long prompt is spread over several
+steps and the running sequences keep stepping between its chunks (the decode step's latency
+grows by one chunk, not by the whole prompt; vLLM and SGLang mix prefill chunks into decode
+steps under a token budget the same way). Prefills under way go first (oldest first), then a
+waiting sequence without KV is admitted only while the step's budget has tokens left; an
+admitted sequence holds the blocks of its whole prompt from admission and joins the decode
+rows in the step of its last slice. With 0, every admitted prompt is computed whole in the
+step that admits it (its admission is bounded by `max_recompute_tokens`, the first always
+admitted).
 
 Freed blocks may still be written by a step in flight (overlap); every KV writer of this
 worker (decode steps, the recompute prefill) runs on the one compute stream, so the GPU
@@ -29,6 +40,7 @@ The scheduler is host bookkeeping only: it never touches the model or the device
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -42,9 +54,8 @@ from splitserve.request.retry_hint import QueueDrainRate
 class ScheduledBatch:
     seqs: list[DecodeSequence]  # rows of the step, in order
     changed: bool  # rows differ from the previous step's: the runner re-prepares everything
-    recompute: list[DecodeSequence] = field(
-        default_factory=list
-    )  # admitted without KV: prefill first
+    # local prefill before the step: (seq, start, stop) slices of seq.recompute_tokens()
+    prefill: list[tuple[DecodeSequence, int, int]] = field(default_factory=list)
     new_blocks: list[tuple[DecodeSequence, int, int]] = field(
         default_factory=list
     )  # (seq, column, block)
@@ -60,6 +71,7 @@ class DecodeScheduler:
         max_model_len: int,
         max_queue_len: int,
         max_recompute_tokens: int,
+        prefill_chunk_tokens: int = 0,
     ) -> None:
         self.allocator = allocator
         self.block_size = block_size
@@ -67,6 +79,7 @@ class DecodeScheduler:
         self.max_model_len = max_model_len
         self.max_queue_len = max_queue_len
         self.max_recompute_tokens = max_recompute_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # 0: whole prompts (module doc)
         self.waiting: deque[DecodeSequence] = deque()
         self.running: list[DecodeSequence] = []
         self.by_id: dict[str, DecodeSequence] = {}
@@ -162,29 +175,48 @@ class DecodeScheduler:
                 preempted += 1
                 if victim is seq:
                     break
+        slices: list[tuple[DecodeSequence, int, int]] = []
+        budget = self.prefill_chunk_tokens or math.inf
+        for seq in self.running:  # prefills under way first, oldest first
+            if seq.prefilling and budget > 0:
+                budget -= self._plan_slice(seq, budget, slices)
+        self._admit_waiting(budget, slices)
         batch = [s for s in self.running if self._may_step(s)]
-        recompute = self._admit_waiting(batch)
-        if not batch:
+        if not batch and not slices:
             self._last_rows = ()
             return None
         rows = tuple(s.uid for s in batch)
         changed = rows != self._last_rows
         self._last_rows = rows
         steady_blocks = [] if changed else [c for c in new_blocks if c[0].status is Status.RUNNING]
-        return ScheduledBatch(batch, changed, recompute, steady_blocks, preempted)
+        return ScheduledBatch(batch, changed, slices, steady_blocks, preempted)
 
     def _may_step(self, seq: DecodeSequence) -> bool:
-        return seq.may_step(seq.params.max_tokens, self.max_model_len)
+        return not seq.prefilling and seq.may_step(seq.params.max_tokens, self.max_model_len)
 
-    def _admit_waiting(self, batch: list[DecodeSequence]) -> list[DecodeSequence]:
-        recompute: list[DecodeSequence] = []
-        budget = self.max_recompute_tokens
-        while self.waiting and len(batch) < self.max_batch_size:
+    @staticmethod
+    def _plan_slice(
+        seq: DecodeSequence, budget: float, slices: list[tuple[DecodeSequence, int, int]]
+    ) -> int:
+        """Plans the next slice of `seq`'s local prefill within `budget` tokens; a slice that
+        reaches the end makes it a decode row of this step. Returns the tokens planned."""
+        total = len(seq.recompute_tokens())
+        start = seq.prefill_pos or 0
+        stop = int(min(total, start + budget))
+        slices.append((seq, start, stop))
+        seq.prefill_pos = None if stop == total else stop
+        return stop - start
+
+    def _admit_waiting(self, budget: float, slices: list[tuple[DecodeSequence, int, int]]) -> None:
+        whole_budget = self.max_recompute_tokens  # prefill_chunk_tokens 0: the admission bound
+        admitted_kv = False
+        rows = sum(1 for s in self.running if s.prefilling or self._may_step(s))
+        while self.waiting and rows < self.max_batch_size:
             seq = self.waiting[0]
             if seq.in_flight:  # preempted with a token still in flight: re-admit once it is read
                 break
             needs_kv = not seq.has_kv
-            if needs_kv and recompute and len(seq.recompute_tokens()) > budget:
+            if needs_kv and self._no_room_to_prefill(seq, budget, admitted_kv, whole_budget):
                 break
             missing = self._missing_blocks(seq)
             got = self.allocator.allocate(max(missing, 0))
@@ -199,11 +231,21 @@ class DecodeScheduler:
             self._admitted += 1
             seq.admit_order = self._admitted
             self.running.append(seq)
-            batch.append(seq)
+            rows += 1
             if needs_kv:
-                recompute.append(seq)
-                budget -= len(seq.recompute_tokens())
-        return recompute
+                admitted_kv = True
+                whole_budget -= len(seq.recompute_tokens())
+                seq.prefill_pos = 0
+                budget -= self._plan_slice(seq, budget, slices)
+
+    def _no_room_to_prefill(
+        self, seq: DecodeSequence, budget: float, admitted_kv: bool, whole_budget: int
+    ) -> bool:
+        """Chunked: the step's prefill budget is spent; whole prompts: another prompt was
+        admitted this step and `seq`'s does not fit what is left of max_recompute_tokens."""
+        if self.prefill_chunk_tokens:
+            return budget <= 0
+        return admitted_kv and len(seq.recompute_tokens()) > whole_budget
 
     def _evict_waiting_kv(self, head: DecodeSequence) -> bool:
         """Frees the KV of a waiting sequence (newest first) other than `head`; it will be
@@ -217,6 +259,7 @@ class DecodeScheduler:
     def _preempt(self, seq: DecodeSequence) -> None:
         self.running.remove(seq)
         self._free(seq)
+        seq.prefill_pos = None  # its KV is gone: re-admission starts its prefill again
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

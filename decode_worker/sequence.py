@@ -13,9 +13,11 @@ found after the fact (one wasted lane-step at most). Stop strings are matched of
 thread (stop_strings.py), whose match aborts the sequence a step or two later.
 
 Colocated (no prefill happened, `first_token_id` None): the sequence starts with empty `out`.
-Its admission computes the whole prompt (the recompute path: positions 0..P-1) and samples
-out[0] on the host from the last prompt position's logits; it then runs step 0 in the same
-engine step, like a handed-off sequence. Until then `needs_first_token` is true.
+After admission the engine computes the prompt (the recompute path: positions 0..P-1), in
+chunks over as many engine steps as the chunk budget needs (`prefill_pos` tracks it), and
+samples out[0] on the host from the last prompt position's logits; it then runs step 0 in
+the engine step of its last chunk, like a handed-off sequence. Until then
+`needs_first_token` is true.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class DecodeSequence:
     # structured output: advanced with every accepted token, so it always stands after the
     # last token of output_token_ids (kept across preemption and recompute)
     matcher: object | None = None
+    # local prefill in progress (admitted without KV): the next recompute_tokens() index whose
+    # KV is still to be computed; None when no local prefill is pending (chunked prefill:
+    # a long prompt is computed over several engine steps while the others keep decoding)
+    prefill_pos: int | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -115,6 +121,11 @@ class DecodeSequence:
     @property
     def has_kv(self) -> bool:
         return bool(self.block_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        """Admitted, its local prefill not finished: it holds blocks but does not step yet."""
+        return self.prefill_pos is not None
 
     def may_step(self, max_tokens_cap: int, max_model_len: int) -> bool:
         """Whether one more step stays within max_tokens and max_model_len (decided from

@@ -24,6 +24,8 @@ def warm_up(engine) -> list[int]:
     """Everything above for a DecodeEngine; returns the captured decode batch sizes."""
     cfg, runner, graphs = engine.cfg, engine.runner, engine.graphs
     budget = cfg.engine.scheduler.max_num_batched_tokens
+    if cfg.prefill_chunk_tokens:  # chunked prefill: no local prefill call is longer than a chunk
+        budget = min(budget, cfg.prefill_chunk_tokens)
     if cfg.cuda_graph and runner.device.type == "cuda":
         sizes = capture_sizes(cfg, engine.max_batch_size, engine.allocator.num_usable)
         graphs.capture(sizes, cfg.warmup_steps)

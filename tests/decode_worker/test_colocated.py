@@ -43,9 +43,13 @@ def _check(col: Collected, want: dict) -> None:
         assert col.final[rid].finish_reason == ref.finish_reason, rid
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_colocated_joins_running_batch_and_matches_isolated(tiny_llama, oracle, overlap):
-    engine = make_engine(tiny_llama, overlap=overlap, max_batch_size=4)
+@pytest.mark.parametrize(
+    "overlap,chunk", [(True, 512), (False, 512), (True, 5), (False, 7), (True, 0)]
+)
+def test_colocated_joins_running_batch_and_matches_isolated(tiny_llama, oracle, overlap, chunk):
+    # chunk: prefill_chunk_tokens (5 and 7 split these 4..30-token prompts over several steps;
+    # 0 computes each prompt whole in the step that admits it)
+    engine = make_engine(tiny_llama, overlap=overlap, max_batch_size=4, prefill_chunk_tokens=chunk)
     prompts = _prompts(6, seed=11)
     params = [
         SamplingParams(temperature=0, max_tokens=14),
@@ -124,9 +128,10 @@ def test_first_token_finishes_and_long_prompts_span_prefill_calls(tiny_llama, or
     assert_all_free(engine)
 
 
-def test_colocated_under_preemption_keeps_tokens(tiny_llama, oracle):
+@pytest.mark.parametrize("chunk", [512, 3, 0])
+def test_colocated_under_preemption_keeps_tokens(tiny_llama, oracle, chunk):
     # 4-token blocks; 4 sequences growing to ~45 tokens need ~48 blocks, the pool has 30
-    engine = make_engine(tiny_llama, num_blocks=31, max_batch_size=4)
+    engine = make_engine(tiny_llama, num_blocks=31, max_batch_size=4, prefill_chunk_tokens=chunk)
     col, want = Collected(), {}
     for i, p in enumerate(_prompts(4, seed=7, lo=6, hi=14)):
         sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

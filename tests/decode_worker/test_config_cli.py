@@ -82,3 +82,33 @@ def test_cli_error_is_one_line(tmp_path):
     )
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and "block_size" in res.stderr
+
+
+def test_prefill_chunk_tokens_flag_and_serve_pass_it_to_decode_workers(tmp_path):
+    from splitserve.cli.launcher import Launcher
+    from splitserve.cli.serve_args import add_arguments as serve_arguments
+    from splitserve.cli.serve_children import build
+
+    args = _parse(["--model", "/m", "--prefill-chunk-tokens", "64"])
+    cfg = load(None, config_overrides(args, decode_worker_cmd._OVERRIDES))
+    assert cfg.prefill_chunk_tokens == 64
+    default = load(None, config_overrides(_parse(["--model", "/m"]), decode_worker_cmd._OVERRIDES))
+    assert default.prefill_chunk_tokens == 512
+    with pytest.raises(ValueError, match="prefill_chunk_tokens"):
+        load(None, {"engine.model_path": "/m", "prefill_chunk_tokens": -1})
+    p = argparse.ArgumentParser()
+    serve_arguments(p)
+    serve = p.parse_args(["--port", "0", "--device", "cpu", "--colocated"])
+    for chunk, want in ((None, 512), (0, 0), (128, 128)):
+        serve.prefill_chunk_tokens = chunk
+        launcher = Launcher(tmp_path / "logs")
+        build(launcher, serve, tmp_path, 0, 2)
+        for child in launcher.children:
+            if child.name.startswith("decode-"):
+                argv = child.args() if callable(child.args) else child.args
+                parsed = argparse.ArgumentParser()
+                decode_worker_cmd.add_arguments(parsed)
+                got = load(
+                    None, config_overrides(parsed.parse_args(argv), decode_worker_cmd._OVERRIDES)
+                )
+                assert got.prefill_chunk_tokens == want, (chunk, child.name)
