@@ -200,6 +200,15 @@ class Cluster:
     ):
         return finish(self.stream(request_id, max_tokens, ids, with_key), [], timeout)[:3]
 
+    def generate_handover(self, request_id: str, max_tokens: int, ids=PROMPT, timeout=30.0):
+        """(tokens, code, details, streamed): streamed is the final chunk's
+        kv_handover.streamed (True: the KV came layer by layer during the prefill)."""
+        end: dict = {}
+        tokens, code, details, _ = finish(
+            self.stream(request_id, max_tokens, ids), [], timeout, end
+        )
+        return tokens, code, details, end.get("streamed")
+
     def load(self, host: str, secret: bool = True) -> dict:
         """GetLoad of `host`'s worker, which takes it only with the cluster secret."""
         key = self.cluster_secret if secret else None
@@ -245,14 +254,19 @@ class Cluster:
         raise AssertionError(f"KV still held after {timeout}s: {loads}")
 
 
-def finish(replies, tokens: list[int], timeout: float) -> tuple[list[int], str, str, float]:
-    """Reads a stream to its end: (all tokens, status code name, details, when the end arrived)."""
+def finish(
+    replies, tokens: list[int], timeout: float, end: dict | None = None
+) -> tuple[list[int], str, str, float]:
+    """Reads a stream to its end: (all tokens, status code name, details, when the end arrived);
+    `end`, if given, gets the driver's end message (e.g. its "streamed")."""
     deadline = time.monotonic() + timeout
     while True:
         msg = replies.get(timeout=max(0.1, deadline - time.monotonic()))
         if msg.get("event") == "tokens":
             tokens.extend(msg["ids"])
         else:
+            if end is not None:
+                end.update(msg)
             return (
                 tokens,
                 msg.get("code", "ERROR"),

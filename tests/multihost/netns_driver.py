@@ -47,13 +47,16 @@ async def generate(cmd: dict) -> None:
             temperature=0.0, max_tokens=cmd["max_tokens"], ignore_eos=True
         ),
     )
+    streamed = None  # the final chunk's kv_handover.streamed (None: no hand-over reported)
     async with grpc.aio.insecure_channel(cmd["router"]) as ch:
         try:
             async for chunk in generate_pb2_grpc.GenerateServiceStub(ch).Generate(
                 req, timeout=cmd.get("timeout", 60), metadata=auth(cmd)
             ):
                 say(tag, event="tokens", ids=list(chunk.token_ids))
-            say(tag, event="end", code="OK", details="")
+                if chunk.HasField("kv_handover"):
+                    streamed = chunk.kv_handover.streamed
+            say(tag, event="end", code="OK", details="", streamed=streamed)
         except grpc.aio.AioRpcError as err:
             say(tag, event="end", code=err.code().name, details=err.details())
 

@@ -102,11 +102,13 @@ def test_services_bind_advertise_and_serve_across_hosts(cluster, oracle):
     assert load["kv_address"] == {"host": ip["prefill"], "port": KV_PORT, "worker_address": ""}
     failed, received = cluster.pulls()
     results = [
-        cluster.generate(f"ok-{i}", 12, ids) for i, ids in enumerate((PROMPT, [1, 7, 8, 9, 10]))
+        cluster.generate_handover(f"ok-{i}", 12, ids)
+        for i, ids in enumerate((PROMPT, [1, 7, 8, 9, 10]))
     ]
-    for ids, (tokens, code, details) in zip((PROMPT, [1, 7, 8, 9, 10]), results):
+    for ids, (tokens, code, details, streamed) in zip((PROMPT, [1, 7, 8, 9, 10]), results):
         assert code == "OK", details
         assert tokens == oracle(12, ids)
+        assert streamed is True  # the default streamed hand-over, across hosts (no fallback)
     after_failed, after_received = cluster.pulls()
     assert (
         after_failed == failed and after_received > received
