@@ -291,10 +291,19 @@ class DecodeEngine:
         if result.finished:
             self.scheduler.finish(seq)
             self.metrics.finished.labels(result.finish_reason).inc()
+        started = None
+        if not seq.started_reported:
+            seq.started_reported = True
+            started = (seq.admitted_at, now)
         self._emit(
             seq,
             StepOutput(
-                seq.request_id, (token,), (logprob,), result.finish_reason, result.stop_reason
+                seq.request_id,
+                (token,),
+                (logprob,),
+                result.finish_reason,
+                result.stop_reason,
+                started=started,
             ),
         )
 

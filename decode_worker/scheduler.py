@@ -41,6 +41,7 @@ The scheduler is host bookkeeping only: it never touches the model or the device
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -228,6 +229,8 @@ class DecodeScheduler:
             self.drain.admitted()
             seq.block_ids.extend(got.block_ids)
             seq.status = Status.RUNNING
+            if not seq.admitted_at:  # the first admission ends its decode queue (TTFT timings)
+                seq.admitted_at = time.monotonic()
             self._admitted += 1
             seq.admit_order = self._admitted
             self.running.append(seq)

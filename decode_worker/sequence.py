@@ -62,6 +62,10 @@ class StepOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: Exception | None = None
+    # the sequence's first output only: (admitted into a running batch, this token produced),
+    # engine-thread time.monotonic(); the servicer reports the decode queue and a colocated
+    # request's own prefill from it (worker.proto admit_wait_ms, local_prefill_ms)
+    started: tuple[float, float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -86,6 +90,8 @@ class DecodeSequence:
     admit_order: int = 0  # larger = admitted later; preemption takes the largest
     num_preemptions: int = 0
     last_token_time: float = field(default_factory=time.monotonic)
+    admitted_at: float = 0.0  # time.monotonic() of its first admission into a running batch
+    started_reported: bool = False  # its first output carried `StepOutput.started`
     uid: int = field(default_factory=lambda: next(_UIDS))  # never reused (id() is)
     # structured output: advanced with every accepted token, so it always stands after the
     # last token of output_token_ids (kept across preemption and recompute)

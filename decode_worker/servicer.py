@@ -164,10 +164,11 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 loop.release_blocks(block_ids)
             await self.failed.abort(context)
         self._streams[queue] = request.request_id
-        submitted = time.perf_counter()
+        submitted = time.monotonic()
         loop.submit(inp, self._outbox.sink(queue), block_ids)
         done = False
         first = True  # TTFT components go on the first chunk only
+        started = None  # the engine's (admitted, first token) times, from its first output
 
         def timed(resp: worker_pb2.DecodeResponse) -> worker_pb2.DecodeResponse:
             nonlocal first
@@ -178,12 +179,19 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 resp.kv_recompute_reason = why
                 resp.kv_streamed = streamed
                 resp.queue_time_ms = (first_out_at - submitted) * 1000
+                if started is not None and started[0]:
+                    admitted, produced = started
+                    resp.admit_wait_ms = max(0.0, admitted - submitted) * 1000
+                    if inp.first_token_id is None:  # colocated: this worker prefilled the prompt
+                        resp.local_prefill_ms = max(0.0, produced - admitted) * 1000
             return resp
 
         try:
             while not done:
                 outs = [await queue.get()]
-                first_out_at = time.perf_counter()
+                first_out_at = time.monotonic()
+                if first:
+                    started = outs[0].started
                 while (
                     not queue.empty() and not outs[-1].finished
                 ):  # the client fell behind: one chunk for all

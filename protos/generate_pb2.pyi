@@ -145,7 +145,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "usage", "kv_handover")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "usage", "kv_handover", "timings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class GenerateResponse(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     KV_HANDOVER_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -162,7 +163,30 @@ class GenerateResponse(_message.Message):
     stop_reason: StopReason
     usage: Usage
     kv_handover: KvHandover
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[_Union[StopReason, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv_handover: _Optional[_Union[KvHandover, _Mapping]] = ...) -> None: ...
+    timings: RequestTimings
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[_Union[StopReason, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv_handover: _Optional[_Union[KvHandover, _Mapping]] = ..., timings: _Optional[_Union[RequestTimings, _Mapping]] = ...) -> None: ...
+
+class RequestTimings(_message.Message):
+    __slots__ = ("router_queue_ms", "prefill_queue_ms", "prefill_compute_ms", "prefill_sampling_ms", "first_token_delivery_ms", "second_token_gap_ms", "handover_ms", "first_decode_step_ms", "second_token_delivery_ms")
+    ROUTER_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SAMPLING_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_DELIVERY_MS_FIELD_NUMBER: _ClassVar[int]
+    SECOND_TOKEN_GAP_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    SECOND_TOKEN_DELIVERY_MS_FIELD_NUMBER: _ClassVar[int]
+    router_queue_ms: float
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    prefill_sampling_ms: float
+    first_token_delivery_ms: float
+    second_token_gap_ms: float
+    handover_ms: float
+    first_decode_step_ms: float
+    second_token_delivery_ms: float
+    def __init__(self, router_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., prefill_sampling_ms: _Optional[float] = ..., first_token_delivery_ms: _Optional[float] = ..., second_token_gap_ms: _Optional[float] = ..., handover_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., second_token_delivery_ms: _Optional[float] = ...) -> None: ...
 
 class KvHandover(_message.Message):
     __slots__ = ("recomputed", "reason", "transfer_ms", "streamed", "stream_fallback")

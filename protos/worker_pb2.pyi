@@ -89,7 +89,7 @@ class KvStreamSource(_message.Message):
     def __init__(self, address: _Optional[_Union[_kv_pb2.UcxAddress, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "transfer_time_ms", "queue_time_ms", "kv_recomputed", "kv_recompute_reason", "kv_stream_fallback", "kv_streamed")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "transfer_time_ms", "queue_time_ms", "kv_recomputed", "kv_recompute_reason", "kv_stream_fallback", "kv_streamed", "admit_wait_ms", "local_prefill_ms")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class DecodeResponse(_message.Message):
     KV_RECOMPUTE_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_STREAM_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     KV_STREAMED_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     finish_reason: _generate_pb2.FinishReason
@@ -110,7 +112,9 @@ class DecodeResponse(_message.Message):
     kv_recompute_reason: str
     kv_stream_fallback: str
     kv_streamed: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ..., transfer_time_ms: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_recomputed: _Optional[bool] = ..., kv_recompute_reason: _Optional[str] = ..., kv_stream_fallback: _Optional[str] = ..., kv_streamed: _Optional[bool] = ...) -> None: ...
+    admit_wait_ms: float
+    local_prefill_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ..., transfer_time_ms: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_recomputed: _Optional[bool] = ..., kv_recompute_reason: _Optional[str] = ..., kv_stream_fallback: _Optional[str] = ..., kv_streamed: _Optional[bool] = ..., admit_wait_ms: _Optional[float] = ..., local_prefill_ms: _Optional[float] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ("max_prefix_hashes",)

@@ -100,6 +100,7 @@ class DecodeStream(GenerationBase):
     ) -> None:
         """`call`: a Decode already under way (the streamed hand-over, stream_handover.py)."""
         if call is None:
+            self.timer.decode_sent(time.monotonic(), colocated=first is None)
             call = w.stub.Decode(decode_req, timeout=self._timeout())
         self.live.call = call
         w.in_flight += 1
@@ -109,6 +110,7 @@ class DecodeStream(GenerationBase):
                     raise StreamFellBack(resp.kv_stream_fallback)
                 if not self.decode_took_lease:  # the KV is pulled once tokens come
                     self.decode_took_lease = True
+                    self.timer.decode_started(resp)
                     if first is None:  # colocated: no transfer
                         self._observe_components(decode_queue=resp.queue_time_ms)
                     elif resp.kv_streamed:  # overlapped with the prefill: not part of any sum

@@ -88,11 +88,7 @@ class Generation(StreamedHandover):
                 first.stop_reason if first.HasField("stop_reason") else None,
             )
         self.ctx.metrics.ttft_seconds.observe(time.monotonic() - self.arrival)
-        self._observe_components(
-            prefill_queue=first.queue_time_ms,
-            prefill_compute=first.compute_time_ms,
-            prefill_sampling=first.sampling_time_ms,
-        )
+        self.timer.prefill_replied(first)  # its parts are observed as the chunk goes out
         if self.out.finished:
             await self._finish(chunk)
             return
@@ -119,6 +115,7 @@ class Generation(StreamedHandover):
             else:
                 self._start_stream(w)
             tried.append(w.address)
+            self.timer.prefill_sent(time.monotonic())
             call = w.stub.Prefill(
                 worker_pb2.PrefillRequest(
                     request_id=req.request_id,

@@ -18,6 +18,7 @@ from splitserve.request.errors import RETRY_AFTER_MS, RequestError
 from splitserve.router.context import RouterContext
 from splitserve.router.intake import PreparedRequest
 from splitserve.router.output import OutputStream
+from splitserve.router.request_timings import RequestTimer
 from splitserve.router.worker_state import Worker
 
 _PASS_THROUGH = {
@@ -107,21 +108,25 @@ class GenerationBase:
         self.kv_handover: generate_pb2.KvHandover | None = None  # set by a decode after a pull
         self.outcome = "cancelled"  # what a cancellation leaves; set on every other end
         self._last_token_write: float | None = None
+        self.timer = RequestTimer(arrival, ctx.metrics.ttft_component_seconds)
 
     # ---- writing -----------------------------------------------------------------------------------
-    async def _write(self, chunk: generate_pb2.GenerateResponse) -> None:
+    async def _write(self, chunk: generate_pb2.GenerateResponse, last: bool = False) -> None:
         if chunk.token_ids:
             now = time.monotonic()
             if self._last_token_write is not None:
                 self.ctx.metrics.itl_seconds.observe(now - self._last_token_write)
             self._last_token_write = now
             self.ctx.metrics.completion_tokens.inc(len(chunk.token_ids))
+            self.timer.tokens_written(len(chunk.token_ids), now)
+        if last and self.timer.first_token_sent:  # the whole request's timings, once
+            chunk.timings.CopyFrom(self.timer.message)
         await self.context.write(chunk)
 
     async def _finish(self, chunk: generate_pb2.GenerateResponse) -> None:
         if self.kv_handover is not None:
             chunk.kv_handover.CopyFrom(self.kv_handover)
-        await self._write(chunk)
+        await self._write(chunk, last=True)
         self.outcome = _OUTCOME[chunk.finish_reason]
         self.ctx.metrics.e2e_seconds.observe(time.monotonic() - self.arrival)
 
@@ -169,7 +174,7 @@ class GenerationBase:
             f"Abort {rid} on {w.address}",
         )
 
-    # ---- TTFT components ------------------------------------------------------------------------------
+    # ---- TTFT components (the rest: request_timings.py) ----------------------------------------------
     def _observe_components(self, **ms: float) -> None:
         hist = self.ctx.metrics.ttft_component_seconds
         for component, value in ms.items():

@@ -34,10 +34,17 @@ class RouterMetrics:
         )
         self.ttft_component_seconds = Histogram(
             "splitserve_router_ttft_component_seconds",
-            "TTFT broken down as the workers report it: prefill_queue (arrival to admission on the prefill "
-            "worker), prefill_compute (admission to first token), prefill_sampling (the first token's "
-            "sampling, part of prefill_compute), transfer (the decode worker's KV pull), "
-            "decode_queue (decode admission request to its first token)",
+            "TTFT and the first inter-token gap in parts (router/request_timings.py). TTFT: "
+            "router_queue (arrival to the Prefill, colocated the Decode, sent), prefill_queue "
+            "(arrival to admission on the prefill worker; colocated: the decode worker's queue), "
+            "prefill_compute (admission to first token; colocated: the decode worker's own "
+            "prefill), prefill_sampling (the first token's sampling, part of prefill_compute), "
+            "first_token_delivery (the rest: network, reply handling). Gap to the second token: "
+            "handover (KV hand-over not hidden behind the prefill), first_decode_step (decode "
+            "admission request to its first token), second_token_delivery (the Decode call's "
+            "network and handling). As the decode worker reports them: transfer (its KV pull), "
+            "transfer_streamed (a streamed pull, overlapping the prefill), decode_queue "
+            "(admission request to its first token)",
             ["component"],
             buckets=_LATENCY,
             registry=r,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 
 from splitserve.protos import worker_pb2
 from splitserve.request.errors import RequestError
@@ -62,6 +63,7 @@ class StreamedHandover(DecodeStream):
             sampling=req.sampling,
             kv_stream=source,
         )
+        self.timer.decode_sent(time.monotonic(), colocated=False)
         call = w.stub.Decode(decode_req, timeout=self._timeout())  # starts at once
         self.streamed = (prefill, w, call, decode_req)
 

@@ -5,7 +5,8 @@
 
 Latency stats are in milliseconds: mean, median, p90, p99 (None when no sample exists).
 Goodput (vLLM's definition): completed requests per second that met every SLO given
-(`--slo ttft:MS,tpot:MS,itl:MS,e2el:MS`; itl: every gap of the request).
+(`--slo ttft:MS,tpot:MS,itl:MS,e2el:MS`; itl: every gap of the request). TTFT and the second
+token's gap split into their parts: ttft_breakdown.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from splitserve.cli.bench.runner import RequestResult
+from splitserve.cli.bench.ttft_breakdown import breakdowns
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 PERCENTILES = (50, 90, 99)
@@ -62,6 +64,7 @@ def summarize(
     total_out = sum(r.output_len for r in ok)
     duration_s = max(duration_s, 1e-9)
     samples = latency_samples(results)
+    ttft_parts, token2_parts = breakdowns(results)
     out = {
         "duration_s": duration_s,
         "completed": len(ok),
@@ -73,6 +76,8 @@ def summarize(
         "output_throughput": total_out / duration_s,
         "total_token_throughput": (total_in + total_out) / duration_s,
         **{f"{m}_ms": stats(samples[m]) for m in METRICS},
+        "ttft_breakdown": ttft_parts,  # None without per-request timings (the OpenAI backend)
+        "token2_breakdown": token2_parts,
         "slo_ms": dict(slo or {}),
         "goodput": None,
         "good_requests": None,
@@ -98,6 +103,7 @@ def per_request(results: Sequence[RequestResult]) -> list[dict]:
             "tpot_ms": None if r.tpot_s is None else r.tpot_s * 1e3,
             "e2el_ms": r.e2e_s * 1e3,
             "itls_ms": [x * 1e3 for x in r.itls_s],
+            "timings_ms": r.timings,
         }
         for r in results
     ]

@@ -55,8 +55,21 @@ def print_summary(out: TextIO, summary: dict, cfg: BenchConfig, model: str) -> N
         out.write("{s:{c}^{n}}\n".format(s=f" {NAMES[m]} ", n=WIDTH, c="-"))
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
             _row(out, f"{label} {m.upper()} (ms):", s[stat])
+    _print_breakdown(out, " TTFT Breakdown (ms) ", summary.get("ttft_breakdown"))
+    _print_breakdown(out, " Second Token Gap Breakdown (ms) ", summary.get("token2_breakdown"))
     out.write("=" * WIDTH + "\n")
     out.flush()
+
+
+def _print_breakdown(out: TextIO, title: str, parts: dict | None) -> None:
+    """One row per part: its median, its p99, its mean over the requests at the total's p99."""
+    out.write("{s:{c}^{n}}\n".format(s=title, n=WIDTH, c="-"))
+    if parts is None:
+        out.write(f"{'n/a (no per-request timings: gRPC backend only)':<{WIDTH}}\n")
+        return
+    out.write(f"{'':<22}{'median':>10}{'p99':>10}{'at p99':>10}\n")
+    for part, s in parts.items():
+        out.write(f"{part:<22}{s['median']:>10.2f}{s['p99']:>10.2f}{s['at_p99']:>10.2f}\n")
 
 
 def write_json(

@@ -4,7 +4,8 @@
     results, duration = await run_requests(...)    arrivals, --max-concurrency, progress bar
 
 Per request: TTFT at the first chunk carrying tokens, one ITL per later chunk carrying
-tokens, E2E at the last chunk; the token counts come from the stream and its final Usage.
+tokens, E2E at the last chunk; the token counts come from the stream and its final Usage, the
+router's timings of the request (where its TTFT went) from the last chunk.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.cli.bench.ttft_breakdown import timings_ms
 from splitserve.cli.bench.workload import BenchConfig, BenchPrompt
 from splitserve.cli.client import make_request, rpc_error_line
 from splitserve.protos import generate_pb2, generate_pb2_grpc
@@ -40,6 +42,7 @@ class RequestResult:
     ttft_s: float | None = None
     itls_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
+    timings: dict[str, float] | None = None  # the router's per-request timings (ms; gRPC only)
 
     @property
     def tpot_s(self) -> float | None:
@@ -97,6 +100,8 @@ async def send_one(
                 res.output_len += len(chunk.token_ids)
             if chunk.finish_reason:
                 res.input_len = chunk.usage.prompt_tokens or res.input_len
+            if chunk.HasField("timings"):  # on the last chunk (ttft_breakdown.py)
+                res.timings = timings_ms(chunk.timings)
         res.e2e_s = time.perf_counter() - start
         res.ok = res.ttft_s is not None
         res.error = None if res.ok else "stream ended without tokens"

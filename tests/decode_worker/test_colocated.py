@@ -178,6 +178,10 @@ def test_decode_rpc_without_first_token_matches_isolated(tiny_llama, oracle):
             for (tokens, chunks), p, sp in zip(results, prompts, sps):
                 ref = oracle(p, SamplingParams(**sp))
                 assert tokens == ref.token_ids
+                # this worker's queue and its own prefill: both inside queue_time_ms
+                first = chunks[0]
+                assert first.local_prefill_ms > 0 and first.admit_wait_ms >= 0
+                assert first.admit_wait_ms + first.local_prefill_ms <= first.queue_time_ms + 0.01
                 assert chunks[-1].finish_reason == (
                     generate_pb2.FINISH_REASON_LENGTH
                     if ref.finish_reason == "length"

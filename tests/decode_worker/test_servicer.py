@@ -80,6 +80,9 @@ def test_streams_match_isolated_generation(tiny_llama, oracle):
                 # the TTFT parts ride on the first chunk only; only s2 had a pull (failed, then recomputed)
                 assert chunks[0].queue_time_ms > 0 and (chunks[0].transfer_time_ms > 0) == (i == 2)
                 assert all(c.queue_time_ms == c.transfer_time_ms == 0 for c in chunks[1:])
+                # its decode queue is part of queue_time_ms; the prefill worker sampled token 1
+                assert 0 <= chunks[0].admit_wait_ms <= chunks[0].queue_time_ms
+                assert chunks[0].local_prefill_ms == 0
                 n_lp = sum(len(c.logprobs) for c in chunks)
                 assert n_lp == (len(tokens) if i == 1 else 0)
             load = await stub.GetLoad(worker_pb2.GetLoadRequest())

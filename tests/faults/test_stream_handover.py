@@ -137,6 +137,8 @@ def test_stream_broken_between_layer_groups_falls_back_to_the_pull(cluster, orac
         assert r.tokens == _want(oracle, p, 10)
         hand = r.last.kv_handover
         assert hand.stream_fallback == "peer_failed" and not hand.streamed, hand
+        # the pull after the fallback lies in the second token's gap, as the router splits it
+        assert r.last.timings.handover_ms >= hand.transfer_ms - 0.01, r.last.timings
     assert metric(dm, "splitserve_kv_transfer_failures_total", reason="peer_failed") >= 2
 
 
