@@ -95,6 +95,13 @@ def check_args(args) -> dict:
     """Everything that can be wrong, before anything starts; the resolved plan."""
     from splitserve.cli.bench.workload import parse_slo
 
+    model = Path(args.model_dir)
+    if not (model / "config.json").is_file() or not any(model.glob("*.safetensors")):
+        raise ValueError(
+            f"--model-dir {args.model_dir}: not a checkpoint folder (config.json, *.safetensors); "
+            "`splitserve make-model --preset llama-3.2-1b DIR` writes one"
+        )
+
     try:
         rates = sorted({float(x) for x in args.rates.split(",") if x.strip()})
     except ValueError:
@@ -199,16 +206,44 @@ def sweep(args, plan: dict, config: dict, out: Path | None, points, warmup, tmp:
             part.write_text(json.dumps(doc, indent=2) + "\n")
             part.replace(out)
 
+    def up(mode: str) -> ServeStack:
+        """The mode's serve, started and warmed up on its first point (none when a resumed file
+        has every point of that mode)."""
+        if mode in stacks:
+            stacks[mode].check_alive()
+            return stacks[mode]
+        side = plan["placement"][mode]
+        print(f"[{mode}] starting serve: {shlex.join(side['serve_flags'])}", flush=True)
+        stack = stacks[mode] = ServeStack.start(
+            mode, side["serve_flags"], side["env"], log_root / mode
+        )
+        print(f"[{mode}] ready after {stack.started_s:.0f}s; warming up", flush=True)
+        if args.warmup_prompts:
+            seed = point_seed(args.seed + 999_983, args.warmup_rate, 0)
+            t0 = time.monotonic()
+            run_bench(
+                stack.address, traffic.argv(args.warmup_prompts, seed), args.warmup_rate,
+                args.slo, args.request_timeout, tmp / f"warmup_{mode}.json",
+            )  # fmt: skip
+            warmup[mode] = {
+                "prompts": args.warmup_prompts,
+                "rate": args.warmup_rate,
+                "seed": seed,
+                "wall_s": time.monotonic() - t0,
+                "kv_free": stack.kv_free(),
+            }
+        return stack
+
     def measure(mode: str, rate: float, repeat: int, order: int) -> None:
-        stacks[mode].check_alive()
+        stack = up(mode)
         n = max(args.min_prompts, round(rate * args.point_seconds))
         seed = point_seed(args.seed, rate, repeat)
         t0 = time.monotonic()
         summary = run_bench(
-            stacks[mode].address, traffic.argv(n, seed), rate, args.slo, args.request_timeout,
+            stack.address, traffic.argv(n, seed), rate, args.slo, args.request_timeout,
             tmp / f"bench_{mode}_{rate:g}_{repeat}.json",
         )  # fmt: skip
-        kv = stacks[mode].kv_free()
+        kv = stack.kv_free()
         point = {"mode": mode, "rate": rate, "repeat": repeat, "order": order, "seed": seed}
         point |= {"num_prompts": n, "wall_s": time.monotonic() - t0, "kv_free": kv}
         point |= {"metrics": point_metrics(summary, n), "summary": summary}
@@ -219,26 +254,6 @@ def sweep(args, plan: dict, config: dict, out: Path | None, points, warmup, tmp:
             raise ServeError(f"{mode}: KV blocks or leases still held after the point: {kv}")
 
     try:
-        for mode in plan["modes"]:
-            side = plan["placement"][mode]
-            print(f"[{mode}] starting serve: {shlex.join(side['serve_flags'])}", flush=True)
-            stacks[mode] = ServeStack.start(mode, side["serve_flags"], side["env"], log_root / mode)
-            print(f"[{mode}] ready after {stacks[mode].started_s:.0f}s; warming up", flush=True)
-            if args.warmup_prompts:
-                seed = point_seed(args.seed + 999_983, args.warmup_rate, 0)
-                t0 = time.monotonic()
-                run_bench(
-                    stacks[mode].address, traffic.argv(args.warmup_prompts, seed),
-                    args.warmup_rate, args.slo, args.request_timeout,
-                    tmp / f"warmup_{mode}.json",
-                )  # fmt: skip
-                warmup[mode] = {
-                    "prompts": args.warmup_prompts,
-                    "rate": args.warmup_rate,
-                    "seed": seed,
-                    "wall_s": time.monotonic() - t0,
-                    "kv_free": stacks[mode].kv_free(),
-                }
         done = {point_key(p) for p in points}
         rates = list(plan["rates"])
         i = 0

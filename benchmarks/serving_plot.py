@@ -35,7 +35,7 @@ def plot_sweep(path: str | Path, doc: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), constrained_layout=True)
-    modes = sorted({e["mode"] for e in doc["sweep"]})
+    modes = sorted({e["mode"] for e in doc["sweep"]}, reverse=True)  # disaggregated first
     for ax, (figure, label) in zip(axes.flat, PANELS):
         for mode in modes:
             rows = [e for e in doc["sweep"] if e["mode"] == mode and e.get(figure) is not None]
@@ -53,6 +53,9 @@ def plot_sweep(path: str | Path, doc: dict) -> None:
         elif figure != "goodput":
             ax.set_yscale("log")
         ax.set_xscale("log", base=2)
+        rates = sorted({e["rate"] for e in doc["sweep"]})
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.minorticks_off()
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, which="both")
