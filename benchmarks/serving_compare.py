@@ -16,10 +16,11 @@ the comparison rows at colocated's sustainable rate and issue 33's goals (PASS/F
 printed); serving_sweep.py says how each is computed.
 
 Splitting a sweep over several commands (each under the device's 10 minutes):
-    ... --rates 4,8,16,32 --no-extend --out s.json
-    ... --rates 48,64 --no-extend --resume s.json
-    ... --rates 96,128 --resume s.json --plot s.png     # extends past 128 if needed
---resume merges into the file and skips the points it already has (--repeat-index picks repeats).
+    ... --repeat-index 0 --out s.json
+    ... --repeat-index 1 --resume s.json
+    ... --repeat-index 2 --resume s.json --plot s.png   (or split by --rates, --modes)
+--resume merges into the file and skips the points it already has (--repeat-index picks repeats;
+without --no-extend a command also runs the rates past its list that the file already has).
 """
 
 from __future__ import annotations
@@ -256,6 +257,8 @@ def sweep(args, plan: dict, config: dict, out: Path | None, points, warmup, tmp:
     try:
         done = {point_key(p) for p in points}
         rates = list(plan["rates"])
+        if not args.no_extend:  # rates an earlier command went on to (other repeats or modes)
+            rates += sorted({float(p["rate"]) for p in points if p["rate"] > rates[-1]})
         i = 0
         while i < len(rates):
             rate = rates[i]

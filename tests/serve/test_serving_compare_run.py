@@ -1,7 +1,8 @@
 """benchmarks/serving_compare.py end to end on CPU (tiny model, the synthetic mixed workload at two
 low rates, one repeat): it starts a real `serve` per mode, warms each up, writes the JSON shape of
 issue 33 (and the PNG when matplotlib is installed); a second command resumes the file, skips the
-points it has, runs one mode only and goes past its rates while that mode still holds the SLO.
+points it has, runs one mode only and goes past its rates while that mode still holds the SLO;
+a third adds a repeat of that mode, over its own rates and those the file went on to.
 Every point ends with every worker's KV blocks free and no lease held (the script checks each
 point through GetLoad and fails otherwise; the JSON records it)."""
 
@@ -106,3 +107,15 @@ def test_sweep_json_shape_then_resume_and_extend(tiny_llama, tmp_path):
     assert all(old[p["mode"], p["rate"]] == p["wall_s"] for p in again["points"] if p["rate"] < 8)
     assert again["sustainable_rate"]["colocated"] == 8.0
     assert all(all(p["kv_free"].values()) for p in again["points"])
+
+    # another repeat of colocated: its list, then the rates the file went on to (4 and 8)
+    third = _run(
+        tiny_llama, "--rates", "2", "--modes", "colocated", "--max-rate", "8",
+        "--repeats", "2", "--repeat-index", "1", "--resume", str(out),
+    )  # fmt: skip
+    ran = [line.split("]")[0] for line in third.stdout.splitlines() if line.startswith("[rate")]
+    assert ran == ["[rate 2/s repeat 1", "[rate 4/s repeat 1", "[rate 8/s repeat 1"], third.stdout
+    last = json.loads(out.read_text())
+    assert [e["repeats"] for e in last["sweep"] if e["mode"] == "colocated"] == [2, 2, 2]
+    assert [e["repeats"] for e in last["sweep"] if e["mode"] == "disaggregated"] == [1, 1]
+    assert all(all(p["kv_free"].values()) for p in last["points"])
