@@ -38,11 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules,
 
 from serving_placement import MODES, plan_placement  # noqa: E402
 from serving_points import Traffic, check_workload, point_seed, run_bench  # noqa: E402
+from serving_report import load_resume, say_point, say_result  # noqa: E402
 from serving_stack import ServeError, ServeStack  # noqa: E402
 from serving_sweep import build_doc, merge_points, next_rate, point_key, point_metrics  # noqa: E402
 
 DEFAULT_RATES = "4,8,16,32,48,64,96,128"
-RESUME_KEYS = ("gpus", "pd_ratio", "device", "workload", "slo", "model_dir")
 
 
 def parse_args(argv=None):
@@ -148,50 +148,6 @@ def check_args(args) -> dict:
     return {"rates": rates, "modes": modes, "repeats": repeats, "placement": placement}
 
 
-def load_resume(path: str, config: dict) -> tuple[list[dict], dict]:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--resume {path}: cannot read it as JSON ({exc})") from None
-    for key in RESUME_KEYS:
-        if doc.get("config", {}).get(key) != config[key]:
-            raise ValueError(
-                f"--resume {path} was measured with {key}={doc['config'].get(key)!r}, this run has "
-                f"{config[key]!r}: give the same flags, or a new --out"
-            )
-    return doc.get("points", []), doc.get("warmup", {})
-
-
-def _say_point(p: dict) -> None:
-    m = p["metrics"]
-
-    def ms(v):
-        return "n/a" if v is None else f"{v:.1f} ms"
-
-    print(
-        f"[rate {p['rate']:g}/s repeat {p['repeat']}] {p['mode']:<13} goodput {m['goodput']:.2f}/s, "
-        f"in SLO {m['slo_attainment']:.0%}, TTFT p99 {ms(m['ttft_p99_ms'])}, ITL p99 "
-        f"{ms(m['itl_p99_ms'])} ({p['num_prompts']} req, {p['wall_s']:.1f}s)",
-        flush=True,
-    )
-
-
-def _say_result(doc: dict) -> None:
-    s = doc["sustainable_rate"]
-    print(f"sustainable rate (>= 90 % within SLO): disaggregated {s['disaggregated']:g} req/s, "
-          f"colocated {s['colocated']:g} req/s")  # fmt: skip
-    if doc["rows"]:
-        print(f"at {doc['rows_rate']:g} req/s (median of repeats):")
-        print(f"{'metric':20s} {'disaggregated':>14s} {'colocated':>10s} {'coloc/disagg':>13s}")
-        for name, row in doc["rows"].items():
-            a, b, r = row["disaggregated"], row["colocated"], row["ratio"]
-            cells = ["n/a" if x is None else f"{x:.2f}" for x in (a, b)]
-            ratio = "n/a" if r is None else f"{r:.2f}x"
-            print(f"{name:20s} {cells[0]:>14s} {cells[1]:>10s} {ratio:>13s}")
-    for g in doc["goals"]:
-        print(f"{'PASS' if g['pass'] else 'FAIL'}  {g['name']}  ({g['detail']})")
-
-
 def sweep(args, plan: dict, config: dict, out: Path | None, points, warmup, tmp: Path) -> dict:
     traffic = Traffic(args, tmp)
     log_root = Path(args.log_dir) if args.log_dir else tmp / "logs"
@@ -249,7 +205,7 @@ def sweep(args, plan: dict, config: dict, out: Path | None, points, warmup, tmp:
         point |= {"num_prompts": n, "wall_s": time.monotonic() - t0, "kv_free": kv}
         point |= {"metrics": point_metrics(summary, n), "summary": summary}
         points[:] = merge_points(points, [point])
-        _say_point(point)
+        say_point(point)
         save()
         if not all(kv.values()):
             raise ServeError(f"{mode}: KV blocks or leases still held after the point: {kv}")
@@ -296,7 +252,7 @@ def run(args) -> int:
     points, warmup = load_resume(args.resume, config) if args.resume else ([], {})
     with tempfile.TemporaryDirectory(prefix="serving-compare-") as d:
         doc = sweep(args, plan, config, out, points, warmup, Path(d))
-    _say_result(doc)
+    say_result(doc)
     if out is not None:
         print(f"wrote {out}")
     if args.plot:

@@ -17,9 +17,9 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import serving_sweep as sw  # noqa: E402
-from serving_compare import load_resume  # noqa: E402
 from serving_placement import plan_placement  # noqa: E402
 from serving_points import bench_has_traffic, point_seed  # noqa: E402
+from serving_report import load_resume  # noqa: E402
 
 
 @pytest.mark.parametrize(
