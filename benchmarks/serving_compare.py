@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, run as a script
 
 from serving_placement import MODES, plan_placement  # noqa: E402
-from serving_points import Traffic, check_workload, point_seed, run_bench  # noqa: E402
+from serving_points import Traffic, point_seed, run_bench  # noqa: E402
 from serving_report import load_resume, say_point, say_result  # noqa: E402
 from serving_stack import ServeError, ServeStack  # noqa: E402
 from serving_sweep import build_doc, merge_points, next_rate, point_key, point_metrics  # noqa: E402
@@ -123,7 +123,6 @@ def check_args(args) -> dict:
         parse_slo(args.slo)
     except argparse.ArgumentTypeError as exc:
         raise ValueError(str(exc)) from None
-    check_workload(args.workload)
     if args.plot:
         from serving_plot import require_matplotlib
 

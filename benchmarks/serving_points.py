@@ -1,6 +1,5 @@
 """One measured point of serving_compare.py: `splitserve bench` against a running serve.
 
-    check_workload(workload)          one clear line when bench lacks --traffic (realistic)
     Traffic(args, tmp).argv(n, seed)  bench flags giving the same prompts for the same (n, seed)
     run_bench(address, traffic, ...)  one bench run -> its --json-out summary (per-request rows
                                       dropped: the sweep keeps summaries)
@@ -24,22 +23,6 @@ import sys
 from pathlib import Path
 
 BENCH = [sys.executable, "-m", "splitserve.cli.main", "bench"]
-
-
-def bench_has_traffic() -> bool:
-    from splitserve.cli.bench_cmd import add_arguments
-
-    parser = argparse.ArgumentParser(add_help=False)
-    add_arguments(parser)
-    return "--traffic" in parser._option_string_actions
-
-
-def check_workload(workload: str) -> None:
-    if workload == "realistic" and not bench_has_traffic():
-        raise ValueError(
-            "--workload realistic needs `splitserve bench --traffic realistic`, which this "
-            "install lacks; update splitserve or pass --workload mixed"
-        )
 
 
 def point_seed(base: int, rate: float, repeat: int) -> int:

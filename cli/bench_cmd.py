@@ -71,6 +71,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help='prompts, one JSON object a line: {"prompt": TEXT} or {"prompt_token_ids": [...]}',
     )
     p.add_argument(
+        "--traffic",
+        choices=("random", "realistic"),
+        default=None,
+        help="random: --input-len random ids, --temperature for all (default); realistic: a "
+        "seeded mix shaped like public chat and coding traces, long-tailed lengths, multi-turn "
+        "prefixes, per-request sampling (70%% top-p 0.95, 20%% greedy, 10%% seeded + penalties)",
+    )
+    p.add_argument(
+        "--traffic-out",
+        metavar="FILE.jsonl",
+        help="write the requests sent (ids, output_len, sampling) as JSONL; replay with --dataset",
+    )
+    p.add_argument(
+        "--save-outputs",
+        action="store_true",
+        help="--json-out keeps each request's output token ids (gRPC)",
+    )
+    p.add_argument(
         "--input-len", type=int, default=128, help="random prompt length in tokens (default 128)"
     )
     p.add_argument("--output-len", type=int, default=128, help="tokens per request (default 128)")
@@ -120,10 +138,33 @@ def _announce(cfg, model: str, workers: dict[str, int]) -> None:
     )
 
 
+_TRAFFIC: dict = {}  # the realistic mix as sent (traffic.describe), for --json-out
+
+
+def _keep_traffic(cfg, prompts) -> None:
+    """--traffic realistic: says the mix, keeps it for the JSON; --traffic-out writes it."""
+    from splitserve.cli.bench.workload import write_jsonl
+
+    if cfg.traffic == "realistic":
+        from splitserve.cli.bench.traffic import describe
+
+        _TRAFFIC["mix"] = mix = describe(prompts)
+        print(
+            f"bench: realistic traffic: {mix['kinds']}, sampling {mix['sampling']}, prompt "
+            f"p50/p99 {mix['prompt_len']['p50']:.0f}/{mix['prompt_len']['p99']:.0f}, output "
+            f"p50/p99 {mix['output_len']['p50']:.0f}/{mix['output_len']['p99']:.0f} tokens",
+            file=sys.stderr,
+        )
+    if cfg.traffic_out:
+        write_jsonl(cfg.traffic_out, prompts)
+        print(f"wrote {cfg.traffic_out}", file=sys.stderr)
+
+
 async def _run_grpc(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
     from splitserve.cli.api_key import grpc_interceptors
     from splitserve.cli.bench import runner
-    from splitserve.cli.bench.workload import arrival_offsets, make_prompts
+    from splitserve.cli.bench.traffic import bench_prompts
+    from splitserve.cli.bench.workload import arrival_offsets
     from splitserve.protos import generate_pb2_grpc
     from splitserve.service.grpc_service import channel_options
     from splitserve.service.tls import open_channel
@@ -134,8 +175,9 @@ async def _run_grpc(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
     ) as channel:
         stub = generate_pb2_grpc.GenerateServiceStub(channel)
         info = await runner.server_info(stub, cfg.address)
-        prompts = make_prompts(cfg, info.vocab_size)
+        prompts = bench_prompts(cfg, info.vocab_size, info.max_model_len)
         runner.check_lengths(prompts, info.max_model_len)
+        _keep_traffic(cfg, prompts)
         offsets = arrival_offsets(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)
         workers = {"prefill": 0, "decode": 0}
         for w in info.workers:
@@ -148,6 +190,7 @@ async def _run_grpc(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
             )
     server = {
         "address": cfg.address,
+        "traffic": _TRAFFIC.get("mix"),
         "model_name": info.model_name,
         "max_model_len": info.max_model_len,
         "block_size": info.block_size,
@@ -158,7 +201,8 @@ async def _run_grpc(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
 
 async def _run_openai(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
     from splitserve.cli.bench import openai_runner, runner
-    from splitserve.cli.bench.workload import arrival_offsets, make_prompts
+    from splitserve.cli.bench.traffic import bench_prompts
+    from splitserve.cli.bench.workload import arrival_offsets
     from splitserve.service.tls import client_ssl_context
 
     ssl_context = client_ssl_context(tls) if tls is not None else None
@@ -169,7 +213,8 @@ async def _run_openai(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
                 f"{cfg.address}/models does not give vocab_size, which random prompts need; "
                 "pass --dataset FILE.jsonl"
             )
-        prompts = make_prompts(cfg, api.vocab_size or 0)
+        prompts = bench_prompts(cfg, api.vocab_size or 0, api.max_model_len)
+        _keep_traffic(cfg, prompts)
         if api.max_model_len:
             runner.check_lengths(prompts, api.max_model_len)
         offsets = arrival_offsets(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)
@@ -188,6 +233,7 @@ async def _run_openai(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
         await api.close()
     server = {
         "address": cfg.address,
+        "traffic": _TRAFFIC.get("mix"),
         "model_name": api.model,
         "max_model_len": api.max_model_len,
         "healthy_workers": api.workers,

@@ -44,8 +44,9 @@ def test_bad_shares_and_modes_are_one_line():
 
 
 def test_green_partition_sizes():
-    sys.path.insert(0, str(BENCH))
-    from sm_partition_green import partition
+    from bench_import import bench_module
+
+    partition = bench_module("sm_partition_green").partition
 
     assert partition(30, 132) == (40, 88)  # H200: 132 SMs
     assert partition(50, 132) == (64, 64)

@@ -104,6 +104,8 @@ def per_request(results: Sequence[RequestResult]) -> list[dict]:
             "e2el_ms": r.e2e_s * 1e3,
             "itls_ms": [x * 1e3 for x in r.itls_s],
             "timings_ms": r.timings,
+            **({"kind": r.kind} if r.kind else {}),
+            **({"output_token_ids": r.token_ids} if r.token_ids is not None else {}),
         }
         for r in results
     ]

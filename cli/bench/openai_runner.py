@@ -91,11 +91,15 @@ class OpenAIClient:
 
 
 def _body(client: OpenAIClient, cfg: BenchConfig, prompt: BenchPrompt) -> dict[str, Any]:
+    # the request's own sampling fields: OpenAI's names (temperature, top_p, seed, presence /
+    # frequency penalty) and vLLM's extra ones (top_k, min_p, repetition_penalty), which our
+    # HTTP front takes like vLLM's
+    fields = prompt.sampling if prompt.sampling is not None else {"temperature": cfg.temperature}
     return {
         "model": client.model,
         "prompt": prompt.prompt if isinstance(prompt.prompt, str) else list(prompt.prompt),
         "max_tokens": prompt.output_len,
-        "temperature": cfg.temperature,
+        **fields,
         "ignore_eos": cfg.ignore_eos,
         "stream": True,
         "stream_options": {"include_usage": True},

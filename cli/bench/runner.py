@@ -43,6 +43,8 @@ class RequestResult:
     itls_s: list[float] = field(default_factory=list)
     e2e_s: float = 0.0
     timings: dict[str, float] | None = None  # the router's per-request timings (ms; gRPC only)
+    token_ids: list[int] | None = None  # the streamed tokens (gRPC; kept with --save-outputs)
+    kind: str = ""  # the request's traffic kind (traffic.py), "" for plain runs
 
     @property
     def tpot_s(self) -> float | None:
@@ -52,9 +54,13 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_len - 1)
 
 
-def sampling(cfg: BenchConfig, output_len: int) -> generate_pb2.SamplingParams:
+def sampling(cfg: BenchConfig, prompt: BenchPrompt) -> generate_pb2.SamplingParams:
+    """The request's sampling: its own fields (dataset row, realistic traffic) or the run's."""
+    fields = prompt.sampling if prompt.sampling is not None else {"temperature": cfg.temperature}
+    if fields.get("top_k") == -1:  # vLLM's "off"; the wire field is unsigned (0 is off too)
+        fields = {**fields, "top_k": 0}
     return generate_pb2.SamplingParams(
-        max_tokens=output_len, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos
+        max_tokens=prompt.output_len, ignore_eos=cfg.ignore_eos, **fields
     )
 
 
@@ -81,10 +87,9 @@ async def send_one(
     stub, cfg: BenchConfig, prompt: BenchPrompt, index: int, t0: float, tag: str = "bench"
 ) -> RequestResult:
     prompt_value = prompt.prompt if isinstance(prompt.prompt, str) else list(prompt.prompt)
-    req = make_request(
-        prompt_value, sampling(cfg, prompt.output_len), request_id=f"{tag}-{RUN_ID}-{index}"
-    )
-    res = RequestResult(index, input_len=prompt.known_input_len or 0)
+    req = make_request(prompt_value, sampling(cfg, prompt), request_id=f"{tag}-{RUN_ID}-{index}")
+    res = RequestResult(index, input_len=prompt.known_input_len or 0, kind=prompt.kind)
+    res.token_ids = [] if cfg.save_outputs else None
     start = time.perf_counter()
     res.start_s = start - t0
     last = start
@@ -98,6 +103,8 @@ async def send_one(
                     res.itls_s.append(now - last)
                 last = now
                 res.output_len += len(chunk.token_ids)
+                if res.token_ids is not None:
+                    res.token_ids.extend(chunk.token_ids)
             if chunk.finish_reason:
                 res.input_len = chunk.usage.prompt_tokens or res.input_len
             if chunk.HasField("timings"):  # on the last chunk (ttft_breakdown.py)

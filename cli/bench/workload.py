@@ -6,7 +6,10 @@
                                       at --request-rate, all zeros for inf
 
 JSONL: one object a line with "prompt" (text) or "prompt_token_ids" / "token_ids" (ids), and
-optionally "output_len"; fewer lines than --num-prompts are cycled.
+optionally "output_len" and "sampling" (that request's sampling parameters, vLLM's names:
+temperature, top_p, top_k, min_p, seed, repetition_penalty, presence_penalty,
+frequency_penalty; a row without it uses --temperature); fewer lines than --num-prompts are
+cycled. `--traffic realistic` generates such rows instead (traffic.py).
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 SloKey = Literal["ttft", "tpot", "itl", "e2el"]
 _SLO_ALIASES = {"e2e": "e2el"}
@@ -53,6 +63,9 @@ class BenchConfig(BaseModel):
     backend: Literal["grpc", "openai"] = "grpc"
     num_prompts: int = Field(100, ge=1)
     dataset: str | None = Field(None, description="JSONL file; None: random token ids")
+    traffic: Literal["random", "realistic"] = Field(
+        "random", description="random: --input-len ids; realistic: traffic.py's mix"
+    )
     input_len: int = Field(128, ge=1)
     output_len: int = Field(128, ge=1)
     request_rate: float = Field(math.inf, gt=0, description="requests/s; inf sends all at once")
@@ -63,6 +76,8 @@ class BenchConfig(BaseModel):
     seed: int = Field(0, ge=0)
     num_warmups: int = Field(1, ge=0)
     timeout_s: float = Field(600.0, gt=0, description="deadline of each request")
+    save_outputs: bool = Field(False, description="keep each request's output token ids")
+    traffic_out: str | None = Field(None, description="write the requests sent as JSONL")
     slo: dict[SloKey, float] = Field(
         default_factory=dict, description="milliseconds per metric, for goodput"
     )
@@ -76,6 +91,12 @@ class BenchConfig(BaseModel):
             )
         return v
 
+    @model_validator(mode="after")
+    def _one_source(self) -> BenchConfig:
+        if self.dataset is not None and self.traffic == "realistic":
+            raise ValueError("give --dataset or --traffic realistic, not both")
+        return self
+
     @classmethod
     def from_args(cls, args: argparse.Namespace, address: str) -> BenchConfig:
         values = {
@@ -83,6 +104,7 @@ class BenchConfig(BaseModel):
             "backend": getattr(args, "backend", "grpc"),
             "num_prompts": args.num_prompts,
             "dataset": args.dataset,
+            "traffic": getattr(args, "traffic", None) or "random",
             "input_len": args.input_len,
             "output_len": args.output_len,
             "request_rate": args.request_rate,
@@ -94,11 +116,15 @@ class BenchConfig(BaseModel):
             "num_warmups": args.num_warmups,
             "timeout_s": args.timeout,
             "slo": args.slo or {},
+            "save_outputs": getattr(args, "save_outputs", False),
+            "traffic_out": getattr(args, "traffic_out", None),
         }
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
             err = exc.errors()[0]
+            if not err["loc"]:  # a rule across fields: its message names the flags
+                raise ValueError(err["msg"].removeprefix("Value error, ")) from None
             flag = "--" + "-".join(str(p) for p in err["loc"]).replace("_", "-")
             flag = {"--timeout-s": "--timeout", "--ignore-eos": "--no-ignore-eos"}.get(flag, flag)
             raise ValueError(
@@ -106,10 +132,25 @@ class BenchConfig(BaseModel):
             ) from None
 
 
+# the per-request sampling fields a dataset row (or the realistic traffic) may set
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
 @dataclass(frozen=True)
 class BenchPrompt:
     prompt: str | tuple[int, ...]
     output_len: int
+    sampling: dict | None = None  # this request's sampling fields; None: the run's --temperature
+    kind: str = ""  # what the traffic generator made it ("chat/sampled", ...)
 
     @property
     def known_input_len(self) -> int | None:
@@ -128,7 +169,8 @@ def _file_prompts(path: str, n: int, output_len: int) -> list[BenchPrompt]:
                 prompt = tuple(int(t) for t in ids) if ids is not None else obj["prompt"]
                 if not isinstance(prompt, (str, tuple)) or not prompt:
                     raise ValueError("empty prompt")
-                rows.append(BenchPrompt(prompt, int(obj.get("output_len", output_len))))
+                out = int(obj.get("output_len", output_len))
+                rows.append(BenchPrompt(prompt, out, check_sampling(obj.get("sampling"), out)))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ValueError(
                     f'{path}:{lineno}: expected an object with a non-empty "prompt" string or '
@@ -139,7 +181,31 @@ def _file_prompts(path: str, n: int, output_len: int) -> list[BenchPrompt]:
     return [rows[i % len(rows)] for i in range(n)]
 
 
+def check_sampling(fields: object, output_len: int) -> dict | None:
+    """A row's "sampling" object, checked as the router would (SamplingParams): ValueError
+    naming the field otherwise."""
+    if fields is None:
+        return None
+    if not isinstance(fields, dict):
+        raise ValueError('"sampling" must be an object like {"temperature": 0.7, "top_p": 0.95}')
+    unknown = sorted(set(fields) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(
+            f'"sampling" has unknown keys {unknown}; allowed: {", ".join(SAMPLING_KEYS)}'
+        )
+    from splitserve.request.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(max_tokens=output_len, **fields)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ValueError(f"sampling.{where}: {err['msg']}") from None
+    return dict(fields)
+
+
 def make_prompts(cfg: BenchConfig, vocab_size: int) -> list[BenchPrompt]:
+    """--dataset's rows or random ids (--traffic realistic: traffic.realistic_prompts)."""
     if cfg.dataset is not None:
         return _file_prompts(cfg.dataset, cfg.num_prompts, cfg.output_len)
     rng = np.random.default_rng(cfg.seed)
@@ -155,3 +221,17 @@ def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0)
     gaps = np.random.default_rng(seed + 1).gamma(burstiness, 1.0 / (rate * burstiness), size=n)
     gaps[0] = 0.0
     return np.cumsum(gaps)
+
+
+def write_jsonl(path: str | Path, prompts: list[BenchPrompt]) -> None:
+    """The requests as the JSONL --dataset reads (ids, output_len, sampling), for replay."""
+    with open(path, "w") as f:
+        for p in prompts:
+            row: dict = {"output_len": p.output_len}
+            if isinstance(p.prompt, str):
+                row["prompt"] = p.prompt
+            else:
+                row["prompt_token_ids"] = list(p.prompt)
+            if p.sampling is not None:
+                row["sampling"] = p.sampling
+            f.write(json.dumps(row) + "\n")

@@ -9,17 +9,15 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from bench_import import BENCHMARKS, bench_module
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import serving_sweep as sw  # noqa: E402
-from serving_placement import plan_placement  # noqa: E402
-from serving_points import bench_has_traffic, point_seed  # noqa: E402
-from serving_report import load_resume  # noqa: E402
+sw = bench_module("serving_sweep")
+plan_placement = bench_module("serving_placement").plan_placement
+Traffic = bench_module("serving_points").Traffic
+point_seed = bench_module("serving_points").point_seed
+load_resume = bench_module("serving_report").load_resume
 
 
 @pytest.mark.parametrize(
@@ -238,9 +236,13 @@ def test_cli_errors_are_one_line_before_anything_starts(tiny_llama, args, says):
     assert done.stdout == ""
 
 
-def test_realistic_workload_needs_bench_traffic(tiny_llama):
-    if bench_has_traffic():
-        pytest.skip("this bench has --traffic")
-    done = _cli("--model-dir", str(tiny_llama), "--device", "cpu")
-    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "--traffic realistic" in done.stderr and "--workload mixed" in done.stderr
+def test_realistic_workload_is_what_bench_parses():
+    import argparse
+
+    from splitserve.cli.bench_cmd import add_arguments
+
+    argv = Traffic(argparse.Namespace(workload="realistic"), BENCHMARKS).argv(40, 7)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    assert (args.traffic, args.num_prompts, args.seed) == ("realistic", 40, 7)
