@@ -86,7 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--save-outputs",
         action="store_true",
-        help="--json-out keeps each request's output token ids (gRPC)",
+        help="--json-out keeps each request's output: token ids (gRPC) or text (openai)",
     )
     p.add_argument(
         "--input-len", type=int, default=128, help="random prompt length in tokens (default 128)"

@@ -106,6 +106,7 @@ def per_request(results: Sequence[RequestResult]) -> list[dict]:
             "timings_ms": r.timings,
             **({"kind": r.kind} if r.kind else {}),
             **({"output_token_ids": r.token_ids} if r.token_ids is not None else {}),
+            **({"output_text": r.text} if r.text is not None else {}),
         }
         for r in results
     ]

@@ -114,7 +114,8 @@ async def send_one(
     t0: float,
     tag: str = "bench",
 ) -> RequestResult:
-    res = RequestResult(index, input_len=prompt.known_input_len or 0)
+    res = RequestResult(index, input_len=prompt.known_input_len or 0, kind=prompt.kind)
+    res.text = "" if cfg.save_outputs else None
     start = time.perf_counter()
     res.start_s = start - t0
     last, events = start, 0
@@ -144,6 +145,8 @@ async def send_one(
                 if "error" in event:
                     raise BenchError(f"stream error: {event['error'].get('message')}")
                 now = time.perf_counter()
+                if res.text is not None:
+                    res.text += "".join(c.get("text") or "" for c in event.get("choices", ()))
                 if any(c.get("text") for c in event.get("choices", ())):
                     if res.ttft_s is None:
                         res.ttft_s = now - start

@@ -44,6 +44,7 @@ class RequestResult:
     e2e_s: float = 0.0
     timings: dict[str, float] | None = None  # the router's per-request timings (ms; gRPC only)
     token_ids: list[int] | None = None  # the streamed tokens (gRPC; kept with --save-outputs)
+    text: str | None = None  # the streamed text (OpenAI backend; kept with --save-outputs)
     kind: str = ""  # the request's traffic kind (traffic.py), "" for plain runs
 
     @property

@@ -8,6 +8,7 @@ parameters, and the seeded one differs from greedy. Ends with all KV blocks free
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import grpc
@@ -19,6 +20,7 @@ from serve_helpers import ENGINE_FLAGS, MAX_MODEL_LEN, run_cli, start_serve
 from splitserve.cli.bench.traffic import describe, realistic_prompts
 from splitserve.cli.bench.workload import BenchConfig, make_prompts, write_jsonl
 from splitserve.protos import worker_pb2_grpc
+from splitserve.request.tokenizer import Tokenizer
 
 
 def test_mix_shares_tails_and_caps():
@@ -199,6 +201,33 @@ def test_each_requests_sampling_reaches_the_workers(stack, tiny_llama, tmp_path)
     want_greedy = _offline(tiny_llama, prompt, 12, temperature=0.0)
     assert got[0] == want_seeded and got[1] == want_greedy
     assert want_seeded != want_greedy  # the row's fields, not the run's --temperature 1.0, ruled
+    # the same rows over the OpenAI HTTP front (OpenAI's names plus vLLM's extras): same text
+    http = next(
+        m[1] for line in stack.stdout_lines if (m := re.search(r"OpenAI API on (\S+)", line))
+    )
+    res = run_cli(
+        "bench",
+        "--backend",
+        "openai",
+        "--base-url",
+        http,
+        "--dataset",
+        str(data),
+        "--num-prompts",
+        "2",
+        "--num-warmups",
+        "0",
+        "--temperature",
+        "1.0",
+        "--save-outputs",
+        "--json-out",
+        str(out),
+        "--no-progress",
+    )
+    assert res.returncode == 0, res.stderr
+    texts = {r["index"]: r["output_text"] for r in json.loads(out.read_text())["requests"]}
+    tok = Tokenizer.from_dir(tiny_llama)
+    assert texts == {0: tok.decode(want_seeded), 1: tok.decode(want_greedy)}
     realistic = tmp_path / "r.json"
     res = run_cli(
         "bench",
@@ -229,8 +258,6 @@ def test_each_requests_sampling_reaches_the_workers(stack, tiny_llama, tmp_path)
 
 
 def _worker_stubs(stack):
-    import re
-
     for name, address in re.findall(r"^  (\S+)\s+healthy on (\S+) after", stack.stderr(), re.M):
         if name == "router":
             continue
