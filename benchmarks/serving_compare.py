@@ -137,6 +137,12 @@ def check_args(args) -> dict:
     placement = plan_placement(
         args.gpus, args.pd_ratio, args.device, os.environ.get("CUDA_VISIBLE_DEVICES")
     )
+    dis = placement["disaggregated"]
+    if dis["shared_gpu"] and "--mps" not in serve_extra:
+        dis["serve_flags"] += [
+            "--mps",
+            "on",
+        ]  # measured under MPS or not at all (no silent fallback)
     if args.prefill_sm_share is not None:
         placement["disaggregated"]["serve_flags"] += [
             "--prefill-sm-share",
@@ -182,6 +188,7 @@ def sweep(args, plan: dict, config: dict, out: Path | None, points, warmup, tmp:
                 args.slo, args.request_timeout, tmp / f"warmup_{mode}.json",
             )  # fmt: skip
             warmup[mode] = {
+                "gpu_sharing": stack.gpu_sharing,
                 "prompts": args.warmup_prompts,
                 "rate": args.warmup_rate,
                 "seed": seed,

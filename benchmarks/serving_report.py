@@ -11,7 +11,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-RESUME_KEYS = ("gpus", "pd_ratio", "device", "workload", "slo", "model_dir")
+RESUME_KEYS = (
+    "gpus",
+    "pd_ratio",
+    "device",
+    "workload",
+    "slo",
+    "model_dir",
+    "seed",
+    "point_seconds",
+    "min_prompts",
+    "serve_args",
+    "prefill_sm_share",
+    "num_blocks",
+    "max_model_len",
+)
 
 
 def load_resume(path: str, config: dict) -> tuple[list[dict], dict]:

@@ -37,6 +37,7 @@ class ServeStack:
     address: str = ""
     workers: dict[str, str] = field(default_factory=dict)
     started_s: float = 0.0
+    gpu_sharing: list[str] = field(default_factory=list)
 
     @classmethod
     def start(
@@ -73,7 +74,10 @@ class ServeStack:
                 say(f"[{mode}] serve still starting ({last - t0:.0f}s)", flush=True)
             time.sleep(0.2)
         stack.address = ready.group(1)
-        stack.workers = dict(HEALTHY.findall(err_path.read_text(errors="replace")))
+        said = err_path.read_text(errors="replace")
+        stack.workers = dict(HEALTHY.findall(said))
+        # how the GPU is shared, as serve said it (MPS joined / started / missing); kept in the JSON
+        stack.gpu_sharing = [line.strip() for line in said.splitlines() if "MPS:" in line]
         stack.started_s = time.monotonic() - t0
         return stack
 

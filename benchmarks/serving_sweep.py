@@ -163,6 +163,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+LOW_LOAD_RATE = 1.0  # issue 33: the hand-over's overhead where nothing queues
+
+
 def goals(sweep: list[dict], sustainable: dict[str, float]) -> list[dict]:
     """Issue 33's goals: name, pass, detail (the figures behind the verdict)."""
     dis, col = _entries(sweep, "disaggregated"), _entries(sweep, "colocated")
@@ -206,6 +209,17 @@ def goals(sweep: list[dict], sustainable: dict[str, float]) -> list[dict]:
             "detail": ", ".join(bad) if bad else f"{len(checked)} rate(s) checked",
         }
     )
+    low_d, low_c = dis.get(LOW_LOAD_RATE, {}), col.get(LOW_LOAD_RATE, {})
+    if low_d.get("ttft_p50_ms") is not None and low_c.get("ttft_p50_ms") is not None:
+        # only in a sweep that ran 1 req/s (docs/serving_compare.md: 128-token prompts)
+        extra = low_d["ttft_p50_ms"] - low_c["ttft_p50_ms"]
+        out.append(
+            {
+                "name": f"at {LOW_LOAD_RATE:g} req/s disaggregated TTFT p50 <= colocated + 2 ms",
+                "pass": extra <= 2.0,
+                "detail": f"{low_d['ttft_p50_ms']:.2f} vs {low_c['ttft_p50_ms']:.2f} ms",
+            }
+        )
     return out
 
 

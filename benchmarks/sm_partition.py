@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         print(f"writing the {args.preset} checkpoint to {args.model_dir} ...", file=sys.stderr)
         make_model(args.preset, Path(args.model_dir))
     modes = args.modes.split(",")
-    rows, alone = [], {}
+    rows, alone = _Rows(args), {}
     no_env = lambda role: {}  # noqa: E731
     print("[alone] decode, then prefill, each by itself", file=sys.stderr, flush=True)
     for role in ("decode", "prefill"):
@@ -201,10 +201,25 @@ def main(argv=None) -> int:
             f"{pf.get('p50_ms', 0):8.2f} ms  overlap {row.get('overlap', 1.0):.2f}"
         )
     if args.out:
-        doc = {"config": {k: v for k, v in vars(args).items() if k != "role"}, "rows": rows}
-        Path(args.out).write_text(json.dumps(doc, indent=2))
         print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+class _Rows(list):
+    """The rows so far, rewritten to --out after each mode: a later mode that fails (a missing
+    MPS, a driver without green contexts) keeps what was measured."""
+
+    def __init__(self, args) -> None:
+        super().__init__()
+        self.args = args
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        if self.args.out:
+            config = {k: v for k, v in vars(self.args).items() if k != "role"}
+            Path(self.args.out).write_text(
+                json.dumps({"config": config, "rows": list(self)}, indent=2)
+            )
 
 
 def _mps_row(args, share: int, alone: dict) -> dict:

@@ -61,7 +61,13 @@ def run_green(loops: dict, share: int, seconds: float, wait_go) -> dict[str, lis
     green = _green_contexts()
     total = torch.cuda.get_device_properties(0).multi_processor_count
     sms = dict(zip(("prefill", "decode"), partition(share, total)))
-    where = {role: _InContext(green.create(num_sms=n, device_id=0)) for role, n in sms.items()}
+    try:
+        where = {role: _InContext(green.create(num_sms=n, device_id=0)) for role, n in sms.items()}
+    except RuntimeError as exc:  # the API imports everywhere; the driver may still refuse
+        raise SystemExit(
+            f"CUDA green contexts unavailable here ({' '.join(str(exc).split())[:200]}); "
+            "leave green out of --modes"
+        ) from None
     out: dict[str, list[float]] = {}
     alone_s = max(1.0, seconds / 4)
     for role, loop in loops.items():  # each alone in its partition first

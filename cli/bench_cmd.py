@@ -138,17 +138,15 @@ def _announce(cfg, model: str, workers: dict[str, int]) -> None:
     )
 
 
-_TRAFFIC: dict = {}  # the realistic mix as sent (traffic.describe), for --json-out
-
-
-def _keep_traffic(cfg, prompts) -> None:
-    """--traffic realistic: says the mix, keeps it for the JSON; --traffic-out writes it."""
+def _keep_traffic(cfg, prompts) -> dict | None:
+    """--traffic realistic: says the mix and returns it (for --json-out); --traffic-out writes
+    the requests."""
     from splitserve.cli.bench.workload import write_jsonl
 
     if cfg.traffic == "realistic":
         from splitserve.cli.bench.traffic import describe
 
-        _TRAFFIC["mix"] = mix = describe(prompts)
+        mix = describe(prompts)
         print(
             f"bench: realistic traffic: {mix['kinds']}, sampling {mix['sampling']}, prompt "
             f"p50/p99 {mix['prompt_len']['p50']:.0f}/{mix['prompt_len']['p99']:.0f}, output "
@@ -158,6 +156,7 @@ def _keep_traffic(cfg, prompts) -> None:
     if cfg.traffic_out:
         write_jsonl(cfg.traffic_out, prompts)
         print(f"wrote {cfg.traffic_out}", file=sys.stderr)
+    return mix if cfg.traffic == "realistic" else None
 
 
 async def _run_grpc(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
@@ -177,7 +176,7 @@ async def _run_grpc(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
         info = await runner.server_info(stub, cfg.address)
         prompts = bench_prompts(cfg, info.vocab_size, info.max_model_len)
         runner.check_lengths(prompts, info.max_model_len)
-        _keep_traffic(cfg, prompts)
+        mix = _keep_traffic(cfg, prompts)
         offsets = arrival_offsets(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)
         workers = {"prefill": 0, "decode": 0}
         for w in info.workers:
@@ -190,7 +189,7 @@ async def _run_grpc(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
             )
     server = {
         "address": cfg.address,
-        "traffic": _TRAFFIC.get("mix"),
+        "traffic": mix,
         "model_name": info.model_name,
         "max_model_len": info.max_model_len,
         "block_size": info.block_size,
@@ -214,7 +213,7 @@ async def _run_openai(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
                 "pass --dataset FILE.jsonl"
             )
         prompts = bench_prompts(cfg, api.vocab_size or 0, api.max_model_len)
-        _keep_traffic(cfg, prompts)
+        mix = _keep_traffic(cfg, prompts)
         if api.max_model_len:
             runner.check_lengths(prompts, api.max_model_len)
         offsets = arrival_offsets(cfg.num_prompts, cfg.request_rate, cfg.burstiness, cfg.seed)
@@ -233,7 +232,7 @@ async def _run_openai(cfg, progress, tls, api_key) -> tuple[dict, list, float]:
         await api.close()
     server = {
         "address": cfg.address,
-        "traffic": _TRAFFIC.get("mix"),
+        "traffic": mix,
         "model_name": api.model,
         "max_model_len": api.max_model_len,
         "healthy_workers": api.workers,

@@ -249,6 +249,10 @@ def check_args(args: argparse.Namespace) -> tuple[int, int]:
         raise ValueError(f"--num-prefill must be >= 1, got {num_prefill} (or use --colocated)")
     if args.num_decode < 1:
         raise ValueError(f"--num-decode must be >= 1, got {args.num_decode}")
+    if (args.prefill_chunk_tokens or 0) < 0:
+        raise ValueError(
+            f"--prefill-chunk-tokens must be >= 0 (0: whole prompts), got {args.prefill_chunk_tokens}"
+        )
     if args.port:
         with socket.socket() as s:
             try:

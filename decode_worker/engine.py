@@ -221,7 +221,7 @@ class DecodeEngine:
             if batch.prefill:
                 self._recompute(batch.prefill)
             seqs = [s for s in batch.seqs if not s.finished]  # a sampled first token may end one
-            if seqs:  # (rows changed whenever something was recomputed: new rows were admitted)
+            if seqs:  # a middle prefill chunk leaves the rows as they were: no re-prepare
                 handle = self.graphs.launch(
                     seqs, batch.changed, batch.new_blocks, self._read_unread
                 )

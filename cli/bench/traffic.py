@@ -71,7 +71,7 @@ def _sampling(rng: np.random.Generator) -> tuple[str, dict]:
 def _fit(prompt_len: int, output_len: int, max_len: int) -> tuple[int, int]:
     """Clips a draw to the server: the output first keeps at least MIN_OUTPUT, the prompt
     takes what is left (a long tail is clipped, not redrawn, so the cap shows in the mix)."""
-    output_len = max(MIN_OUTPUT, min(output_len, max_len // 2))
+    output_len = max(MIN_OUTPUT, min(output_len, max_len // 2, max_len - MIN_PROMPT))
     prompt_len = max(MIN_PROMPT, min(prompt_len, max_len - output_len))
     return prompt_len, output_len
 

@@ -63,8 +63,9 @@ def test_later_turns_extend_an_earlier_turn():
 
 
 def test_small_context_clips_and_refuses():
-    prompts = realistic_prompts(300, 1000, seed=0, max_len=64)
-    assert all(len(p.prompt) + p.output_len <= 64 for p in prompts)
+    for cap in (5, 6, 64):
+        prompts = realistic_prompts(300, 1000, seed=0, max_len=cap)
+        assert all(len(p.prompt) + p.output_len <= cap for p in prompts), cap
     with pytest.raises(ValueError, match="too short"):
         realistic_prompts(3, 1000, seed=0, max_len=3)
 

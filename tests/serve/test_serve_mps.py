@@ -140,6 +140,8 @@ def test_serve_on_one_gpu_runs_under_its_own_mps_daemon(tiny_llama, tmp_path):
         pytest.skip(f"{CONTROL} is not installed")
     env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_MPS_")}
     env["CUDA_MPS_PIPE_DIRECTORY"] = str(tmp_path / "none")  # never join a daemon of the host
+    # one GPU visible: on a host with more, serve would give each worker its own (no sharing)
+    env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     done = subprocess.run(
         [
             *cli("serve"),

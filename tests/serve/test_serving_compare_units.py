@@ -170,6 +170,14 @@ def test_goals_pass_and_fail_on_the_figures():
         {}, 1, {}, {}, [_point("colocated", 4, 0, 0.1), _point("disaggregated", 4, 0, 0.1)]
     )
     assert not any(g["pass"] for g in none["goals"]) and none["rows_rate"] == 4.0
+    assert len(none["goals"]) == 4  # no 1 req/s point: no low-load goal
+    for dis_p50, verdict in ((11.5, True), (12.5, False)):  # colocated's p50 is 10 ms
+        low = [
+            _point("colocated", 1, 0, 1.0, ttft_p50_ms=10.0),
+            _point("disaggregated", 1, 0, 1.0, ttft_p50_ms=dis_p50),
+        ]
+        last = sw.build_doc({}, 1, {}, {}, low)["goals"][-1]
+        assert "TTFT p50 <= colocated + 2 ms" in last["name"] and last["pass"] is verdict
 
 
 def test_merge_replaces_points_of_the_same_key():
@@ -192,6 +200,13 @@ def test_resume_refuses_a_file_measured_differently(tmp_path):
         "workload": "mixed",
         "slo": "ttft:300",
         "model_dir": "m",
+        "seed": 0,
+        "point_seconds": 10.0,
+        "min_prompts": 100,
+        "serve_args": "",
+        "prefill_sm_share": None,
+        "num_blocks": 16000,
+        "max_model_len": 4096,
     }
     doc = sw.build_doc(
         config, 1, {}, {"colocated": {"prompts": 4}}, [_point("colocated", 4, 0, 1.0)]
@@ -202,6 +217,8 @@ def test_resume_refuses_a_file_measured_differently(tmp_path):
     assert len(points) == 1 and warmup == {"colocated": {"prompts": 4}}
     with pytest.raises(ValueError, match=r"measured with gpus=1, this run has 2"):
         load_resume(str(path), config | {"gpus": 2})
+    with pytest.raises(ValueError, match=r"measured with point_seconds=10.0, this run has 6"):
+        load_resume(str(path), config | {"point_seconds": 6})
 
 
 def test_point_seeds_match_across_modes_and_differ_across_points():
