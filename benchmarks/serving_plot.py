@@ -70,3 +70,29 @@ def plot_sweep(path: str | Path, doc: dict) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def main(argv=None) -> int:
+    """`python benchmarks/serving_plot.py SWEEP.json OUT.png`: the figure of a finished sweep,
+    drawn where matplotlib is installed (the GPU machine may lack it)."""
+    import argparse
+    import json
+    import sys
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("sweep_json")
+    p.add_argument("png")
+    args = p.parse_args(argv)
+    try:
+        require_matplotlib()
+        doc = json.loads(Path(args.sweep_json).read_text())
+    except (ValueError, OSError) as exc:
+        print(f"serving_plot.py: error: {exc}", file=sys.stderr)
+        return 2
+    plot_sweep(args.png, doc)
+    print(f"wrote {args.png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -263,3 +263,25 @@ def test_realistic_workload_is_what_bench_parses():
     add_arguments(parser)
     args = parser.parse_args(argv)
     assert (args.traffic, args.num_prompts, args.seed) == ("realistic", 40, 7)
+
+
+def test_plot_of_a_finished_sweep_or_one_line_without_matplotlib(tmp_path):
+    import json
+
+    points = [_point(m, r, 0, a) for r, a in ((8, 1.0), (16, 0.8)) for m in sw.MODES]
+    src = tmp_path / "s.json"
+    src.write_text(json.dumps(sw.build_doc({"slo": "ttft:300"}, 1, {}, {}, points)))
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "serving_plot.py"), str(src), str(tmp_path / "s.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert "pip install matplotlib" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
