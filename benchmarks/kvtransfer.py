@@ -62,6 +62,13 @@ def parse_args(argv=None):
     p.add_argument("--no-prompts", action="store_true", help="skip the 1k / 8k-token cases")
     p.add_argument("--scattered", action="store_true", help="non-contiguous blocks (pack path)")
     p.add_argument("--checksum", default="between_hosts", choices=CHECKSUM_MODES)
+    p.add_argument(
+        "--progress-wait-ms",
+        type=int,
+        default=None,
+        help="ucxx progress thread's wait on both sides (kv_transfer.progress_wait_ms; "
+        "default: the workers' default for the device)",
+    )
     p.add_argument("--out", default=None, help="JSON file to write or merge into")
     return p.parse_args(argv)
 
@@ -79,7 +86,7 @@ def _pool_for(nbytes: int, device):
     return pool, n
 
 
-def _server(port_q, cmd_q, sizes, device, scattered, checksum):
+def _server(port_q, cmd_q, sizes, device, scattered, checksum, progress_wait):
     import torch
 
     from splitserve.kvtransfer.config import KvTransferConfig
@@ -102,7 +109,7 @@ def _server(port_q, cmd_q, sizes, device, scattered, checksum):
         servers, raws = [], []
         for nbytes in sizes:
             pool, n = _pool_for(nbytes, device)
-            cfg = KvTransferConfig(checksum=checksum)
+            cfg = KvTransferConfig(checksum=checksum, progress_wait_ms=progress_wait)
             srv = KvTransferServer(pool, PoolSpec.of(pool, "bench"), Leases(n), cfg)
             await srv.start()
             buf = torch.empty(
@@ -160,7 +167,15 @@ def main(argv=None) -> int:
     port_q, cmd_q = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(
         target=_server,
-        args=(port_q, cmd_q, [c[1] for c in cases], str(device), args.scattered, args.checksum),
+        args=(
+            port_q,
+            cmd_q,
+            [c[1] for c in cases],
+            str(device),
+            args.scattered,
+            args.checksum,
+            args.progress_wait_ms,
+        ),
         daemon=True,
     )
     proc.start()
@@ -170,6 +185,10 @@ def main(argv=None) -> int:
     async def measure():
         import ucxx
 
+        from splitserve.kvtransfer.progress_wait import apply_progress_wait, progress_wait_ms
+
+        ucxx.get_active_transports()  # the context and its progress thread, then their wait
+        apply_progress_wait(progress_wait_ms(args.progress_wait_ms, device.type))
         for (name, _), (kv_port, raw_port, n) in tqdm(
             list(zip(cases, ports)), desc="kv transfer", unit="size"
         ):
@@ -250,6 +269,7 @@ def main(argv=None) -> int:
     result = dict(
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         transports=sorted(ucxx.get_active_transports()),
+        progress_wait_ms=args.progress_wait_ms,
         sizes=sizes,
         kvtransfer_rows=rows,
         kvtransfer_command="python benchmarks/kvtransfer.py " + " ".join(argv or sys.argv[1:]),

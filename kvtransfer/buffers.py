@@ -19,6 +19,8 @@ from contextlib import nullcontext
 
 import torch
 
+from splitserve.kvtransfer import frames
+
 _POLLS = 200
 # below this slab size a packed single message wins (fewer messages, one kernel each side)
 ZERO_COPY_MIN_SLAB_BYTES = 2**20
@@ -135,15 +137,17 @@ class StagingCache:
             free.append(t)
 
 
-async def receive_or_abort(ep, receive, timeout: float, *also_cancel) -> None:
+async def receive_or_abort(ep, receive, timeout: float, *also_cancel, keep=()) -> None:
     """Awaits `receive` (UCX receives into a caller's buffers) for at most `timeout`; when it
     fails, times out or is cancelled, the endpoint is aborted first (ending its posted
-    requests) and `also_cancel` futures are cancelled: a receive still posted could otherwise
-    write into staging freed by then, or into pool blocks another request owns."""
+    requests), `also_cancel` futures are cancelled and the receive's buffers (`keep`) are
+    parked (frames.park): a receive still posted could otherwise write into staging freed by
+    then, or into pool blocks another request owns."""
     try:
         await asyncio.wait_for(receive, timeout)
     except BaseException:
         ep.abort()  # (the endpoint pool's discard aborts again: a no-op)
         for fut in also_cancel:
             fut.cancel()
+        frames.park(ep, *keep)
         raise

@@ -238,7 +238,9 @@ class KvTransferClient:
         trailer = asyncio.ensure_future(frames.recv(ep, kv_pb2.KvPullReply, buf))
         trailer.add_done_callback(_retrieved)  # a failed or cancelled trailer is not an error
         try:
-            await receive_or_abort(ep, self._receive(ep, buffers), cfg.data_timeout_s, trailer)
+            await receive_or_abort(
+                ep, self._receive(ep, buffers), cfg.data_timeout_s, trailer, keep=(staging, buf)
+            )
         except TimeoutError as exc:
             raise KvTransferError(
                 "data_timeout", f"KV payload not received within {cfg.data_timeout_s}s"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class KvTransferConfig(BaseModel):
@@ -67,6 +67,13 @@ class KvTransferConfig(BaseModel):
         description="streamed hand-over: how long a decode worker waits for free blocks "
         "(backpressure) before it hands the request back to the pull after the prefill",
     )
+    progress_wait_ms: int | None = Field(
+        None,
+        ge=-1,
+        description="how long ucxx's progress thread sleeps when no UCX event wakes it "
+        "(events wake it at once); None: 100 on CPU, ucxx's 1 on CUDA; -1: events only. "
+        "Longer waits let an idle worker sleep (kvtransfer/progress_wait.py)",
+    )
     # ucxx listeners bind every interface; peers dial the worker's advertised host.
     listen_port: int = Field(
         0,
@@ -75,6 +82,15 @@ class KvTransferConfig(BaseModel):
         description="0 picks a free port; under tensor parallelism rank "
         "r of a prefill worker listens on listen_port + r",
     )
+
+    @field_validator("progress_wait_ms")
+    @classmethod
+    def _no_spin(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError(
+                "0 would make the progress thread spin; give -1 (events only) or >= 1 ms"
+            )
+        return v
 
     def for_rank(self, rank: int) -> KvTransferConfig:
         """The settings of tensor-parallel rank `rank`'s listener: a fixed port moves up by the rank

@@ -192,7 +192,10 @@ class LayerStreamClient:
             )
         try:
             await receive_or_abort(
-                ep, ep.recv(ucx_view(payload), tag=PAYLOAD_TAG), self.config.data_timeout_s
+                ep,
+                ep.recv(ucx_view(payload), tag=PAYLOAD_TAG),
+                self.config.data_timeout_s,
+                keep=(staging,),
             )
         except TimeoutError as exc:
             raise KvTransferError("data_timeout", "stream piece payload timed out") from exc

@@ -61,6 +61,7 @@ from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, chec
 from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.idle_wait import PullWake, until_message
 from splitserve.kvtransfer.metrics import KvTransferMetrics
+from splitserve.kvtransfer.progress_wait import apply_progress_wait, progress_wait_ms
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
@@ -130,6 +131,10 @@ class KvTransferServer:
         self._listener = ucxx.create_listener(self._on_connect, self.config.listen_port)
         log.info("UCX listener on port %d", self.port)
         self.metrics.log_transports()
+        # before any pull: an idle listener must not wake ucxx's thread every millisecond
+        apply_progress_wait(
+            progress_wait_ms(self.config.progress_wait_ms, self.kv_cache.device.type)
+        )
         return self.port
 
     async def _on_connect(self, ep) -> None:

@@ -109,9 +109,10 @@ def test_handover_over_ucx_equals_single_process(tiny_llama, expected, tmp_path)
         pids = {"prefill": p.proc.pid, "decode": d.proc.pid}
         windows = [helpers_procs.cpu_share(pids, 5.0) for _ in range(2)]
         busy = {name: min(w[name] for w in windows) for name in pids}
-        # measured 3-4 % (ucxx's progress thread wakes every 1 ms: its epoll timeout), 96 % for the
-        # prefill worker before; issue 32's goal of 2 % needs that timeout raised in ucxx
-        assert all(share <= 0.10 for share in busy.values()), windows
+        # issue 32's goal: 2 % of a core. Measured 96 % for the prefill worker before the probe,
+        # 3-4 % with ucxx's progress thread waking every 1 ms (kvtransfer/progress_wait.py)
+        print("idle CPU share", windows)
+        assert all(share <= 0.02 for share in busy.values()), windows
         assert p.stop() == 0 and d.stop() == 0
 
 

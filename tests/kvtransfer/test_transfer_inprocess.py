@@ -136,7 +136,7 @@ def test_cached_endpoint_is_reused_and_recreated_after_the_peer_drops_it():
                 assert (
                     len(client.pool.idle[("127.0.0.1", port)]) == 1
                 )  # one endpoint served both pulls
-                seen.append(client.pool.idle[("127.0.0.1", port)][0])
+                seen.append(client.pool.idle[("127.0.0.1", port)][0][0])  # (endpoint, made at)
                 # the peer drops the connection (a restart, as the client sees it): the cached
                 # endpoint is stale, and the next round's first pull must retry on a fresh one
                 await server.close_connections()

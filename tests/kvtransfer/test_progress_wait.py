@@ -1,0 +1,64 @@
+"""kv_transfer.progress_wait_ms: the default by device (100 ms on CPU, ucxx's 1 ms on CUDA until
+the H200 measures more), 0 refused (a spinning thread), and applied: a transfer between two
+processes still works with the thread waiting 100 ms or for events only (the idle CPU bound is
+tests/kvtransfer/test_handover_processes.py's)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from splitserve.kvtransfer.config import KvTransferConfig
+from splitserve.kvtransfer.progress_wait import progress_wait_ms
+
+
+def test_defaults_and_refusal():
+    assert progress_wait_ms(None, "cpu") == 100 and progress_wait_ms(None, "cuda") == 1
+    assert progress_wait_ms(7, "cuda") == 7 and progress_wait_ms(-1, "cpu") == -1
+    assert KvTransferConfig(progress_wait_ms=-1).progress_wait_ms == -1
+    with pytest.raises(ValueError, match="spin"):
+        KvTransferConfig(progress_wait_ms=0)
+    with pytest.raises(ValueError):
+        KvTransferConfig(progress_wait_ms=-2)
+
+
+@pytest.mark.parametrize("wait", ["100", "-1"])
+def test_transfers_work_with_a_long_wait(wait):
+    code = f"""
+import asyncio
+import numpy as np
+import ucxx
+from splitserve.kvtransfer.progress_wait import apply_progress_wait
+
+async def main():
+    async def handler(ep):
+        buf = np.empty(4096, np.uint8)
+        for _ in range(3):
+            await ep.recv(buf)
+            await ep.send(buf)
+    lst = ucxx.create_listener(handler)
+    assert apply_progress_wait({wait})
+    ep = await ucxx.create_endpoint("127.0.0.1", lst.port)
+    msg, back = np.arange(4096, dtype=np.uint8), np.empty(4096, np.uint8)
+    for pause in (0, 0.3, 0.3):  # after idling too: events wake the thread (-1: only they do,
+        await asyncio.sleep(pause)  # so a missed wake-up would never complete: 30 s says so)
+        await asyncio.wait_for(ep.send(msg), 30)
+        await asyncio.wait_for(ep.recv(back), 30)
+        assert (back == msg).all()
+    await ep.close()
+    lst.close()
+
+asyncio.run(main())
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
