@@ -13,6 +13,7 @@ synchronize, which is what a serving loop that reads its tokens meets).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -114,18 +115,10 @@ class PrefillLoop:
 def run_for(loop, seconds: float, stream=None) -> list[float]:
     """Runs `loop.step` for `seconds`; each iteration's ms."""
     times: list[float] = []
-    ctx = torch.cuda.stream(stream) if stream is not None else _null()
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
     with torch.inference_mode(), ctx:
         end = time.perf_counter() + seconds
         while (t0 := time.perf_counter()) < end:
             loop.step()
             times.append((time.perf_counter() - t0) * 1e3)
     return times
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
