@@ -178,26 +178,19 @@ def test_each_requests_sampling_reaches_the_workers(stack, tiny_llama, tmp_path)
     ]
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "b.json"
-    res = run_cli(
-        "bench",
-        "--address",
-        stack.address,
-        "--dataset",
-        str(data),
-        "--num-prompts",
-        "2",
-        "--num-warmups",
-        "0",
-        "--temperature",
-        "1.0",
-        "--save-outputs",
-        "--json-out",
-        str(out),
-        "--no-progress",
-    )
-    assert res.returncode == 0, res.stderr
-    got = {r["index"]: r["output_token_ids"] for r in json.loads(out.read_text())["requests"]}
+
+    def rows_through(*backend: str, saved: str) -> dict:
+        """Both rows sent by bench over `backend` (the run's --temperature 1.0 beside them);
+        each request's `saved` output by index."""
+        out = tmp_path / "b.json"
+        res = run_cli(
+            "bench", *backend, "--dataset", str(data), "--num-prompts", "2", "--num-warmups",
+            "0", "--temperature", "1.0", "--save-outputs", "--json-out", str(out), "--no-progress",
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        return {r["index"]: r[saved] for r in json.loads(out.read_text())["requests"]}
+
+    got = rows_through("--address", stack.address, saved="output_token_ids")
     want_seeded = _offline(tiny_llama, prompt, 12, **seeded)
     want_greedy = _offline(tiny_llama, prompt, 12, temperature=0.0)
     assert got[0] == want_seeded and got[1] == want_greedy
@@ -206,27 +199,7 @@ def test_each_requests_sampling_reaches_the_workers(stack, tiny_llama, tmp_path)
     http = next(
         m[1] for line in stack.stdout_lines if (m := re.search(r"OpenAI API on (\S+)", line))
     )
-    res = run_cli(
-        "bench",
-        "--backend",
-        "openai",
-        "--base-url",
-        http,
-        "--dataset",
-        str(data),
-        "--num-prompts",
-        "2",
-        "--num-warmups",
-        "0",
-        "--temperature",
-        "1.0",
-        "--save-outputs",
-        "--json-out",
-        str(out),
-        "--no-progress",
-    )
-    assert res.returncode == 0, res.stderr
-    texts = {r["index"]: r["output_text"] for r in json.loads(out.read_text())["requests"]}
+    texts = rows_through("--backend", "openai", "--base-url", http, saved="output_text")
     tok = Tokenizer.from_dir(tiny_llama)
     assert texts == {0: tok.decode(want_seeded), 1: tok.decode(want_greedy)}
     realistic = tmp_path / "r.json"
