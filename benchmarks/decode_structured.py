@@ -6,14 +6,16 @@ with a cached one.
 Every row is greedy; the constrained rows follow SCHEMA, whose `minItems` keeps them from
 ending before the measured steps (a constraint takes no ignore_eos), so the batch stays whole.
 The preset's tokenizer is the tiny byte-level one (the model's 128k vocabulary padded past
-it), so the host mask cost here is that of a small vocabulary; benchmarks/grammar_cpu.py
-measures it at 128k.
+it), so the host mask cost there is that of a small vocabulary: give a --model-dir whose
+tokenizer.json is a real one (bench_vocab.llama3_tokenizer writes Llama 3's) to measure what a
+128k vocabulary costs; `tokenizer_vocab` in the JSON says which one ran.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +38,15 @@ def bench_schema(min_items: int, nonce: str = "") -> dict:
         "required": ["rows"],
         "additionalProperties": False,
     }
+
+
+def tokenizer_vocab(args) -> int | None:
+    """Size of the tokenizer the grammar masks were built from (None: the preset's tiny one)."""
+    if not getattr(args, "model_dir", None):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(args.model_dir) / "tokenizer.json")).get_vocab_size()
 
 
 def first_allowed(matcher, vocab: int) -> int:
@@ -126,6 +137,7 @@ def structured_results(engine, sizes, args, log) -> dict:
     cached = first_token_ms(engine, args, nonce="cached")
     log(f"  first token: new schema {new:.2f} ms, cached {cached:.2f} ms")
     return {
+        "tokenizer_vocab": tokenizer_vocab(args),
         "results": rows,
         "first_token_ms_new_schema": new,
         "first_token_ms_cached_schema": cached,
