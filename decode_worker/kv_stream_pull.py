@@ -4,7 +4,9 @@ prefill worker computes it, and the first token with its last piece.
 
     reserve blocks (engine thread); pool short: wait, retried as blocks free up (backpressure,
         counted), up to kv_transfer.stream_reserve_wait_s
-    stream pull (layer_stream_client.py): each layer group's piece lands in the blocks
+    stream pull (layer_stream_client.py): each layer group's piece lands in the blocks; a
+        tensor-parallel prefill: one stream per rank, rank 0's confirmed last
+        (kvtransfer/layer_stream_shards.py)
     final piece: first token (+ lease released on the prefill side) -> submit(input, blocks)
 
 Any failure before the final piece gives the blocks back and raises `StreamFallback`: the
@@ -25,7 +27,9 @@ from splitserve.decode_worker.config import DecodeFaults
 from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.kvtransfer.errors import KvTransferError
 from splitserve.kvtransfer.layer_stream_client import LayerStreamClient, StreamResult
-from splitserve.protos import worker_pb2
+from splitserve.kvtransfer.layer_stream_shards import stream_shards
+from splitserve.kvtransfer.shards import shard_sources
+from splitserve.protos import kv_pb2, worker_pb2
 from splitserve.request.errors import RequestError
 
 log = logging.getLogger(__name__)
@@ -60,6 +64,17 @@ class StreamPuller:
         blocks when that first token already ended the request (nothing to decode)."""
         num_tokens = len(request.prompt_token_ids)
         num_blocks = -(-num_tokens // self.client.spec.block_size)
+        src = request.kv_stream
+        try:  # the shard map checked before any block is reserved
+            sources = shard_sources(
+                kv_pb2.KvHandle(
+                    address=src.address,
+                    shards=src.shards,
+                    num_kv_heads=self.client.spec.num_kv_heads,
+                )
+            )
+        except ValueError as exc:
+            raise RequestError.invalid(f"kv_stream: {exc}".replace("kv.shards", "shards")) from None
         ids = await self._reserve(loop, num_blocks, request.request_id)
         if delay := self.faults.pull_delay(request.request_id):  # tests only: held, blocks reserved
             try:
@@ -67,13 +82,10 @@ class StreamPuller:
             except BaseException:
                 loop.release_blocks(ids)
                 raise
-        src = request.kv_stream.address
         # its own task: a cancelled caller must not leave UCX writing into a buffer it freed; the
-        # task ends on its own timeouts (or the endpoint's abort) and only then are blocks freed
+        # task ends on its own timeouts (or the endpoints' abort) and only then are blocks freed
         task = asyncio.ensure_future(
-            self.client.pull(
-                src.host, src.port, request.request_id, num_tokens, ids, request.kv_stream.token
-            )
+            stream_shards(self.client, sources, request.request_id, num_tokens, ids, src.token)
         )
         try:
             result = await asyncio.shield(task)
@@ -138,8 +150,8 @@ def check_stream_request(
     if not streaming:
         raise RequestError(
             grpc.StatusCode.FAILED_PRECONDITION,
-            "this decode worker does not take streamed hand-overs (kv_transfer.streaming off "
-            "or tensor parallel); send kv and first_token_id instead",
+            "this decode worker does not take streamed hand-overs (kv_transfer.streaming "
+            "off); send kv and first_token_id instead",
         )
     if first is not None or (request.HasField("kv") and request.kv.lease_id):
         raise RequestError.invalid(

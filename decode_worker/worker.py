@@ -104,12 +104,17 @@ class DecodeWorker(WorkerSkeleton):
         self.servicer.puller = KvPuller(
             client, self.cfg.kv_transfer.failure_policy, self.cfg.faults
         )
-        if self.cfg.kv_transfer.streaming and not runner.tp.enabled:  # TP: the classic pull
+        if self.cfg.kv_transfer.streaming:  # TP: rank 0 streams every shard, `install` spreads it
             # endpoints of their own: a stream holds one for a whole prefill, so pulls (a
             # stream's fallback among them) must not queue behind streams for the per-peer cap
             self._stream_pool = EndpointPool(self.cfg.kv_transfer.connect_timeout_s)
             stream_client = LayerStreamClient(
-                runner.kv_cache, spec, self.cfg.kv_transfer, self._stream_pool, kv_metrics
+                runner.kv_cache,
+                spec,
+                self.cfg.kv_transfer,
+                self._stream_pool,
+                kv_metrics,
+                install=install,
             )
             self.servicer.streamer = StreamPuller(
                 stream_client,

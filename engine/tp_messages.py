@@ -24,6 +24,7 @@ only these values and the dataclasses named below.
                        seed: uint64, step: int)
     10    kv_in        dest_blocks: ints, parts: list of (rank, head_start, head_end: int,
                        shape: ints)
+    11-13 stream_*     the streamed hand-over's (tp_stream_messages.py)
 
 A payload that does not parse exactly (too short, bytes left over, bad UTF-8, parameters their
 model refuses) raises ControlMessageError. The frame around a payload (version, sequence number,
@@ -37,6 +38,7 @@ from collections.abc import Callable, Sequence
 
 from splitserve.engine.model_runner import DecodeLane, PrefillChunk
 from splitserve.engine.sampling_state import RowInit
+from splitserve.engine.tp_stream_messages import STREAM_CODECS
 from splitserve.request.sampling_params import SamplingParams
 
 _I64, _U64, _U32, _U8 = (struct.Struct(f"<{c}") for c in "qQIB")
@@ -269,6 +271,7 @@ _CODECS: dict[str, tuple[int, Callable[..., None], Callable[[_Reader], tuple]]] 
     "graph_step": (8, _enc_graph_step, _dec_graph_step),
     "write_slots": (9, _enc_write_slots, _dec_write_slots),
     "kv_in": (10, _enc_kv_in, _dec_kv_in),
+    **STREAM_CODECS,
 }
 KIND: dict[str, int] = {name: kind for name, (kind, _, _) in _CODECS.items()}
 _BY_KIND = {kind: (name, dec) for name, (kind, _, dec) in _CODECS.items()}

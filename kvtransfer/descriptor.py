@@ -83,19 +83,26 @@ def make_handle(
         expires_at_unix_ms=int((time.time() + ttl_s) * 1000),
         **spec.fields(),
     )
-    if shard_ports and len(shard_ports) > 1:
-        size, part = len(shard_ports), spec.num_kv_heads // len(shard_ports)
-        handle.shards.extend(
-            kv_pb2.KvShard(
-                tp_rank=r,
-                tp_size=size,
-                kv_head_start=r * part,
-                kv_head_end=(r + 1) * part,
-                address=kv_pb2.UcxAddress(host=host, port=p),
-            )
-            for r, p in enumerate(shard_ports)
-        )
+    handle.shards.extend(shard_map(spec.num_kv_heads, host, shard_ports))
     return handle
+
+
+def shard_map(num_kv_heads: int, host: str, shard_ports: list[int] | None) -> list[kv_pb2.KvShard]:
+    """Rank r of len(shard_ports) holds the r-th equal slice of the KV heads at port r; empty
+    for None or one port (tp_size 1). KvHandle.shards and WorkerLoad.kv_shards."""
+    if not shard_ports or len(shard_ports) < 2:
+        return []
+    size, part = len(shard_ports), num_kv_heads // len(shard_ports)
+    return [
+        kv_pb2.KvShard(
+            tp_rank=r,
+            tp_size=size,
+            kv_head_start=r * part,
+            kv_head_end=(r + 1) * part,
+            address=kv_pb2.UcxAddress(host=host, port=p),
+        )
+        for r, p in enumerate(shard_ports)
+    ]
 
 
 def _shown(value) -> str:

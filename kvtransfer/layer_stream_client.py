@@ -3,13 +3,16 @@ worker's listener for a request's KV while it is prefilled, land each layer grou
 reserved blocks as it arrives, and return the first token from the stream's last message.
 
 Every wait has a timeout; a failure raises `KvTransferError` (errors.py) and the endpoint is
-aborted, never reused. Tensor-parallel pools are not streamed (the router uses the classic pull).
+aborted, never reused. A tensor-parallel prefill is streamed shard by shard, all at once
+(layer_stream_shards.py): each stream carries one rank's KV heads, which land in their slice of
+the pool, or (a tensor-parallel decode worker) in staging that `install` spreads over the ranks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -18,6 +21,7 @@ import torch
 from splitserve.kvtransfer import frames
 from splitserve.kvtransfer.buffers import TransferStream, receive_or_abort, ucx_view
 from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64, wants_checksum
+from splitserve.kvtransfer.client import Installer
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.endpoint_pool import EndpointPool
@@ -51,24 +55,32 @@ class LayerStreamClient:
         config: KvTransferConfig,
         pool: EndpointPool,
         metrics: KvTransferMetrics,
+        head_range: tuple[int, int] | None = None,
+        install: Installer | None = None,
     ) -> None:
+        """`head_range`, `install`: as for KvTransferClient (client.py)."""
         self.kv_cache = kv_cache
         self.spec = spec
         self.config = config
         self.pool = pool
         self.metrics = metrics
+        self.head_range = head_range or (0, spec.num_kv_heads)
+        self.install = install
         self.stream = TransferStream(kv_cache.device)
-        self._live: dict[str, object] = {}  # request id -> the endpoint its stream uses
-        self._cancelled: set[str] = set()  # aborted before their endpoint was connected
+        self._live: dict[str, list] = {}  # request id -> the endpoints its shards' streams use
+        self._cancelled: set[str] = set()  # aborted: shards still connecting stop once connected
 
     def abort(self, request_id: str) -> None:
-        """Ends a stream whose Decode was cancelled: its endpoint is aborted, so the pull fails at
-        once (its posted receive ends) instead of waiting for the prefill to finish."""
-        ep = self._live.get(request_id)
-        if ep is None:
-            self._cancelled.add(request_id)  # still connecting: it stops once connected
-        elif not ep.closed:
-            ep.abort()
+        """Ends a request's streams (a cancelled Decode, a failed shard): their endpoints are
+        aborted, so each pull fails at once (its posted receive ends) instead of waiting for the
+        prefill to finish. The caller `forget`s the request once every shard's pull ended."""
+        self._cancelled.add(request_id)
+        for ep in self._live.get(request_id, ()):
+            if not ep.closed:
+                ep.abort()
+
+    def forget(self, request_id: str) -> None:
+        self._cancelled.discard(request_id)
 
     async def pull(
         self,
@@ -78,28 +90,46 @@ class LayerStreamClient:
         num_tokens: int,
         dest_blocks: list[int],
         token: str = "",
+        heads: tuple[int, int] | None = None,
+        confirm: Callable[[], Awaitable[None]] | None = None,
     ) -> StreamResult:
-        """`token`: the request's stream secret (KvStreamSource.token)."""
+        """`token`: the request's stream secret (KvStreamSource.token); `heads`: the model's KV
+        heads this listener holds (default all); `confirm`: awaited after the final message and
+        before KvPullDone (rank 0's stream: every other shard has landed; raising fails it)."""
         try:
-            return await self._pull(host, port, request_id, num_tokens, dest_blocks, token)
+            return await self._pull(
+                host, port, request_id, num_tokens, dest_blocks, token, heads, confirm
+            )
         except KvTransferError as exc:
             self.metrics.failures.labels(exc.reason).inc()
             raise
 
     async def _pull(
-        self, host: str, port: int, request_id: str, num_tokens: int, dest: list[int], token: str
+        self,
+        host: str,
+        port: int,
+        request_id: str,
+        num_tokens: int,
+        dest: list[int],
+        token: str,
+        heads: tuple[int, int] | None,
+        confirm,
     ) -> StreamResult:
         start = time.perf_counter()
-        try:
-            ep, _ = await self.pool.acquire(host, port)
-        except BaseException:
-            self._cancelled.discard(request_id)
-            raise
+        heads = heads or (0, self.spec.num_kv_heads)
+        if self.install is None and not (
+            self.head_range[0] <= heads[0] < heads[1] <= self.head_range[1]
+        ):
+            raise KvTransferError(
+                "invalid",
+                f"shard heads {list(heads)} are not in this pool's {list(self.head_range)}",
+            )
+        ep, _ = await self.pool.acquire(host, port)
         if request_id in self._cancelled:
-            self._cancelled.discard(request_id)
             self.pool.release(host, port, ep)  # unused: still good for the next pull
             raise KvTransferError("cancelled", "the Decode call was cancelled")
-        self._live[request_id] = ep
+        live = self._live.setdefault(request_id, [])
+        live.append(ep)
         try:
             verify = wants_checksum(self.config.checksum, host)
             request = kv_pb2.KvPullRequest(
@@ -110,12 +140,15 @@ class LayerStreamClient:
                 max_message_bytes=self.config.max_message_bytes,
                 **self.spec.fields(),
             )
-            result = await self._exchange(ep, request, dest, start, verify)
+            landing = _Landing(self, dest, heads)
+            result = await self._exchange(ep, request, landing, start, verify, confirm)
         except BaseException:
             self.pool.discard(host, port, ep)  # half-used: it may hold stray messages
             raise
         finally:
-            self._live.pop(request_id, None)
+            live.remove(ep)
+            if not live:
+                self._live.pop(request_id, None)
         self.pool.release(host, port, ep)
         self.metrics.seconds.observe(result.seconds)
         self.metrics.bytes.labels("received").inc(result.num_bytes)
@@ -132,7 +165,7 @@ class LayerStreamClient:
             ) from exc
 
     async def _exchange(
-        self, ep, request: kv_pb2.KvPullRequest, dest: list[int], start: float, verify: bool
+        self, ep, request: kv_pb2.KvPullRequest, landing, start: float, verify: bool, confirm
     ) -> StreamResult:
         cfg = self.config
         try:
@@ -147,8 +180,6 @@ class LayerStreamClient:
         if reply.status != kv_pb2.KV_PULL_STATUS_OK:
             raise self._refused(reply.status, reply.message)
         nbytes = 0
-        device = self.kv_cache.device
-        dest_ids = torch.tensor(dest, dtype=torch.int64).to(device, non_blocking=True)
         while True:
             head = await self._recv_obj(
                 ep, cfg.data_timeout_s, "stream piece", kv_pb2.KvStreamPiece
@@ -157,28 +188,30 @@ class LayerStreamClient:
                 if head.status != kv_pb2.KV_PULL_STATUS_OK:
                     raise self._refused(head.status, head.message)
                 await self.stream.wait()  # every piece landed before the first step may run
+                if not head.finished:
+                    await landing.installed()
                 landed = time.perf_counter()
+                if not head.finished and confirm is not None:
+                    await confirm()
                 if not head.finished:
                     ok = kv_pb2.KvPullDone(lease_id=head.lease_id, ok=True)
                     await frames.send(ep, ok)
                 return StreamResult(
                     head.first_token_id, head.finished, nbytes, landed - start, landed
                 )
-            nbytes += await self._land(ep, head, dest_ids, verify)
+            nbytes += await self._land(ep, head, landing, verify)
 
-    async def _land(
-        self, ep, head: kv_pb2.KvStreamPiece, dest_ids: torch.Tensor, verify: bool
-    ) -> int:
+    async def _land(self, ep, head: kv_pb2.KvStreamPiece, landing, verify: bool) -> int:
         """One piece into its blocks; its checksum checked when `verify` (checksum.py)."""
         s = self.spec
         layers = head.layer_end - head.layer_start
         blocks = head.block_end - head.block_start
-        shape = (layers, 2, blocks, s.block_size, s.num_kv_heads, s.head_dim)
+        shape = (layers, 2, blocks, s.block_size, landing.num_heads, s.head_dim)
         if not (
             layers > 0
             and head.layer_end <= s.num_layers
             and blocks > 0
-            and head.block_end <= dest_ids.numel()
+            and head.block_end <= len(landing.dest)
         ):
             raise KvTransferError("invalid", f"stream piece out of range: {head}")
         # UCX writes outside any CUDA stream: staging from the transfer stream, drained first
@@ -205,8 +238,7 @@ class LayerStreamClient:
         with self.stream.context():
             if verify:
                 checksum = payload_checksum_async(staging)
-            ids = dest_ids[head.block_start : head.block_end]
-            self.kv_cache[head.layer_start : head.layer_end].index_copy_(2, ids, staging)
+            landing.put(head, staging)
         if verify:
             await self.stream.wait()
             if to_u64(checksum) != head.checksum:
@@ -222,3 +254,38 @@ class LayerStreamClient:
             else grpc.StatusCode.UNAVAILABLE
         )
         return KvTransferError(reason, message or f"stream refused ({reason})", code)
+
+
+class _Landing:
+    """Where one shard's pieces go: straight into its heads of the pool's blocks, or (with
+    `install`: a tensor-parallel decode worker) into staging installed once the shard is whole."""
+
+    def __init__(self, client: LayerStreamClient, dest: list[int], heads: tuple[int, int]) -> None:
+        self.client, self.dest, self.heads = client, dest, heads
+        self.num_heads = heads[1] - heads[0]
+        cache = client.kv_cache
+        self.ids = torch.tensor(dest, dtype=torch.int64).to(cache.device, non_blocking=True)
+        self.staging: torch.Tensor | None = None
+
+    def put(self, head: kv_pb2.KvStreamPiece, piece: torch.Tensor) -> None:
+        """On the transfer stream."""
+        c, l0, l1 = self.client, head.layer_start, head.layer_end
+        b0, b1 = head.block_start, head.block_end
+        if c.install is not None:
+            if self.staging is None:
+                s = c.spec
+                shape = (s.num_layers, 2, len(self.dest), s.block_size, self.num_heads, s.head_dim)
+                self.staging = torch.zeros(shape, dtype=c.kv_cache.dtype, device=c.kv_cache.device)
+            self.staging[l0:l1, :, b0:b1] = piece
+            return
+        h0 = c.head_range[0]
+        dst = c.kv_cache[l0:l1]
+        if self.heads != c.head_range:  # one prefill rank's heads: their slice of the pool
+            dst = dst[:, :, :, :, self.heads[0] - h0 : self.heads[1] - h0]
+        dst.index_copy_(2, self.ids[b0:b1], piece)
+
+    async def installed(self) -> None:
+        """The shard's staging spread over the ranks (install), before the first step."""
+        c = self.client
+        if c.install is not None and self.staging is not None:
+            await c.install(self.staging, list(self.dest), *self.heads)

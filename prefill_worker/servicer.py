@@ -10,7 +10,7 @@ import asyncio
 
 import grpc
 
-from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
+from splitserve.kvtransfer.descriptor import PoolSpec, make_handle, shard_map
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.engine import PrefillEngine
 from splitserve.prefill_worker.leases import Lease
@@ -112,6 +112,13 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 kv_pb2.UcxAddress(host=self.cfg.server.public_host, port=self.kv_port)
             )
             load.kv_streaming = self.kv_streaming
+            load.kv_shards.extend(  # tensor parallel: where a stream finds each rank's heads
+                shard_map(
+                    engine.runner.model_config.num_key_value_heads,
+                    self.cfg.server.public_host,
+                    self.shard_ports,
+                )
+            )
         return load
 
     # ---- helpers ---------------------------------------------------------------------------

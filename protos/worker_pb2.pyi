@@ -79,14 +79,16 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[_kv_pb2.KvHandle, _Mapping]] = ..., kv_stream: _Optional[_Union[KvStreamSource, _Mapping]] = ...) -> None: ...
 
 class KvStreamSource(_message.Message):
-    __slots__ = ("address", "model_compat_hash", "token")
+    __slots__ = ("address", "model_compat_hash", "token", "shards")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     address: _kv_pb2.UcxAddress
     model_compat_hash: str
     token: str
-    def __init__(self, address: _Optional[_Union[_kv_pb2.UcxAddress, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[_kv_pb2.KvShard]
+    def __init__(self, address: _Optional[_Union[_kv_pb2.UcxAddress, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., token: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[_kv_pb2.KvShard, _Mapping]]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "transfer_time_ms", "queue_time_ms", "kv_recomputed", "kv_recompute_reason", "kv_stream_fallback", "kv_streamed", "admit_wait_ms", "local_prefill_ms")
@@ -133,7 +135,7 @@ class PrefixCacheSummary(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., num_cached_blocks: _Optional[int] = ..., block_keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "free_blocks", "total_blocks", "block_size", "prefix_cache", "leases_held", "model_compat_hash", "kv_address", "kv_streaming")
+    __slots__ = ("role", "num_running", "num_waiting", "free_blocks", "total_blocks", "block_size", "prefix_cache", "leases_held", "model_compat_hash", "kv_address", "kv_streaming", "kv_shards")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,7 @@ class WorkerLoad(_message.Message):
     MODEL_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_STREAMING_FIELD_NUMBER: _ClassVar[int]
+    KV_SHARDS_FIELD_NUMBER: _ClassVar[int]
     role: _generate_pb2.WorkerRole
     num_running: int
     num_waiting: int
@@ -156,4 +159,5 @@ class WorkerLoad(_message.Message):
     model_compat_hash: str
     kv_address: _kv_pb2.UcxAddress
     kv_streaming: bool
-    def __init__(self, role: _Optional[_Union[_generate_pb2.WorkerRole, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., leases_held: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., kv_address: _Optional[_Union[_kv_pb2.UcxAddress, _Mapping]] = ..., kv_streaming: _Optional[bool] = ...) -> None: ...
+    kv_shards: _containers.RepeatedCompositeFieldContainer[_kv_pb2.KvShard]
+    def __init__(self, role: _Optional[_Union[_generate_pb2.WorkerRole, str]] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefix_cache: _Optional[_Union[PrefixCacheSummary, _Mapping]] = ..., leases_held: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., kv_address: _Optional[_Union[_kv_pb2.UcxAddress, _Mapping]] = ..., kv_streaming: _Optional[bool] = ..., kv_shards: _Optional[_Iterable[_Union[_kv_pb2.KvShard, _Mapping]]] = ...) -> None: ...

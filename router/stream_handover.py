@@ -55,7 +55,10 @@ class StreamedHandover(DecodeStream):
             return
         self.stream_token = secrets.token_hex(16)
         source = worker_pb2.KvStreamSource(
-            address=addr, model_compat_hash=compat, token=self.stream_token
+            address=addr,
+            model_compat_hash=compat,
+            token=self.stream_token,
+            shards=prefill.load.kv_shards,  # tensor parallel: one stream per prefill rank
         )
         decode_req = worker_pb2.DecodeRequest(
             request_id=req.request_id,

@@ -280,14 +280,14 @@ WIRE = {
     "ReleaseLeaseRequest": "lease_id=1 request_id=2",
     "ReleaseLeaseResponse": "released=1",
     "DecodeRequest": "request_id=1 prompt_token_ids=2 first_token_id=3 sampling=4 kv=5 kv_stream=6",
-    "KvStreamSource": "address=1 model_compat_hash=2 token=3",
+    "KvStreamSource": "address=1 model_compat_hash=2 token=3 shards=4",
     "DecodeResponse": "token_ids=1 logprobs=2 finish_reason=3 stop_reason=4 transfer_time_ms=5 "
     "queue_time_ms=6 kv_recomputed=7 kv_recompute_reason=8 kv_stream_fallback=9 kv_streamed=10 "
     "admit_wait_ms=11 local_prefill_ms=12",
     "GetLoadRequest": "max_prefix_hashes=1",
     "PrefixCacheSummary": "block_hashes=1 num_cached_blocks=2 block_keys=3",
     "WorkerLoad": "role=1 num_running=2 num_waiting=3 free_blocks=4 total_blocks=5 block_size=6 "
-    "prefix_cache=7 leases_held=8 model_compat_hash=9 kv_address=10 kv_streaming=11",
+    "prefix_cache=7 leases_held=8 model_compat_hash=9 kv_address=10 kv_streaming=11 kv_shards=12",
     "RegisterWorkerRequest": "role=1 address=2",
     "RegisterWorkerResponse": "heartbeat_interval_ms=1 heartbeat_timeout_ms=2",
     "HeartbeatRequest": "address=1 role=2",

@@ -86,6 +86,12 @@ COMMANDS = {
     "kv_in": st.tuples(
         st.just("kv_in"), INTS, st.lists(st.tuples(I64, I64, I64, INTS.map(tuple)), max_size=3)
     ),
+    "stream_add": st.tuples(st.just("stream_add"), st.text(), st.text(), I64),
+    "stream_step": st.tuples(
+        st.just("stream_step"),
+        st.lists(st.tuples(st.text(), I64, I64, INTS.map(tuple)), max_size=3),
+    ),
+    "stream_end": st.tuples(st.just("stream_end"), st.text(), I64, st.text(), I64, I64, st.text()),
 }
 ANY_COMMAND = st.one_of(*COMMANDS.values())
 TP_MODULES = [
@@ -283,6 +289,9 @@ def test_round_trip_with_pickle_disabled(monkeypatch):
         ("graph_step", 2, 0, None, 0),
         ("write_slots", [0], [row]),
         ("kv_in", [1, 2], [(1, 0, 1, (2, 2, 2, 4, 1, 16))]),
+        ("stream_add", "R", "secret", 7),
+        ("stream_step", [("R", 0, 4, (3, 5))]),
+        ("stream_end", "R", 0, "L", 7, 0, ""),
     ]
     assert {c[0] for c in commands} == set(KIND)
     sealer, opener = _pair()
