@@ -142,3 +142,15 @@ class TransferFaults(RequestFaults):
         description="test only: a streamed pull's endpoint dies after this many pieces "
         "(between two layer groups); 0: never",
     )
+    stream_break_rank: int = Field(
+        -1,
+        ge=-1,
+        description="test only: the tensor-parallel rank whose streams stream_break_after_pieces "
+        "breaks (-1: every rank)",
+    )
+
+    def for_stream_rank(self, rank: int) -> TransferFaults:
+        """The faults tensor-parallel rank `rank`'s streamed pulls inject."""
+        if self.stream_break_rank in (-1, rank):
+            return self
+        return self.model_copy(update={"stream_break_after_pieces": 0})

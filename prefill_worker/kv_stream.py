@@ -59,8 +59,8 @@ class StreamHub:
         self.wait_s = wait_s
         self.feeds: dict[str, Feed] = {}
         self.arrived: dict[str, asyncio.Event] = {}
-        # for late attaches: (its end, when, its stream token)
-        self.done: OrderedDict[str, tuple[StreamEnd, float, str]] = OrderedDict()
+        # for late attaches: (its end, when, its stream token, its lease)
+        self.done: OrderedDict[str, tuple[StreamEnd, float, str, str]] = OrderedDict()
         self._step: list = []  # the step in flight: (seq, start, end, block ids)
         self._groups_done: list[tuple[int, int, object]] = []
         self._loop = asyncio.get_running_loop()
@@ -107,9 +107,9 @@ class StreamHub:
             for lo, hi, event in self._groups_done:  # attached mid-step: its groups so far
                 self._queue_step_groups(feed, lo, hi, event)
             return feed
-        end, at, expected = self.done.get(request_id, (None, 0.0, ""))
+        end, at, expected, lease_id = self.done.get(request_id, (None, 0.0, "", ""))
         _check_token(expected, token)
-        lease = self.engine.leases.get(end.lease_id) if end is not None else None
+        lease = self.engine.leases.get(lease_id) if end is not None else None
         if lease is None or lease.num_tokens != num_tokens:
             raise LeaseLookupError(
                 kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN,
@@ -179,7 +179,7 @@ class StreamHub:
                 first_token_id=result.first_token_id,
                 lease_id=result.lease.lease_id,
             )
-            self._remember(seq.request_id, end, seq.stream_token)
+            self._remember(seq.request_id, end, seq.stream_token, end.lease_id)
         if (feed := self.feeds.get(seq.request_id)) is not None:
             feed.end(end)
 
@@ -188,7 +188,7 @@ class StreamHub:
         if (feed := self.feeds.get(request_id)) is not None:
             feed.end(StreamEnd(kv_pb2.KV_PULL_STATUS_ABORTED, message=why))
 
-    def lease_gone(self, request_id: str) -> None:
+    def lease_gone(self, request_id: str, why: str = "the lease was dropped") -> None:
         """The request's lease was dropped (expired, released, aborted) while its stream may
         still be sending: its queued pieces name freed blocks, so they are dropped and the
         stream ends ABORTED (the decode side discards what it landed) instead of OK."""
@@ -199,7 +199,7 @@ class StreamHub:
         while not feed.queue.empty():
             feed.queue.get_nowait()
         feed.ended = False
-        feed.end(StreamEnd(kv_pb2.KV_PULL_STATUS_ABORTED, message="the lease was dropped"))
+        feed.end(StreamEnd(kv_pb2.KV_PULL_STATUS_ABORTED, message=why))
 
     # ---- pieces ----------------------------------------------------------------------------------
     def _catch_up(self, feed: Feed, table, upto: int) -> None:
@@ -217,12 +217,10 @@ class StreamHub:
             b0, b1 = start // self.block_size, -(-end // self.block_size)
             feed.queue.put_nowait(StreamPiece(lo, hi, b0, b1, table[b0:b1], event))
 
-    def _remember(self, request_id: str, end: StreamEnd, token: str) -> None:
-        self.done[request_id] = (end, time.perf_counter(), token)
+    def _remember(self, request_id: str, end: StreamEnd, token: str, lease_id: str) -> None:
+        self.done[request_id] = (end, time.perf_counter(), token, lease_id)
         leases = self.engine.leases  # oldest first: drop those whose lease is gone
-        while (
-            len(self.done) > 4096 or leases.get(next(iter(self.done.values()))[0].lease_id) is None
-        ):
+        while len(self.done) > 4096 or leases.get(next(iter(self.done.values()))[3]) is None:
             self.done.popitem(last=False)
 
 
@@ -234,22 +232,36 @@ def _check_token(expected: str, given: str) -> None:
         )
 
 
-def attach_stream_hub(engine, kv_server, cfg: KvTransferConfig, spec: PoolSpec) -> StreamHub:
+def attach_stream_hub(
+    engine, kv_server, cfg: KvTransferConfig, spec: PoolSpec, hub_cls=StreamHub, **kw
+) -> StreamHub:
     """Turns streamed hand-overs on for a started engine and its listener (after warm-up, so the
-    layer hook never fires inside it; tensor-parallel workers keep the pull after the prefill)."""
+    layer hook never fires inside it); `hub_cls`: MirroredStreamHub on rank 0 of a tensor-parallel
+    worker (kv_stream_tp.py)."""
     runner = engine.runner
-    hub = StreamHub(
+    hub = hub_cls(
         engine,
         runner.model_config.num_hidden_layers,
         cfg.stream_layer_groups,
         cfg.lease_request_timeout_s,
+        **kw,
     )
     engine.stream_hub = hub
+    serve_hub(hub, runner, kv_server, cfg, spec, kv_server.faults.for_stream_rank(0))
+    hook_layers(hub, runner)
+    return hub
+
+
+def serve_hub(hub: StreamHub, runner, kv_server, cfg, spec, faults) -> None:
+    """`hub` feeds `kv_server`'s streamed pulls (any rank); the layer hook: hook_layers."""
     hub.on_added = kv_server.expect_pull
+    kv_server.stream_sender = LayerStreamSender(
+        runner.kv_cache, spec, hub, cfg, faults, kv_server.metrics
+    )
+
+
+def hook_layers(hub: StreamHub, runner) -> None:
+    """`runner`'s forwards report each layer's KV write to `hub` (after warm-up)."""
     runner.model.on_layer_kv = hub.on_layer_kv
     if runner.prefill_graphs is not None:
         runner.prefill_graphs.on_layer_kv = hub.on_layer_kv
-    kv_server.stream_sender = LayerStreamSender(
-        runner.kv_cache, spec, hub, cfg, kv_server.faults, kv_server.metrics
-    )
-    return hub

@@ -6,6 +6,7 @@
     MirroredLeaseTable.grant ── ("lease_grant", ...) ────▶ MirrorLeaseSource: lease -> blocks
     lease popped (released, expired, aborted) ─("lease_drop")─▶ forgotten (after its pulls end)
     UCX listener: heads [0, h) of the lease ◀── decode ──▶ UCX listener: heads [r*h, (r+1)*h)
+    stream hub ── ("stream_add" / "_step" / "_end") ───────▶ its own stream hub (kv_stream_tp.py)
 
 Block ids are rank 0's (every pool has the same number of blocks). A follower's copy of a
 lease's blocks stays valid until rank 0 frees them: the drop travels in the same ordered
@@ -187,6 +188,19 @@ async def _serve(tp, runner, cfg) -> None:
         "lease_grant": leases.grant,
         "lease_drop": leases.drop,
     }
+    if cfg.kv_transfer.streaming:  # this rank streams its own heads (kv_stream_tp.py)
+        from splitserve.prefill_worker.kv_stream_tp import follower_stream_handlers
+
+        stream = follower_stream_handlers(runner, leases, server, spec, cfg, tp.rank)
+        prefill, done = handlers["prefill"], stream.pop("prefill_done")
+
+        def prefill_then_tell(*args) -> None:
+            try:
+                prefill(*args)
+            finally:
+                done()
+
+        handlers.update(stream, prefill=prefill_then_tell)
     try:
         await asyncio.to_thread(follow, tp, runner, handlers)
     finally:

@@ -8,7 +8,8 @@ stall watch, drain, TP ranks) around the prefill engine and its UCX listener.
 With engine.parallel.tensor_parallel_size N > 1 this process is rank 0: it spawns ranks
 1..N-1 (tp_follower.py), which run every forward on their slices and serve their KV heads
 over UCX listeners of their own (a fixed kv_transfer.listen_port p: rank r listens on p + r);
-handles carry the shard map (KvHandle.shards). A follower that dies fails the in-flight requests
+handles carry the shard map (KvHandle.shards), and each rank streams its own heads
+(prefill_worker/kv_stream_tp.py). A follower that dies fails the in-flight requests
 (UNAVAILABLE), health goes NOT_SERVING and the process exits 1 (worker/tp_lifecycle.py).
 """
 
@@ -25,6 +26,7 @@ from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.engine import PrefillEngine
 from splitserve.prefill_worker.kv_source import EngineLeaseSource
 from splitserve.prefill_worker.kv_stream import attach_stream_hub
+from splitserve.prefill_worker.kv_stream_tp import MirroredStreamHub
 from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.prefill_worker.servicer import PrefillWorkerServicer
 from splitserve.prefill_worker.tp_follower import (
@@ -83,8 +85,13 @@ class PrefillWorker(WorkerSkeleton):
             faults=self.cfg.faults.transfer,
             metrics=KvTransferMetrics(self.metrics.registry),
         )
-        if self.cfg.kv_transfer.streaming and not runner.tp.enabled:
-            attach_stream_hub(self.engine, self.kv_server, self.cfg.kv_transfer, spec)
+        if self.cfg.kv_transfer.streaming:  # TP: every rank streams its heads (kv_stream_tp.py)
+            extra = (
+                {"hub_cls": MirroredStreamHub, "publish": runner.mirror}
+                if runner.tp.enabled
+                else {}
+            )
+            attach_stream_hub(self.engine, self.kv_server, self.cfg.kv_transfer, spec, **extra)
             self.servicer.kv_streaming = True
         self.servicer.kv_port = await self.kv_server.start()
         self.engine.leases.on_grant = self.kv_server.expect_pull  # wakes idle KV endpoints
