@@ -51,8 +51,8 @@ class KvTransferConfig(BaseModel):
     streaming: bool = Field(
         True,
         description="streamed hand-over: the decode worker is called while the prompt is "
-        "prefilled and receives each layer group's KV as it is written (tensor-parallel "
-        "workers always use the pull after the prefill); off: that pull for every request",
+        "prefilled and receives each layer group's KV as it is written (a tensor-parallel "
+        "prefill: one stream per rank); off: the pull after the prefill for every request",
     )
     stream_layer_groups: int = Field(
         64,

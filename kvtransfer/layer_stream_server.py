@@ -21,6 +21,18 @@ layer group by layer group as the prefill writes it (the first token rides in th
 A request aborted or failed on the prefill side ends the stream with a final piece of status
 ABORTED; a decode side that goes away leaves the lease to the router (ReleaseLease) or its TTL.
 The listener (server.py) hands a KvPullRequest with `stream` set to `serve_stream`.
+
+Tensor parallel (prefill_worker/kv_stream_tp.py, layer_stream_shards.py): every rank's listener
+serves the same sequence for its own KV heads, fed by its own forward. A follower rank's final
+piece is OK without first token or lease, and its KvPullDone releases nothing; the decode side
+sends rank 0's KvPullDone only once every rank's stream landed:
+
+    decode worker                        rank 1 listener          rank 0 listener
+    KvPullRequest(stream) to every rank ─▶ attach                ─▶ attach
+                    ◀═ pieces of heads [h,2h) ═╡      ◀═ pieces of heads [0,h) ═╡
+                    ◀─ final (OK) ─────────────┤      ◀─ final (first token, lease) ─┤
+    KvPullDone ────────────────────────────────▶ (nothing to release)
+    every rank landed: KvPullDone(ok) ─────────────────────────────▶ release the lease
 """
 
 from __future__ import annotations

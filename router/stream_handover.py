@@ -1,6 +1,7 @@
 """The streamed hand-over, router side: Decode goes out as soon as the prefill worker is chosen.
 
-    choose prefill worker P, then decode worker D (same model, both GetLoad.kv_streaming)
+    choose prefill worker P, then decode worker D (same model, both GetLoad.kv_streaming;
+    a tensor-parallel P's shard map, GetLoad.kv_shards, goes along: D streams every rank)
     ──Decode(kv_stream = P's KV listener, no first token)──▶ D   reserves blocks (waits while
     ──Prefill──▶ P                                               full), streams P's KV as it is
     P's reply: first token to the client (TTFT), lease kept      computed; first token in the
@@ -8,7 +9,7 @@
                  piece landed; P released the lease then)
 
 Falls back to the pull after the prefill (decode_stream.py) when streaming is off or a worker
-does not stream (tensor parallel, older version), when the prefill is retried on another worker
+does not stream (an older version), when the prefill is retried on another worker
 (D's stream is cancelled), and when D answers `kv_stream_fallback` (its stream failed before
 delivering; the lease is untouched: after `pool_full`, its blocks never freed within
 kv_transfer.stream_reserve_wait_s, the pull goes to another decode worker where one is healthy)
