@@ -72,6 +72,9 @@ async def stream_shards(
         raise
     finally:
         client.forget(request_id)
+    for t in tasks:  # every shard's outcome retrieved: the aborted ones' failures are expected
+        if not t.cancelled():
+            t.exception()
     if first is not None:
         raise first
     return main.result()

@@ -21,12 +21,14 @@ sent once every shard landed, so a follower's blocks stay valid while it streams
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from splitserve.prefill_worker.kv_stream import StreamEnd, StreamHub, hook_layers, serve_hub
 from splitserve.protos import kv_pb2
 
+log = logging.getLogger("splitserve.prefill_worker.tp")
 _FINISHED, _ENDED = 0, 1  # stream_end kinds: the prompt is done; aborted or its lease dropped
 
 
@@ -38,11 +40,17 @@ class MirroredStreamHub(StreamHub):
         self._publish = publish
         self._mirrored: set[str] = set()  # requests the followers know, until their end
 
+    def _tell(self, cmd: tuple) -> None:
+        try:
+            self._publish(cmd)
+        except RuntimeError:  # the followers are gone: the worker stops serving (tp_lifecycle)
+            log.debug("stream command %s not mirrored: the followers are gone", cmd[0])
+
     def added(self, request_id: str) -> None:
         seq = self.engine.scheduler.find(request_id)
         if seq is not None and seq.stream_token:  # only a request with a token can be streamed
             self._mirrored.add(request_id)
-            self._publish(("stream_add", request_id, seq.stream_token, len(seq.prompt)))
+            self._tell(("stream_add", request_id, seq.stream_token, len(seq.prompt)))
         super().added(request_id)
 
     def before_step(self, batch) -> None:
@@ -52,7 +60,7 @@ class MirroredStreamHub(StreamHub):
             if c.seq.request_id in self._mirrored
         ]
         if chunks:  # before the step's "prefill" command: the followers pair them
-            self._publish(("stream_step", chunks))
+            self._tell(("stream_step", chunks))
         super().before_step(batch)
 
     def finished(self, seq, result) -> None:
@@ -61,7 +69,7 @@ class MirroredStreamHub(StreamHub):
             lease = result.lease
             if lease is None:
                 self._mirrored.discard(rid)
-            self._publish(
+            self._tell(
                 (
                     "stream_end",
                     rid,
@@ -85,7 +93,7 @@ class MirroredStreamHub(StreamHub):
     def _end(self, request_id: str, why: str) -> None:
         if request_id in self._mirrored:
             self._mirrored.discard(request_id)
-            self._publish(("stream_end", request_id, _ENDED, "", 0, 0, why))
+            self._tell(("stream_end", request_id, _ENDED, "", 0, 0, why))
 
 
 @dataclass(eq=False)
@@ -128,13 +136,11 @@ class _FollowerEngine:
         self.metrics = SimpleNamespace(stream_attach_wait_seconds=_NoMetric())
 
     def _lease(self, lease_id: str):
-        src = self.mirror_leases
-        with src._cv:
-            entry = src._leases.get(lease_id)
-        if entry is None:
+        blocks = self.mirror_leases.blocks(lease_id)
+        if blocks is None:
             self.lease_tokens.pop(lease_id, None)
             return None
-        return SimpleNamespace(block_ids=entry[1], num_tokens=self.lease_tokens.get(lease_id, 0))
+        return SimpleNamespace(block_ids=blocks, num_tokens=self.lease_tokens.get(lease_id, 0))
 
     def release_lease(self, lease_id: str) -> None:
         pass
@@ -154,10 +160,14 @@ class FollowerStreamHub(StreamHub):
         )
         self._hooked = False
 
-    def on_add(self, request_id: str, token: str, prompt_len: int) -> None:
-        if not self._hooked:  # after rank 0's warm-up: the layer hook never fires inside it
+    def hook(self) -> None:
+        """Command thread, at the first stream_add (after rank 0's warm-up, so the layer hook
+        never fires inside it), before any forward of that request."""
+        if not self._hooked:
             self._hooked = True
             hook_layers(self, self.engine.runner)
+
+    def on_add(self, request_id: str, token: str, prompt_len: int) -> None:
         self.engine.seqs[request_id] = _Seq(request_id, token, range(prompt_len))
         self.added(request_id)
 
@@ -165,7 +175,9 @@ class FollowerStreamHub(StreamHub):
         batch = []
         for rid, start, end, table in chunks:
             if (seq := self.engine.seqs.get(rid)) is not None:
-                seq.block_table = table
+                # as on rank 0: what precedes the chunk (prefix-cache hits, earlier chunks) is
+                # computed, so an attach during this step catches up to `start` first
+                seq.block_table, seq.num_computed = table, max(seq.num_computed, start)
                 batch.append(_Chunk(seq, start, end))
         self.before_step(batch)
 
@@ -201,8 +213,12 @@ def follower_stream_handlers(runner, leases, server, spec, cfg, rank: int) -> di
     def on_loop(fn):
         return lambda *args: loop.call_soon_threadsafe(fn, *args)
 
+    def stream_add(*args) -> None:
+        hub.hook()
+        loop.call_soon_threadsafe(hub.on_add, *args)
+
     return {
-        "stream_add": on_loop(hub.on_add),
+        "stream_add": stream_add,
         "stream_step": on_loop(hub.on_step),
         "stream_end": on_loop(hub.on_end),
         "prefill_done": on_loop(hub.on_prefill_done),

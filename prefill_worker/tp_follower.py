@@ -109,6 +109,12 @@ class MirrorLeaseSource:
             self._cv.wait_for(lambda: not self._zombies)
 
     # ---- event loop (UCX listener) -------------------------------------------------------------
+    def blocks(self, lease_id: str) -> tuple[int, ...] | None:
+        """The lease's blocks while rank 0 holds it (a streamed pull's late attach)."""
+        with self._cv:
+            entry = self._leases.get(lease_id)
+        return None if entry is None else entry[1]
+
     async def begin_pull(self, lease_id: str, request_id: str) -> list[int]:
         deadline = time.monotonic() + GRANT_WAIT_S
         while True:
