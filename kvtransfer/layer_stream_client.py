@@ -190,9 +190,9 @@ class LayerStreamClient:
                 await self.stream.wait()  # every piece landed before the first step may run
                 if not head.finished:
                     await landing.installed()
+                    if confirm is not None:  # rank 0: every other shard landed too
+                        await confirm()
                 landed = time.perf_counter()
-                if not head.finished and confirm is not None:
-                    await confirm()
                 if not head.finished:
                     ok = kv_pb2.KvPullDone(lease_id=head.lease_id, ok=True)
                     await frames.send(ep, ok)
