@@ -2,7 +2,7 @@
 over TCP loopback, a router in front): TP2 prefill -> TP1 decode, TP1 -> TP2 and TP2 -> TP2 stream
 (every prefill rank streams its own heads; a TP2 decode worker spreads them over its ranks) with
 the offline oracle's tokens, for one-chunk and many-chunk prompts; a prefill rank whose stream
-breaks mid-way makes the request fall back to the pull (same tokens). Every block and lease is
+breaks mid-way makes the request fall back to the pull (same tokens), at decode TP 1 and 2. Every block and lease is
 free on every worker afterwards."""
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def test_streamed_handover_between_tp_sizes(tiny_llama, expected, tmp_path):
             assert " ERROR " not in w.log(), w.log()
 
 
-def test_broken_shard_stream_falls_back_to_the_pull(tiny_llama, expected, tmp_path):
+@pytest.mark.parametrize("decode_tp", [1, 2])
+def test_broken_shard_stream_falls_back_to_the_pull(tiny_llama, expected, tmp_path, decode_tp):
     """Rank 1's stream dies after one piece: the decode worker aborts rank 0's stream too, frees
     its blocks and answers kv_stream_fallback; the router's pull (the lease untouched) delivers."""
     faults = tmp_path / "faults.yaml"
@@ -119,7 +120,15 @@ def test_broken_shard_stream_falls_back_to_the_pull(tiny_llama, expected, tmp_pa
             str(faults),
             name="prefill-tp2",
         )
-        d = procs.decode_worker(tiny_llama, *COMMON, "--kv-failure-policy", "fail", name="d1")
+        d = procs.decode_worker(
+            tiny_llama,
+            *COMMON,
+            "--tensor-parallel-size",
+            str(decode_tp),
+            "--kv-failure-policy",
+            "fail",
+            name="decode",
+        )
         router = procs.router(tiny_llama, "--prefill", p.address, "--decode", d.address)
         stub = generate_pb2_grpc.GenerateServiceStub(grpc.insecure_channel(router.address))
         for i, prompt in enumerate(PROMPTS):
