@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from splitserve.kvtransfer.layer_stream_server import StreamEnd
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.engine import PrefillEngine
 from splitserve.prefill_worker.worker import PrefillWorker
@@ -91,3 +92,21 @@ async def release(stub, resp: worker_pb2.PrefillResponse) -> None:
         worker_pb2.ReleaseLeaseRequest(lease_id=resp.kv.lease_id, request_id=resp.request_id)
     )
     assert got.released
+
+
+async def drain_stream(feed) -> tuple[list, StreamEnd]:
+    """A streamed hand-over's pieces up to its final message (StreamHub / FollowerStreamHub feed)."""
+    pieces = []
+    while not isinstance(item := await feed.next(10), StreamEnd):
+        pieces.append(item)
+    return pieces, item
+
+
+def stream_coverage(pieces) -> set[tuple[int, int]]:
+    """Every (layer, block) the pieces carry."""
+    return {
+        (layer, b)
+        for p in pieces
+        for layer in range(p.layer_start, p.layer_end)
+        for b in range(p.block_start, p.block_end)
+    }

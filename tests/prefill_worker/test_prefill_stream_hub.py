@@ -9,9 +9,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from prefill_helpers import assert_all_free, serving, wait_until, worker_config
+from prefill_helpers import (
+    assert_all_free,
+    drain_stream,
+    serving,
+    stream_coverage,
+    wait_until,
+    worker_config,
+)
 
-from splitserve.kvtransfer.layer_stream_server import StreamEnd
 from splitserve.kvtransfer.server import LeaseLookupError
 from splitserve.protos import kv_pb2
 from splitserve.request.sampling_params import SamplingParams
@@ -19,22 +25,6 @@ from splitserve.request.sampling_params import SamplingParams
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 TOKEN = "5eb0c1a1d8e14f0e9c3a7d2b6f4e8a10"  # the router's per-request stream secret
 PROMPT = [1] + [(5 * i) % 300 + 3 for i in range(49)]  # 50 tokens: 13 blocks, 4 chunks of 16
-
-
-async def _drain(feed) -> tuple[list, StreamEnd]:
-    pieces = []
-    while not isinstance(item := await feed.next(10), StreamEnd):
-        pieces.append(item)
-    return pieces, item
-
-
-def _coverage(pieces, num_layers: int) -> set[tuple[int, int]]:
-    return {
-        (layer, b)
-        for p in pieces
-        for layer in range(p.layer_start, p.layer_end)
-        for b in range(p.block_start, p.block_end)
-    }
 
 
 def test_stream_feed_covers_every_layer_of_every_block(tiny_llama):
@@ -46,8 +36,8 @@ def test_stream_feed_covers_every_layer_of_every_block(tiny_llama):
             # attached before the Prefill arrives: it waits for it
             attach = asyncio.create_task(hub.begin_stream("early", len(PROMPT), TOKEN))
             result = await engine.prefill("early", PROMPT, PARAMS, 30.0, stream_token=TOKEN)
-            pieces, end = await _drain(await attach)
-            assert _coverage(pieces, layers) == everything
+            pieces, end = await drain_stream(await attach)
+            assert stream_coverage(pieces) == everything
             assert len(pieces) >= 4 * layers  # per layer, per chunk: streamed as computed
             assert end.status == kv_pb2.KV_PULL_STATUS_OK and not end.finished
             assert (end.first_token_id, end.lease_id) == (
@@ -59,17 +49,17 @@ def test_stream_feed_covers_every_layer_of_every_block(tiny_llama):
             hit = PROMPT[:40] + [7, 7, 7]
             attach = asyncio.create_task(hub.begin_stream("hit", len(hit), TOKEN))
             await engine.prefill("hit", hit, PARAMS, 30.0, stream_token=TOKEN)
-            pieces, end = await _drain(await attach)
+            pieces, end = await drain_stream(await attach)
             first = pieces[0]
             assert (first.layer_start, first.layer_end, first.block_start) == (0, layers, 0)
             assert first.block_end == 10  # the 40 cached tokens
-            assert _coverage(pieces, layers) == {
+            assert stream_coverage(pieces) == {
                 (la, b) for la in range(layers) for b in range(-(-len(hit) // 4))
             }
             # attached after the prompt finished: all of it from the lease, then the end
             late = await engine.prefill("late", PROMPT[:30], PARAMS, 30.0, stream_token=TOKEN)
-            pieces, end = await _drain(await hub.begin_stream("late", 30, TOKEN))
-            assert len(pieces) == 1 and _coverage(pieces, layers) == {
+            pieces, end = await drain_stream(await hub.begin_stream("late", 30, TOKEN))
+            assert len(pieces) == 1 and stream_coverage(pieces) == {
                 (la, b) for la in range(layers) for b in range(8)
             }
             assert end.lease_id == late.lease.lease_id
@@ -87,7 +77,7 @@ def test_stream_feed_covers_every_layer_of_every_block(tiny_llama):
             feed = await attach
             await wait_until(lambda: engine.scheduler.find("gone") is not None)
             engine.abort("gone")
-            _, end = await _drain(feed)
+            _, end = await drain_stream(feed)
             assert end.status == kv_pb2.KV_PULL_STATUS_ABORTED
             hub.end_stream("gone", "", delivered=False)
             [err] = await asyncio.gather(call, return_exceptions=True)
@@ -107,7 +97,7 @@ def test_a_lease_dropped_mid_stream_ends_it_aborted_without_its_pieces(tiny_llam
             feed = await hub.begin_stream("slow", 30, TOKEN)  # late attach: pieces + OK end queued
             assert not feed.queue.empty()
             assert engine.release_lease(done.lease.lease_id)  # (or its expiry): blocks freed
-            pieces, end = await _drain(feed)
+            pieces, end = await drain_stream(feed)
             assert pieces == []  # none names a freed block
             assert end.status == kv_pb2.KV_PULL_STATUS_ABORTED
             hub.end_stream("slow", end.lease_id, delivered=False)
@@ -130,7 +120,7 @@ def test_a_stream_needs_the_requests_token(tiny_llama):
                 with pytest.raises(LeaseLookupError) as info:
                     await hub.begin_stream("t", 30, wrong)
                 assert info.value.status == kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN
-            pieces, end = await _drain(await hub.begin_stream("t", 30, TOKEN))
+            pieces, end = await drain_stream(await hub.begin_stream("t", 30, TOKEN))
             assert pieces and end.status == kv_pb2.KV_PULL_STATUS_OK
             hub.end_stream("t", end.lease_id, delivered=True)
             plain = await engine.prefill("plain", PROMPT[:30], PARAMS, 30.0)  # no token: no stream

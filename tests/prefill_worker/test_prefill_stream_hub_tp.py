@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from prefill_helpers import drain_stream, stream_coverage
 
-from splitserve.kvtransfer.layer_stream_server import StreamEnd
 from splitserve.kvtransfer.server import LeaseLookupError
 from splitserve.prefill_worker.kv_stream_tp import FollowerStreamHub
 from splitserve.prefill_worker.tp_follower import MirrorLeaseSource
@@ -47,22 +47,6 @@ async def _settle():
         await asyncio.sleep(0)
 
 
-async def _drain(feed):
-    pieces = []
-    while not isinstance(item := await feed.next(5), StreamEnd):
-        pieces.append(item)
-    return pieces, item
-
-
-def _coverage(pieces):
-    return {
-        (la, b)
-        for p in pieces
-        for la in range(p.layer_start, p.layer_end)
-        for b in range(p.block_start, p.block_end)
-    }
-
-
 def _all(nblocks):
     return {(la, b) for la in range(LAYERS) for b in range(nblocks)}
 
@@ -84,8 +68,8 @@ def test_follower_hub_streams_like_rank0():
         hub.on_prefill_done()
         leases.grant("L", "a", table)
         hub.on_end("a", 0, "L", 30, 0, "")
-        pieces, end = await _drain(await attach)
-        assert _coverage(pieces) == _all(8)
+        pieces, end = await drain_stream(await attach)
+        assert stream_coverage(pieces) == _all(8)
         assert end.status == kv_pb2.KV_PULL_STATUS_OK
         assert (end.first_token_id, end.lease_id, end.finished) == (0, "", False)
         hub.end_stream("a", "", delivered=True)
@@ -98,9 +82,9 @@ def test_follower_hub_streams_like_rank0():
         feed = await hub.begin_stream("b", 25, TOKEN)
         hub.on_prefill_done()
         hub.on_end("b", 0, "", 0, 1, "")  # the first token ended it: no lease
-        pieces, end = await _drain(feed)
+        pieces, end = await drain_stream(feed)
         assert (pieces[0].layer_start, pieces[0].layer_end, pieces[0].block_end) == (0, LAYERS, 5)
-        assert _coverage(pieces) == _all(7)
+        assert stream_coverage(pieces) == _all(7)
         assert end.finished
         hub.end_stream("b", "", delivered=False)
 
@@ -114,8 +98,8 @@ def test_follower_hub_streams_like_rank0():
         await _settle()
         with pytest.raises(LeaseLookupError):
             await hub.begin_stream("c", 12, "wrong token")
-        pieces, end = await _drain(await hub.begin_stream("c", 12, TOKEN))
-        assert len(pieces) == 1 and _coverage(pieces) == _all(3)
+        pieces, end = await drain_stream(await hub.begin_stream("c", 12, TOKEN))
+        assert len(pieces) == 1 and stream_coverage(pieces) == _all(3)
         assert end.status == kv_pb2.KV_PULL_STATUS_OK and not end.lease_id
         hub.end_stream("c", "", delivered=True)
         leases.drop(["Lc"])
@@ -128,7 +112,7 @@ def test_follower_hub_streams_like_rank0():
         _step(hub, "d", 0, 8, table[:2])
         await _settle()
         hub.on_end("d", 1, "", 0, 0, "the request was aborted")
-        pieces, end = await _drain(feed)
+        pieces, end = await drain_stream(feed)
         assert not pieces and end.status == kv_pb2.KV_PULL_STATUS_ABORTED
         assert "aborted" in end.message
         hub.end_stream("d", "", delivered=False)
