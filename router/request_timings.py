@@ -10,7 +10,10 @@ DecodeResponse transfer / queue / admit_wait / local_prefill). Network and handl
 the router's elapsed time holds beyond the worker's durations; no timestamp of one process is
 ever set against another's. Colocated (no prefill worker), the decode worker's queue and its own
 prefill of the prompt fill prefill_queue and prefill_compute, and the whole gap is its first
-decode step. The parts are clamped at 0; unclamped they add up to the router's TTFT and gap.
+decode step. The parts are clamped at 0; unclamped they add up to the router's TTFT and gap. A
+first decode step that began before token 1 was written (a streamed hand-over brings the decode
+worker the first token early) counts only with its part inside the gap, so the gap's parts
+never add up to more than the gap.
 
 The TTFT parts are observed in `splitserve_router_ttft_component_seconds` when the first token's
 chunk is written, the gap's when the second token's is; the client gets them all on the last chunk.
@@ -101,12 +104,16 @@ class RequestTimer:
             m.first_decode_step_ms = gap_ms
         else:
             transfer, queue = self._decode_ms
-            m.first_decode_step_ms = max(0.0, queue)
+            # streamed, the decode worker may start its first step while the router is still
+            # writing token 1 (the stream brought it the first token): only the step's part
+            # inside the gap is the gap's, the rest overlapped token 1's delivery
+            step = min(max(0.0, queue), gap_ms)
+            m.first_decode_step_ms = step
             # the delivering Decode's network and handling: its elapsed time up to this chunk
             # beyond what the worker reports; what the gap holds beyond that and the step is
             # the hand-over not hidden behind the prefill (streamed: most of `transfer` is)
             overhead = max(0.0, (now - self._decode_sent) * 1000 - transfer - queue)
-            rest = max(0.0, gap_ms - max(0.0, queue))
+            rest = max(0.0, gap_ms - step)
             delivery = min(overhead, rest)
             m.second_token_delivery_ms = delivery
             m.handover_ms = rest - delivery
