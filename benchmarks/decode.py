@@ -83,6 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="measure half the batch JSON-schema constrained against none instead",
     )
+    p.add_argument(
+        "--fill-threads",
+        type=int,
+        help="--constrained: threads that fill the token masks (default: the engine's choice)",
+    )
     p.add_argument("--out", help="write the JSON result here")
     return p.parse_args(argv)
 
@@ -145,6 +150,10 @@ def main(argv=None) -> int:
     from splitserve.decode_worker.graph_runner import GraphRunner
 
     sizes = [int(s) for s in args.batch_sizes.split(",") if s]
+    if args.fill_threads:
+        from splitserve.engine import grammar_masks
+
+        grammar_masks.executor_threads = lambda: args.fill_threads
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
         log(f"writing the {args.preset} preset to {model_dir}")
@@ -186,6 +195,9 @@ def main(argv=None) -> int:
         )
     if args.constrained:
         found = structured_results(engine, sizes, args, log)
+        from splitserve.engine.grammar_masks import executor_threads
+
+        found["fill_threads"] = executor_threads()
         return write_out(args, torch, {"context": args.context, "steps": args.steps, **found})
     eager_runner = GraphRunner(engine.runner, max(sizes))
     bw = copy_bandwidth(torch, args.device, (2 << 30) if args.device == "cuda" else (64 << 20))

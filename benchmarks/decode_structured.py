@@ -3,8 +3,12 @@ constrained, divided by the same batch unconstrained in the same run (issue 35's
 structured.json), and the first-token latency of a request with a new schema (compile) and
 with a cached one.
 
-Every row is greedy; the constrained rows follow SCHEMA, whose `minItems` keeps them from
-ending before the measured steps (a constraint takes no ignore_eos), so the batch stays whole.
+The headline rows sample as OpenAI clients do by default (temperature 1, a seed per row), so
+the constrained rows diverge and each needs its own mask, as distinct requests do. The greedy
+variant (`greedy_identical`) gives every constrained row the same prompt and first token, so
+their matchers stay in one state: the engine fills that mask once (token_masks.same_state).
+The constrained rows follow SCHEMA, whose `minItems` keeps them from ending before the measured
+steps (a constraint takes no ignore_eos), so the batch stays whole.
 The preset's tokenizer is the tiny byte-level one (the model's 128k vocabulary padded past
 it), so the host mask cost there is that of a small vocabulary: give a --model-dir whose
 tokenizer.json is a real one (bench_vocab.llama3_tokenizer writes Llama 3's) to measure what a
@@ -57,17 +61,19 @@ def first_allowed(matcher, vocab: int) -> int:
     return int(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0])
 
 
-def _run(engine, batch: int, args, constrained: bool) -> float:
-    """Wall ms per step of the serving loop; rows 0, 2, 4, ... constrained when asked."""
+def _run(engine, batch: int, args, constrained: bool, sampled: bool = True) -> float:
+    """Wall ms per step of the serving loop; rows 0, 2, 4, ... constrained when asked; every
+    row sampled at temperature 1 with its own seed, or every row greedy."""
     from splitserve.decode_worker.sequence import DecodeInput
     from splitserve.request.constraint import Constraint
     from splitserve.request.sampling_params import SamplingParams
 
     n = args.steps + 1
-    free = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     c = Constraint(kind="json_schema", text=json.dumps(bench_schema(n)))
-    tight = SamplingParams(temperature=0, max_tokens=n, constraint=c)
     for i in range(batch):
+        how = {"temperature": 1.0, "seed": i} if sampled else {"temperature": 0}
+        free = SamplingParams(max_tokens=n, ignore_eos=True, **how)
+        tight = SamplingParams(max_tokens=n, constraint=c, **how)
         got = engine.allocator.allocate(-(-args.context // engine.runner.block_size))
         if constrained and i % 2 == 0:
             m = engine.grammars.compile_now(c)
@@ -116,21 +122,25 @@ def structured_results(engine, sizes, args, log) -> dict:
     for b in sizes:
         _run(engine, b, args, False)  # warm the loop (and the MASK graphs) at this size
         _run(engine, b, args, True)
-        plain = _run(engine, b, args, False)
-        masks = engine.graphs.masks
-        steps, fill_s = masks.steps, masks.fill_seconds
-        half = _run(engine, b, args, True)
-        row = {
-            "batch": b,
-            "unconstrained_step_ms": plain,
-            "constrained_step_ms": half,
-            "ratio_to_unconstrained": half / plain,
-            # host: fill the masks + enqueue their copy, per masked step (overlaps the forward)
-            "mask_host_ms": (masks.fill_seconds - fill_s) * 1e3 / max(masks.steps - steps, 1),
-        }
-        log(
-            f"  batch={b} plain={plain:.3f} ms half-constrained={half:.3f} ms ratio={half / plain:.3f}"
-        )
+        row = {"batch": b}
+        for sampled, name in ((True, ""), (False, "greedy_identical_")):
+            plain = _run(engine, b, args, False, sampled)
+            masks = engine.graphs.masks
+            steps, fill_s = masks.steps, masks.fill_seconds
+            half = _run(engine, b, args, True, sampled)
+            row |= {
+                f"{name}unconstrained_step_ms": plain,
+                f"{name}constrained_step_ms": half,
+                f"{name}ratio_to_unconstrained": half / plain,
+                # host: fill the masks + enqueue their copy, per masked step (overlaps the forward)
+                f"{name}mask_host_ms": (masks.fill_seconds - fill_s)
+                * 1e3
+                / max(masks.steps - steps, 1),
+            }
+            log(
+                f"  batch={b} {name or 'sampled_'}plain={plain:.3f} ms "
+                f"half-constrained={half:.3f} ms ratio={half / plain:.3f}"
+            )
         rows.append(row)
     new = first_token_ms(engine, args, nonce=str(time.time_ns()))
     cached = first_token_ms(engine, args, nonce="cached")  # compiled by the first call below

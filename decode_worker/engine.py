@@ -120,10 +120,10 @@ class DecodeEngine:
             inp.params, self.eos, self.runner.max_model_len, len(prompt), match_stop_strings=False
         )
         seq = DecodeSequence(inp.request_id, prompt, inp.params, stop, sink, list(first_ids))
-        seq.matcher = inp.matcher
+        seq.start_grammar(inp.matcher)
         if inp.first_token_id is None:  # colocated: admission computes the prompt, samples out[0]
             return seq, None
-        if seq.matcher is not None and not seq.matcher.consume_token(inp.first_token_id):
+        if seq.matcher is not None and not seq.advance_matcher(inp.first_token_id):
             raise RequestError.invalid(
                 f"first_token_id {inp.first_token_id} is not allowed by the request's "
                 "constraint; pass the token the prefill worker sampled under the same constraint"
@@ -278,7 +278,7 @@ class DecodeEngine:
         self, seq: DecodeSequence, token: int, logprob: TokenLogprobs | None, now: float
     ) -> None:
         seq.output_token_ids.append(token)
-        if seq.matcher is not None and not seq.matcher.consume_token(token):
+        if seq.matcher is not None and not seq.advance_matcher(token):
             why = seq.matcher.get_error()  # e.g. a grammar over the engine's per-step limits
             log.error("%s: token %d broke its constraint: %s", seq.request_id, token, why)
             err = RequestError(grpc.StatusCode.INTERNAL, f"the constraint failed: {why}")

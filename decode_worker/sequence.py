@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ class StepOutput:
 
 Sink = Callable[[StepOutput], None]
 _UIDS = itertools.count(1)
+# seeds the grammar-state fingerprints, so no client can aim two token sequences at one value
+_GRAMMAR_SALT = secrets.randbits(64)
 
 
 @dataclass(eq=False)
@@ -96,6 +99,9 @@ class DecodeSequence:
     # structured output: advanced with every accepted token, so it always stands after the
     # last token of output_token_ids (kept across preemption and recompute)
     matcher: object | None = None
+    # (its constraint, the tokens its matcher consumed) hashed: rows with equal fingerprints
+    # (token_masks.py checks their tokens too) share one mask fill
+    grammar_fp: int = 0
     # local prefill in progress (admitted without KV): the next recompute_tokens() index whose
     # KV is still to be computed; None when no local prefill is pending (chunked prefill:
     # a long prompt is computed over several engine steps while the others keep decoding)
@@ -109,6 +115,17 @@ class DecodeSequence:
     def next_step(self) -> int:
         """Index k of the next step to launch (see module doc)."""
         return len(self.output_token_ids) - 1 + self.in_flight
+
+    def start_grammar(self, matcher: object | None) -> None:
+        """The request's own compiled constraint, at token 0 (None: unconstrained)."""
+        self.matcher = matcher
+        if matcher is not None:
+            self.grammar_fp = hash((_GRAMMAR_SALT, self.params.constraint.key))
+
+    def advance_matcher(self, token: int) -> bool:
+        """The matcher consumes `token` (out[-1]); False when the constraint refuses it."""
+        self.grammar_fp = hash((self.grammar_fp, token))
+        return self.matcher.consume_token(token)
 
     @property
     def next_position(self) -> int:

@@ -10,6 +10,9 @@ The host work overlaps the device: the step's forward is enqueued first (the MAS
 two graphs, forward and sampling), then the engine reads the previous step's tokens and
 advances the matchers, then the masks are filled and copied, then the sampling is enqueued.
 The pinned buffer is rewritten only after the previous step was read, i.e. after its mask copy.
+
+Rows whose matchers stand in one state (same constraint, same tokens so far: the forced
+opening of a schema, `n` choices, identical prompts) are filled once (`same_state`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class TokenMasks:
         self.host = torch.full((max_batch_size, words), -1, dtype=torch.int32, pin_memory=pin)
         self.device = torch.full((max_batch_size, words), -1, dtype=torch.int32, device=device)
         self.steps = 0  # masked steps launched, for tests and metrics
+        self.shared_rows = 0  # rows that copied another row's mask (same matcher state)
         self.fill_seconds = 0.0  # host time filling masks (the benchmark reports it per step)
         self.on_fill: Callable[[float], None] | None = None  # seconds per masked step (metrics)
 
@@ -42,10 +46,31 @@ class TokenMasks:
         n, t0 = len(seqs), time.perf_counter()
         # a row that just finished (its last token read while this step's forward ran) is a
         # wasted lane: any mask will do, and its matcher may be past its end
-        fill_masks([None if s.finished else s.matcher for s in seqs], self.host.numpy())
+        matchers = [None if s.finished else s.matcher for s in seqs]
+        same = same_state(seqs, matchers)
+        fill_masks(matchers, self.host.numpy(), same)
+        self.shared_rows += len(same) - same.count(None)
         self.device[:n].copy_(self.host[:n], non_blocking=True)
         self.steps += 1
         took = time.perf_counter() - t0
         self.fill_seconds += took
         if self.on_fill is not None:
             self.on_fill(took)
+
+
+def same_state(
+    seqs: Sequence[DecodeSequence], matchers: Sequence[object | None]
+) -> list[int | None]:
+    """[i] = j < i when row i's matcher stands where row j's does, else None. The fingerprint
+    (sequence.py) finds candidates in O(1); equal token lists prove it (the matcher's state is a
+    function of its constraint and the tokens it consumed)."""
+    first: dict[tuple, int] = {}
+    out: list[int | None] = [None] * len(seqs)
+    for i, (s, m) in enumerate(zip(seqs, matchers)):
+        if m is None:
+            continue
+        key = (s.grammar_fp, len(s.output_token_ids), s.params.constraint.key)
+        j = first.setdefault(key, i)
+        if j != i and seqs[j].output_token_ids == s.output_token_ids:
+            out[i] = j
+    return out
