@@ -153,23 +153,24 @@ class CommonParams(StrictModel):
         if so is not None:
             if not isinstance(so, dict):
                 raise OpenAIError.bad("structured_outputs", "structured_outputs must be an object")
-            if self.response_format not in (None, {"type": "text"}):
-                raise OpenAIError.bad(
-                    "structured_outputs", "give response_format or structured_outputs, not both"
-                )
             try:
                 so = st.StructuredOutputs.model_validate(so)
             except ValidationError as exc:
                 err = exc.errors()[0]
                 where = ".".join(str(p) for p in ("structured_outputs", *err["loc"]))
                 raise OpenAIError.bad(where, f"{where}: {err['msg']}") from None
+            if self.response_format not in (None, {"type": "text"}) and so.constraints():
+                raise OpenAIError.bad(
+                    "structured_outputs", "give response_format or structured_outputs, not both"
+                )
         st.response_format_constraint(self.response_format, sp)
         st.structured_outputs_constraint(so, sp)
 
     def constraint_names(self) -> dict[str, str]:
         """The OpenAI parameter behind each proto constraint field (error messages)."""
         name = "structured_outputs" if self.structured_outputs is not None else "response_format"
-        return {k: name for k in ("json_schema", "json_object", "regex", "choice", "grammar")}
+        names = {k: name for k in ("json_schema", "json_object", "regex", "choice", "grammar")}
+        return names | {"json_whitespace": "structured_outputs"}
 
     @property
     def include_usage(self) -> bool:

@@ -5,6 +5,10 @@ forced tool calls, each turned into the one constraint of generate.proto's Sampl
     response_format {"type": "json_schema", "json_schema": {...}} -> json_schema (enforced
                                                                      whether `strict` or not)
     structured_outputs {json | regex | choice | grammar | json_object}   (vLLM's names, one)
+    structured_outputs {"json_whitespace": n}                    -> at most n free spaces /
+                                                                     newlines between JSON tokens
+                                                                     (0 by default; beside a JSON
+                                                                     constraint given either way)
     tool_choice {"type": "function", "function": {"name": f}}    -> json_schema: f's parameters
     tool_choice "required"                                       -> json_schema: {"name": one of
                                                                      the tools, "arguments": its
@@ -26,6 +30,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitserve.protos import generate_pb2
+from splitserve.request.constraint import MAX_JSON_WHITESPACE
 from splitserve.router.openai_errors import OpenAIError
 
 MAX_TOOLS = 64
@@ -41,6 +46,12 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    json_whitespace: int | None = Field(None, ge=0, le=MAX_JSON_WHITESPACE)
+
+    def constraints(self) -> list[str]:
+        """The constraint fields given (json_whitespace only modifies a JSON one)."""
+        dumped = self.model_dump(by_alias=True, exclude={"json_whitespace"})
+        return [k for k, v in dumped.items() if v not in (None, False)]
 
 
 def _schema_text(schema: Any, param: str) -> str:
@@ -77,7 +88,11 @@ def structured_outputs_constraint(
 ) -> None:
     if so is None:
         return
-    given = [k for k, v in so.model_dump(by_alias=True).items() if v not in (None, False)]
+    if so.json_whitespace is not None:
+        sp.json_whitespace = so.json_whitespace  # the server refuses it beside no JSON constraint
+    given = so.constraints()
+    if not given and so.json_whitespace is not None:
+        return  # the constraint comes from response_format
     if len(given) != 1:
         raise OpenAIError.bad(
             "structured_outputs",
