@@ -344,10 +344,10 @@ def _decode_metric(stack, name: str) -> float:
 
 @pytest.mark.parametrize("path", ["grpc", "openai"])
 def test_constrained_requests_under_decode_preemption(stack, client, path):
-    """Eight concurrent constrained requests (gRPC, or the openai client's response_format)
-    whose outputs outgrow the decode worker's pool (128 blocks of 4): sequences are preempted
-    and recomputed, and every output still validates."""
-    cases = schemas(seed=37 if path == "grpc" else 38, count=8)
+    """The 50 generated schemas of a path (gRPC, or the openai client's response_format), ten
+    requests in flight at a time, whose outputs outgrow the decode worker's pool (128 blocks of
+    4): sequences are preempted and recomputed, and every output still validates."""
+    cases = schemas(seed=37 if path == "grpc" else 38, count=SCHEMAS)
     for s in cases:  # long required strings: ~8 x 110 tokens > the pool's 508 slots
         s["properties"]["pad"] = {"type": "string", "minLength": 90, "maxLength": 100}
         s["required"].append("pad")
@@ -359,8 +359,8 @@ def test_constrained_requests_under_decode_preemption(stack, client, path):
             return _via_grpc(stack, cases[i], seed=i, max_tokens=200, handed_over=False)
         return _via_openai(client, cases[i], seed=i, max_tokens=200)
 
-    with ThreadPoolExecutor(8) as pool:
-        texts = list(pool.map(one, range(8)))
+    with ThreadPoolExecutor(10) as pool:
+        texts = list(pool.map(one, range(SCHEMAS)))
     assert _decode_metric(stack, "splitserve_decode_preemptions_total") > before
     assert _decode_metric(stack, "splitserve_decode_mask_seconds_count") > masked + 50
     assert _decode_metric(stack, "splitserve_decode_grammar_compile_seconds_count") >= 1
