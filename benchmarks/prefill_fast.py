@@ -107,7 +107,7 @@ def first_prompt(
                 break
         address, metrics_port, startup_s = f"{m[1]}:{m[2]}", int(m[3]), float(m[4])
         params = generate_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-        ttfts = []
+        ttfts, parts = [], []
         with grpc.insecure_channel(address) as channel:
             # connected first, as a router's channel is (its health checks): the first prompt's
             # time is the worker's, not the TCP + HTTP/2 handshake's
@@ -121,6 +121,8 @@ def first_prompt(
                 start = time.perf_counter()
                 resp = stub.Prefill(req, timeout=600)
                 ttfts.append(time.perf_counter() - start)
+                # the worker's own split: waiting for a step, and the steps + sampling
+                parts.append((resp.queue_time_ms, resp.compute_time_ms, resp.sampling_time_ms))
                 stub.ReleaseLease(
                     worker_pb2.ReleaseLeaseRequest(
                         lease_id=resp.kv.lease_id, request_id=req.request_id
@@ -146,6 +148,10 @@ def first_prompt(
         "first_prompt_ms": ttfts[0] * 1e3,
         "next_median_ms": rest * 1e3,
         "first_prompt_len": length,
+        # [queue, compute, sampling] ms the worker reported: the first prompt, then the next ones'
+        # medians; what the worker does not report is the RPC and the servicer around it
+        "first_prompt_worker_ms": list(parts[0]),
+        "next_worker_median_ms": [statistics.median(p[k] for p in parts[1:]) for k in range(3)],
         "startup_s": startup_s,
         "serving_compilations": float(compiles[1]) if compiles else None,
     }
