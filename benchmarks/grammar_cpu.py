@@ -70,7 +70,7 @@ def main() -> None:
         folder = Path(args.model).expanduser()
         cfg = json.loads((folder / "config.json").read_text())
         vocab, eos, name = cfg["vocab_size"], cfg["eos_token_id"], folder.name
-    cache = GrammarCache(folder, vocab, [eos])
+    cache = GrammarCache(folder, vocab, [eos], lineages=grammar_masks.grammar_lineages())
     t = time.perf_counter()
     cache.tokenizer()
     tokenizer_s = time.perf_counter() - t

@@ -41,6 +41,7 @@ from splitserve.decode_worker.recompute import recompute_kv, sample_first_tokens
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
 from splitserve.decode_worker.startup import warm_up
+from splitserve.engine.grammar_masks import grammar_lineages
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
@@ -87,7 +88,9 @@ class DecodeEngine:
         self.sampler = Sampler(cfg.engine.seed, self.eos)
         self.graphs = GraphRunner(self.runner, sc.max_batch_size, self.sampler)
         vocab = self.runner.model_config.vocab_size
-        self.grammars = GrammarCache(cfg.engine.model_path, vocab, self.eos)  # servicer's
+        self.grammars = GrammarCache(
+            cfg.engine.model_path, vocab, self.eos, lineages=grammar_lineages()
+        )  # servicer's
         self.grammars.on_compile = self.metrics.grammar_compile_seconds.observe
         self.graphs.masks.on_fill = self.metrics.mask_seconds.observe
         self.sync_reads = 0  # steps read in the engine step that launched them (host waited)

@@ -23,22 +23,29 @@ def mask_words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
-MAX_FILL_THREADS = 4
+MAX_FILL_THREADS = 8
+# independent compiles of a grammar per fill thread (request/grammar_cache.py: copies of one
+# compile fill their masks one at a time), so rows of one schema seldom share a lock
+LINEAGES_PER_THREAD = 4
 
 
 def executor_threads() -> int:
     """Threads that fill a batch's masks: the CPUs this process may run on (its affinity, as a
-    container or `taskset` sets it), at most MAX_FILL_THREADS. A batch's fill takes about as
-    long as its slowest row (a row inside a bounded string near its bound walks the whole token
-    trie: ~1.2 ms at 128k tokens), which no thread count splits; on the H200 host's 16 cores
-    (Llama 3 vocabulary, 64 rows of one schema) 1 to 4 threads filled in a median 1.1-1.3 ms,
-    llguidance's default of 80% of the CPUs (12) in 1.5-1.9 ms and 16 in 1.8 ms. On 2 CPUs the
-    default would be one thread; this takes both."""
+    container or `taskset` sets it), at most MAX_FILL_THREADS. A row inside a bounded string
+    walks the whole token trie (~1.5-2.5 ms at 128k tokens on one core), so a step of 32
+    distinct rows sums to several ms; threads split it only across independent compiles
+    (grammar_lineages). The earlier finding that 1-4 threads beat 12-16 was measured on copies
+    of one compile, which fill one at a time whatever the thread count."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
     return max(1, min(MAX_FILL_THREADS, cpus))
+
+
+def grammar_lineages() -> int:
+    """How many independent compiles of one grammar the engine's GrammarCache keeps."""
+    return LINEAGES_PER_THREAD * executor_threads()
 
 
 def _executor() -> llguidance.LLExecutor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from splitserve.engine.grammar_masks import grammar_lineages
 from splitserve.engine.model_runner import DecodeLane, ModelRunner, PrefillChunk
 from splitserve.engine.sampler import Sampler, SeqSamplingInfo
 from splitserve.request.block_allocator import BlockAllocator
@@ -38,7 +39,9 @@ class OfflineEngine:
         self.eos = tuple(runner.model_config.eos_token_ids)
         self.sampler = Sampler(seed, self.eos)
         mc = runner.model_config
-        self.grammars = GrammarCache(runner.engine_config.model_path, mc.vocab_size, self.eos)
+        self.grammars = GrammarCache(
+            runner.engine_config.model_path, mc.vocab_size, self.eos, lineages=grammar_lineages()
+        )
 
     def _blocks_for(self, seq: Completion, length: int) -> None:
         need = -(-length // self.runner.block_size) - len(seq.block_table)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from splitserve.engine.grammar_masks import grammar_lineages
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import SampleOutput, Sampler
 from splitserve.prefill_worker.config import PrefillWorkerConfig
@@ -63,7 +64,9 @@ class PrefillEngine:
         self.leases = LeaseTable()
         self.eos = tuple(runner.model_config.eos_token_ids)
         self.sampler = Sampler(cfg.engine.seed, self.eos)
-        self.grammars = GrammarCache(cfg.engine.model_path, self.vocab_size, self.eos)
+        self.grammars = GrammarCache(
+            cfg.engine.model_path, self.vocab_size, self.eos, lineages=grammar_lineages()
+        )
         self.grammars.on_compile = self.metrics.grammar_compile_seconds.observe
         self.fatal: BaseException | None = None
         self._on_fatal = on_fatal

@@ -83,6 +83,20 @@ def test_grammar_cache_compiles_once_and_hands_out_copies(tiny_llama):
     assert asyncio.run(cache.matcher(None)) is None
 
 
+def test_grammar_cache_keeps_independent_compiles_up_to_its_lineages(tiny_llama):
+    """Copies of one compile fill their masks one at a time (a shared lexer lock), so the cache
+    compiles a grammar `lineages` times before it hands out copies, then rotates over them."""
+    cache = GrammarCache(tiny_llama, 512, [2], lineages=3)
+    tok = cache.tokenizer()
+    c = Constraint(kind="choice", choices=("yes", "no"))
+    got = [cache.compile_now(c) for _ in range(7)]
+    assert cache.compiles == 1 and cache.lineage_compiles == 2
+    assert got[0].consume_tokens(tok.tokenize_str("yes")) and got[0].is_accepting()
+    assert not any(m.is_accepting() for m in got[1:])  # each request its own matcher
+    cache.compile_now(Constraint(kind="regex", text="a+"))
+    assert cache.compiles == 2 and cache.lineage_compiles == 2
+
+
 def _many_optional_fields(n: int) -> Constraint:
     """A schema of n optional fields: llguidance's compile grows with n squared (~1 s at 2800
     fields on a CI core), under the 64 KiB bound."""

@@ -24,15 +24,19 @@ def _requests(tiny_llama):
         (s, Constraint(kind="json_schema", text=json.dumps(s))) for s in schemas(seed=9, count=2)
     )
     greedy = {"temperature": 0.0, "max_tokens": 120}
-    return one, other, {
-        # a and b: same schema, prompt and greedy tokens: one state all along
-        "a": SamplingParams(constraint=one[1], **greedy),
-        "b": SamplingParams(constraint=one[1], **greedy),
-        # c: same schema, sampled: shares the forced opening, then diverges
-        "c": SamplingParams(constraint=one[1], temperature=1.0, seed=3, max_tokens=120),
-        "d": SamplingParams(constraint=other[1], **greedy),
-        "free": SamplingParams(temperature=1.0, seed=5, max_tokens=40),
-    }
+    return (
+        one,
+        other,
+        {
+            # a and b: same schema, prompt and greedy tokens: one state all along
+            "a": SamplingParams(constraint=one[1], **greedy),
+            "b": SamplingParams(constraint=one[1], **greedy),
+            # c: same schema, sampled: shares the forced opening, then diverges
+            "c": SamplingParams(constraint=one[1], temperature=1.0, seed=3, max_tokens=120),
+            "d": SamplingParams(constraint=other[1], **greedy),
+            "free": SamplingParams(temperature=1.0, seed=5, max_tokens=40),
+        },
+    )
 
 
 def _run(tiny_llama, reqs):
