@@ -107,6 +107,11 @@ class GrammarCache:
                 self._handed.pop(old, None)
         return matcher.deep_copy()
 
+    def compiled_count(self, c: Constraint) -> int:
+        """How many independent compiles of `c` the cache holds (0: not cached)."""
+        with self._lock:
+            return len(self._compiled.get(c.key, ()))
+
     async def matcher(self, c: Constraint | None) -> llguidance.LLMatcher | None:
         """The request's own matcher (None without a constraint), compiled off the loop."""
         if c is None:

@@ -90,7 +90,7 @@ def test_grammar_cache_keeps_independent_compiles_up_to_its_lineages(tiny_llama)
     tok = cache.tokenizer()
     c = Constraint(kind="choice", choices=("yes", "no"))
     got = [cache.compile_now(c) for _ in range(7)]
-    assert cache.compiles == 1 and cache.lineage_compiles == 2
+    assert cache.compiles == 1 and cache.lineage_compiles == 2 and cache.compiled_count(c) == 3
     assert got[0].consume_tokens(tok.tokenize_str("yes")) and got[0].is_accepting()
     assert not any(m.is_accepting() for m in got[1:])  # each request its own matcher
     cache.compile_now(Constraint(kind="regex", text="a+"))
