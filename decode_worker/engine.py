@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -260,22 +260,33 @@ class DecodeEngine:
             for seq, tok, lp in zip(firsts, out.token_ids, out.logprobs):
                 self._accept(seq, tok, lp, now)
 
-    def _read_unread(self) -> None:
+    def _read_unread(self, constrained_read: Callable[[], None] | None = None) -> None:
         """Reads the previous step, once: after this step's launch, or (a batch with
-        constrained rows, whose masks need its tokens) while this step's forward runs."""
+        constrained rows, whose masks need its tokens) while this step's forward runs; then
+        `constrained_read` runs once the constrained rows are read, before the others."""
         prev, self._unread = self._unread, None
         if prev is not None:
-            self._complete(prev)
+            self._complete(prev, constrained_read)
 
-    def _complete(self, handle: StepHandle) -> None:
+    def _complete(
+        self, handle: StepHandle, constrained_read: Callable[[], None] | None = None
+    ) -> None:
         if handle is self._launched:  # read before the next step was launched: a host wait
             self.sync_reads += 1
         tokens, logprobs = self.graphs.read(handle)
         now = time.monotonic()
-        for seq, tok, lp in zip(handle.seqs, tokens, logprobs):
+        rows = list(zip(handle.seqs, tokens, logprobs))
+        if constrained_read is not None:  # the masks need only these: they start filling
+            rows.sort(key=lambda row: row[0].matcher is None)  # (stable) while the rest is read
+        for seq, tok, lp in rows:
+            if constrained_read is not None and seq.matcher is None:
+                constrained_read()
+                constrained_read = None
             seq.in_flight -= 1
             if not seq.finished:
                 self._accept(seq, tok, lp, now)
+        if constrained_read is not None:
+            constrained_read()
 
     def _accept(
         self, seq: DecodeSequence, token: int, logprob: TokenLogprobs | None, now: float

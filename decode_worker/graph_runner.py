@@ -165,13 +165,15 @@ class GraphRunner(GraphCapture):
         seqs: Sequence[DecodeSequence],
         changed: bool,
         new_blocks: Sequence[tuple[DecodeSequence, int, int]] = (),
-        before_masks: Callable[[], None] | None = None,
+        before_masks: Callable[[Callable[[], None]], None] | None = None,
     ) -> StepHandle:
         """Enqueues one decode step for `seqs` (their KV up to next_position present, their
         blocks allocated); returns at once (on CUDA) with a handle for `read`. A batch with a
         constrained row enqueues the forward, calls `before_masks` (the engine reads the
-        previous step there: the matchers need its tokens) while the forward runs, then fills
-        the masks and enqueues the sampling."""
+        previous step there: the matchers need its tokens; it calls the hook it is given once
+        the constrained rows are read, which starts the mask fill on a helper thread while it
+        reads the others) while the forward runs, then waits for the masks and enqueues the
+        sampling."""
         n = len(seqs)
         if not 0 < n <= self.max_batch_size:
             raise ValueError(f"batch of {n} outside 1..{self.max_batch_size}")
@@ -209,9 +211,9 @@ class GraphRunner(GraphCapture):
         self.variant_steps[variant] += 1
         if variant & MASK:
             logits = self.run_forward(slot, n, graph_size, prep)
-            if before_masks is not None:
-                before_masks()
-            self.masks.upload(seqs)
+            if before_masks is not None:  # the fill starts once the constrained rows are read
+                before_masks(lambda: self.masks.start(seqs))
+            self.masks.finish(seqs)
             self.run_sample(n, graph_size, variant, logits)
         else:
             self.run_step(slot, n, graph_size, prep, variant)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -36,6 +37,9 @@ class TokenMasks:
         self.shared_rows = 0  # rows that copied another row's mask (same matcher state)
         self.fill_seconds = 0.0  # host time filling masks (the benchmark reports it per step)
         self.on_fill: Callable[[float], None] | None = None  # seconds per masked step (metrics)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="token-masks")
+        self._filling: Future | None = None
+        self._t0 = 0.0
 
     @staticmethod
     def constrained(seqs: Sequence[DecodeSequence]) -> bool:
@@ -43,19 +47,36 @@ class TokenMasks:
 
     def upload(self, seqs: Sequence[DecodeSequence]) -> None:
         """Rows [:len(seqs)] of the device buffer <- the rows' masks (stream-ordered)."""
-        n, t0 = len(seqs), time.perf_counter()
+        self.start(seqs)
+        self.finish(seqs)
+
+    def start(self, seqs: Sequence[DecodeSequence]) -> None:
+        """Starts filling the host buffer on the helper thread (the fill itself runs outside the
+        GIL), so the engine reads the unconstrained rows of the previous step meanwhile."""
+        self._t0 = time.perf_counter()
         # a row that just finished (its last token read while this step's forward ran) is a
         # wasted lane: any mask will do, and its matcher may be past its end
         matchers = [None if s.finished else s.matcher for s in seqs]
-        same = same_state(seqs, matchers)
-        fill_masks(matchers, self.host.numpy(), same)
-        self.shared_rows += len(same) - same.count(None)
+        self._filling = self._pool.submit(self._fill, seqs, matchers)
+
+    def finish(self, seqs: Sequence[DecodeSequence]) -> None:
+        """Waits for the fill (starts it here if `start` was not called) and enqueues the copy."""
+        if self._filling is None:
+            self.start(seqs)
+        filling, self._filling = self._filling, None
+        self.shared_rows += filling.result()
+        n = len(seqs)
         self.device[:n].copy_(self.host[:n], non_blocking=True)
         self.steps += 1
-        took = time.perf_counter() - t0
+        took = time.perf_counter() - self._t0
         self.fill_seconds += took
         if self.on_fill is not None:
             self.on_fill(took)
+
+    def _fill(self, seqs: Sequence[DecodeSequence], matchers: list) -> int:
+        same = same_state(seqs, matchers)
+        fill_masks(matchers, self.host.numpy(), same)
+        return len(same) - same.count(None)
 
 
 def same_state(

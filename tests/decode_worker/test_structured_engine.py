@@ -203,10 +203,19 @@ def test_masked_graph_halves_keep_the_overlap(tiny_llama):
     g, order = engine.graphs, []
     forward, complete = g.run_forward, engine._complete
     g.run_forward = lambda *a: (order.append("forward"), forward(*a))[1]
-    engine._complete = lambda h: (order.append("read"), complete(h))[1]
+    engine._complete = lambda h, *hook: (order.append("read"), complete(h, *hook))[1]
+    start, accept = g.masks.start, engine._accept
+    g.masks.start = lambda seqs: (order.append("mask fill"), start(seqs))[1]
+    engine._accept = lambda seq, *a: (
+        order.append("constrained" if seq.matcher else "unconstrained"),
+        accept(seq, *a),
+    )[1]
     col = _run(engine, reqs)
-    # steady masked steps: the step's forward is enqueued before the previous step is read
-    assert "".join(o[0] for o in order).count("fr") > 5, order
+    steps = "".join(o[0] for o in order)
+    # steady masked steps: the step's forward is enqueued before the previous step is read,
+    # and the mask fill starts after the constrained rows are read, before the free one
+    assert steps.count("fr") > 5, order
+    assert steps.count("cmu") > 5, order
     assert col.tokens["free"] == want
     for i, s in enumerate(cases):
         assert col.final[f"j{i}"].finish_reason == "stop"
