@@ -75,6 +75,9 @@ def _lines(stream, out: queue.Queue) -> None:
     out.put(None)
 
 
+IDLE_PAUSE_S = 2.0
+
+
 def first_prompt(
     model_dir, device: str, length: int, vocab: int, block_size: int, budget: int, follow: int = 10
 ) -> dict:
@@ -113,7 +116,9 @@ def first_prompt(
             # time is the worker's, not the TCP + HTTP/2 handshake's
             grpc.channel_ready_future(channel).result(timeout=60)
             stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-            for i in range(1 + follow):
+            for i in range(2 + follow):
+                if i == 1 + follow:  # one more after an idle pause: a once-only cost, or idling?
+                    time.sleep(IDLE_PAUSE_S)
                 prompt = [(7919 * (i + 11) + 104729 * j) % (vocab - 3) + 3 for j in range(length)]
                 req = worker_pb2.PrefillRequest(
                     request_id=f"first-{i}", prompt_token_ids=prompt, sampling=params
@@ -137,6 +142,7 @@ def first_prompt(
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    after_idle, idle_parts = ttfts.pop(), parts.pop()
     rest = statistics.median(ttfts[1:])
     print(
         f"first {length}-token prompt after SERVING (cold Triton cache): {ttfts[0] * 1e3:.1f} ms, "
@@ -152,6 +158,10 @@ def first_prompt(
         # medians; what the worker does not report is the RPC and the servicer around it
         "first_prompt_worker_ms": list(parts[0]),
         "next_worker_median_ms": [statistics.median(p[k] for p in parts[1:]) for k in range(3)],
+        # the same prompt length after the worker idled IDLE_PAUSE_S: if it pays like the first,
+        # the first prompt's extra is the idle GPU / CPU waking up, not a missed warm-up
+        "after_idle_ms": after_idle * 1e3,
+        "after_idle_worker_ms": list(idle_parts),
         "startup_s": startup_s,
         "serving_compilations": float(compiles[1]) if compiles else None,
     }
