@@ -120,7 +120,8 @@ class DecodeSequence:
         """The request's own compiled constraint, at token 0 (None: unconstrained)."""
         self.matcher = matcher
         if matcher is not None:
-            self.grammar_fp = hash((_GRAMMAR_SALT, self.params.constraint.key))
+            # (the frozen Constraint's own hash: .key would rebuild its grammar text)
+            self.grammar_fp = hash((_GRAMMAR_SALT, self.params.constraint))
 
     def advance_matcher(self, token: int) -> bool:
         """The matcher consumes `token` (out[-1]); False when the constraint refuses it."""

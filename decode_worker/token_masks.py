@@ -45,11 +45,6 @@ class TokenMasks:
     def constrained(seqs: Sequence[DecodeSequence]) -> bool:
         return any(s.matcher is not None for s in seqs)
 
-    def upload(self, seqs: Sequence[DecodeSequence]) -> None:
-        """Rows [:len(seqs)] of the device buffer <- the rows' masks (stream-ordered)."""
-        self.start(seqs)
-        self.finish(seqs)
-
     def start(self, seqs: Sequence[DecodeSequence]) -> None:
         """Starts filling the host buffer on the helper thread (the fill itself runs outside the
         GIL), so the engine reads the unconstrained rows of the previous step meanwhile."""
@@ -60,7 +55,8 @@ class TokenMasks:
         self._filling = self._pool.submit(self._fill, seqs, matchers)
 
     def finish(self, seqs: Sequence[DecodeSequence]) -> None:
-        """Waits for the fill (starts it here if `start` was not called) and enqueues the copy."""
+        """Rows [:len(seqs)] of the device buffer <- the rows' masks (stream-ordered): waits for
+        the fill (starts it here if `start` was not called) and enqueues the copy."""
         if self._filling is None:
             self.start(seqs)
         filling, self._filling = self._filling, None

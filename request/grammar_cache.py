@@ -9,9 +9,11 @@ at a time however many threads fill them (measured: 8 copies in a bounded-string
 22 ms with 1, 2 or 4 threads; 8 separate compiles 25 ms with one thread, 13 ms with two). So
 the cache keeps up to `lineages` independent compiles of a grammar (the engine passes its mask
 threads): the first requests of a grammar each compile one more, later ones get copies of
-them in turn, and a batch's rows of one schema spread over that many locks. Compiling runs in a thread,
-never on the event loop or the engine thread, within `compile_timeout_s`; what the grammar
-engine refuses, or what takes longer, is INVALID_ARGUMENT before anything is allocated.
+them in turn, and a batch's rows of one schema spread over that many locks.
+
+Compiling runs in a thread, never on the event loop or the engine thread, within
+`compile_timeout_s`; what the grammar engine refuses, or what takes longer, is INVALID_ARGUMENT
+before anything is allocated.
 """
 
 from __future__ import annotations

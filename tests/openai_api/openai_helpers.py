@@ -141,6 +141,22 @@ class Stack:
         return 0.0
 
 
+def chat_until_stop(client, messages, seed: int, max_tokens: int, **kw) -> str:
+    """A chat completion sampled at temperature 1 with `seed` (plus `kw`) through the openai
+    client, which must end with finish_reason "stop"; its text."""
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_completion_tokens=max_tokens,
+        temperature=1.0,
+        seed=seed,
+        **kw,
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", (kw, choice)
+    return choice.message.content
+
+
 def make_oracle(model):
     """(prompt ids, SamplingParams) -> the OfflineEngine Completion (tokens, text, finish reason)."""
     from splitserve.config.engine_config import EngineConfig

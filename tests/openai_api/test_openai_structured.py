@@ -12,7 +12,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from openai_helpers import MODEL
+from openai_helpers import MODEL, chat_until_stop
 from structured_schemas import MAX_TOKENS, check_instance, features, schemas
 
 from splitserve.protos import generate_pb2
@@ -31,17 +31,7 @@ SCHEMAS = 50  # issue 35: each through gRPC and through the openai client
 
 
 def _via_openai(client, schema: dict, seed: int, max_tokens: int = MAX_TOKENS) -> str:
-    out = client.chat.completions.create(
-        model=MODEL,
-        messages=MSGS,
-        max_completion_tokens=max_tokens,
-        temperature=1.0,
-        seed=seed,
-        response_format=_fmt(schema),
-    )
-    choice = out.choices[0]
-    assert choice.finish_reason == "stop", (schema, choice)
-    return choice.message.content
+    return chat_until_stop(client, MSGS, seed, max_tokens, response_format=_fmt(schema))
 
 
 def _via_grpc(

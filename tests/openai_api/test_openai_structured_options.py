@@ -10,7 +10,7 @@ import re
 
 import openai
 import pytest
-from openai_helpers import MODEL
+from openai_helpers import MODEL, chat_until_stop
 from structured_schemas import MAX_TOKENS, check_instance, schemas
 
 from splitserve.protos import generate_pb2
@@ -25,16 +25,8 @@ def test_json_schema_without_strict_is_enforced(stack, client):
         fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
         if i == 1:
             fmt["json_schema"]["strict"] = False
-        out = client.chat.completions.create(
-            model=MODEL,
-            messages=MSGS,
-            max_completion_tokens=MAX_TOKENS,
-            temperature=1.0,
-            seed=i,
-            response_format=fmt,
-        )
-        assert out.choices[0].finish_reason == "stop"
-        check_instance(json.loads(out.choices[0].message.content), schema)
+        text = chat_until_stop(client, MSGS, i, MAX_TOKENS, response_format=fmt)
+        check_instance(json.loads(text), schema)
     stack.assert_free()
 
 
@@ -55,17 +47,7 @@ def test_json_whitespace_bound_through_the_openai_api(stack, client):
         if seed % 2:
             extra["structured_outputs"]["json"] = schema
             kw = {}
-        out = client.chat.completions.create(
-            model=MODEL,
-            messages=MSGS,
-            max_completion_tokens=MAX_TOKENS,
-            temperature=1.0,
-            seed=seed,
-            extra_body=extra,
-            **kw,
-        )
-        text = out.choices[0].message.content
-        assert out.choices[0].finish_reason == "stop", text
+        text = chat_until_stop(client, MSGS, seed, MAX_TOKENS, extra_body=extra, **kw)
         check_instance(json.loads(text), schema)
         assert not re.search(r"\s{3,}", text), text
         blanks += len(re.findall(r"\s", text))
