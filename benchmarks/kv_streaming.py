@@ -43,6 +43,12 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument(
+        "--poll-while-busy",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="kv_transfer.poll_while_busy on both sides (auto: the workers' default, on for CUDA)",
+    )
     p.add_argument("--out", default=None, help="default: benchmarks/results/<gpu>-<date>/...")
     return p.parse_args(argv)
 
@@ -62,7 +68,13 @@ def _configs(args, model_dir: str):
             "max_num_batched_tokens": args.max_num_batched_tokens,
         },
     )
-    return PrefillWorkerConfig(engine=engine, enable_prefix_cache=False, warmup=False)
+    poll = {"auto": None, "on": True, "off": False}[args.poll_while_busy]
+    return PrefillWorkerConfig(
+        engine=engine,
+        enable_prefix_cache=False,
+        warmup=False,
+        kv_transfer={"poll_while_busy": poll},
+    )
 
 
 def prefill_side(args, model_dir, info_q, cmd_q, out_q) -> None:
@@ -132,10 +144,10 @@ def decode_side(args, info, cmd_q, out_q) -> None:
     import torch
 
     from splitserve.kvtransfer.client import KvTransferClient
-    from splitserve.kvtransfer.config import KvTransferConfig
     from splitserve.kvtransfer.descriptor import PoolSpec
     from splitserve.kvtransfer.layer_stream_client import LayerStreamClient
     from splitserve.kvtransfer.metrics import KvTransferMetrics
+    from splitserve.kvtransfer.progress_wait import set_up_progress
     from splitserve.protos import kv_pb2
 
     port, compat, heads, dtype, layers, head_dim, blocks = info
@@ -145,11 +157,15 @@ def decode_side(args, info, cmd_q, out_q) -> None:
         dtype=getattr(torch, dtype.removeprefix("torch.")), device=device,
     )  # fmt: skip
     spec = PoolSpec.of(pool, compat, heads)
-    cfg = KvTransferConfig()
+    cfg = _configs(args, "").kv_transfer  # the prefill side's settings
     client = KvTransferClient(pool, spec, cfg)
     streamer = LayerStreamClient(pool, spec, cfg, client.pool, KvTransferMetrics())
 
     async def main() -> None:
+        import ucxx
+
+        ucxx.get_active_transports()  # the context and its progress thread, as a worker's start
+        set_up_progress(cfg, device.type)
         while (cmd := await asyncio.to_thread(cmd_q.get)) is not None:
             rid, n, handle = cmd
             dest = list(range(1, -(-n // args.block_size) + 1))

@@ -69,8 +69,23 @@ def parse_args(argv=None):
         help="ucxx progress thread's wait on both sides (kv_transfer.progress_wait_ms; "
         "default: the workers' default for the device)",
     )
+    p.add_argument(
+        "--poll-while-busy",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="kv_transfer.poll_while_busy on both sides (auto: the workers' default, on for CUDA)",
+    )
     p.add_argument("--out", default=None, help="JSON file to write or merge into")
     return p.parse_args(argv)
+
+
+def _transfer_config(args):
+    from splitserve.kvtransfer.config import KvTransferConfig
+
+    poll = {"auto": None, "on": True, "off": False}[args.poll_while_busy]
+    return KvTransferConfig(
+        checksum=args.checksum, progress_wait_ms=args.progress_wait_ms, poll_while_busy=poll
+    )
 
 
 def _pool_for(nbytes: int, device):
@@ -86,10 +101,9 @@ def _pool_for(nbytes: int, device):
     return pool, n
 
 
-def _server(port_q, cmd_q, sizes, device, scattered, checksum, progress_wait):
+def _server(port_q, cmd_q, sizes, device, scattered, args):
     import torch
 
-    from splitserve.kvtransfer.config import KvTransferConfig
     from splitserve.kvtransfer.descriptor import PoolSpec
     from splitserve.kvtransfer.server import KvTransferServer
 
@@ -109,7 +123,7 @@ def _server(port_q, cmd_q, sizes, device, scattered, checksum, progress_wait):
         servers, raws = [], []
         for nbytes in sizes:
             pool, n = _pool_for(nbytes, device)
-            cfg = KvTransferConfig(checksum=checksum, progress_wait_ms=progress_wait)
+            cfg = _transfer_config(args)
             srv = KvTransferServer(pool, PoolSpec.of(pool, "bench"), Leases(n), cfg)
             await srv.start()
             buf = torch.empty(
@@ -150,7 +164,6 @@ def main(argv=None) -> int:
 
     from splitserve.kvtransfer.buffers import ucx_view
     from splitserve.kvtransfer.client import KvTransferClient
-    from splitserve.kvtransfer.config import KvTransferConfig
     from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
 
     device = torch.device(
@@ -173,8 +186,7 @@ def main(argv=None) -> int:
             [c[1] for c in cases],
             str(device),
             args.scattered,
-            args.checksum,
-            args.progress_wait_ms,
+            args,
         ),
         daemon=True,
     )
@@ -185,15 +197,15 @@ def main(argv=None) -> int:
     async def measure():
         import ucxx
 
-        from splitserve.kvtransfer.progress_wait import apply_progress_wait, progress_wait_ms
+        from splitserve.kvtransfer.progress_wait import set_up_progress
 
         ucxx.get_active_transports()  # the context and its progress thread, then their wait
-        apply_progress_wait(progress_wait_ms(args.progress_wait_ms, device.type))
+        set_up_progress(_transfer_config(args), device.type)
         for (name, _), (kv_port, raw_port, n) in tqdm(
             list(zip(cases, ports)), desc="kv transfer", unit="size"
         ):
             pool, _ = _pool_for(n * per_token * 16, device)
-            cfg = KvTransferConfig(checksum=args.checksum)
+            cfg = _transfer_config(args)
             client = KvTransferClient(pool, PoolSpec.of(pool, "bench"), cfg)
             spec = PoolSpec.of(pool, "bench")
             handle = make_handle(
@@ -270,6 +282,7 @@ def main(argv=None) -> int:
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         transports=sorted(ucxx.get_active_transports()),
         progress_wait_ms=args.progress_wait_ms,
+        poll_while_busy=args.poll_while_busy,
         sizes=sizes,
         kvtransfer_rows=rows,
         kvtransfer_command="python benchmarks/kvtransfer.py " + " ".join(argv or sys.argv[1:]),

@@ -27,7 +27,7 @@ from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.endpoint_pool import EndpointPool
 from splitserve.kvtransfer.layer_stream_client import LayerStreamClient
 from splitserve.kvtransfer.metrics import KvTransferMetrics
-from splitserve.kvtransfer.progress_wait import apply_progress_wait, progress_wait_ms
+from splitserve.kvtransfer.progress_wait import set_up_progress
 from splitserve.protos import worker_pb2, worker_pb2_grpc
 from splitserve.request.errors import RequestError
 from splitserve.request.tokenizer import Tokenizer
@@ -123,8 +123,7 @@ class DecodeWorker(WorkerSkeleton):
                 self.cfg.faults,
             )
         kv_metrics.log_transports()
-        wait = progress_wait_ms(self.cfg.kv_transfer.progress_wait_ms, runner.device.type)
-        apply_progress_wait(wait)  # before any pull (kvtransfer/progress_wait.py)
+        set_up_progress(self.cfg.kv_transfer, runner.device.type)  # before any pull
 
     async def stop_engine(self) -> None:
         if self.servicer.puller is not None:

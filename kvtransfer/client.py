@@ -49,6 +49,7 @@ from splitserve.kvtransfer.errors import KvTransferError
 from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.lease_request import request_lease
 from splitserve.kvtransfer.metrics import KvTransferMetrics
+from splitserve.kvtransfer.progress_wait import BOOST
 from splitserve.kvtransfer.shards import ShardSource, shard_sources
 from splitserve.protos import kv_pb2
 
@@ -98,7 +99,8 @@ class KvTransferClient:
 
     async def pull(self, handle: kv_pb2.KvHandle, dest_blocks: list[int]) -> PullStats:
         try:
-            return await self._pull(handle, dest_blocks)
+            with BOOST.busy():  # completions found at once (progress_wait.py)
+                return await self._pull(handle, dest_blocks)
         except KvTransferError as exc:
             self.metrics.failures.labels(exc.reason).inc()
             raise

@@ -74,6 +74,12 @@ class KvTransferConfig(BaseModel):
         "(events wake it at once); None: 100 on CPU, ucxx's 1 on CUDA; -1: events only. "
         "Longer waits let an idle worker sleep (kvtransfer/progress_wait.py)",
     )
+    poll_while_busy: bool | None = Field(
+        None,
+        description="ucxx's progress thread polls while a KV transfer is in flight (and half a "
+        "second after), then waits again: a CUDA copy's completion is otherwise found only when "
+        "the wait ends. None: on for CUDA, off on CPU (TCP and shared memory wake the thread)",
+    )
     # ucxx listeners bind every interface; peers dial the worker's advertised host.
     listen_port: int = Field(
         0,

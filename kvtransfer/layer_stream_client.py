@@ -28,6 +28,7 @@ from splitserve.kvtransfer.endpoint_pool import EndpointPool
 from splitserve.kvtransfer.errors import KvTransferError
 from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.metrics import KvTransferMetrics
+from splitserve.kvtransfer.progress_wait import BOOST
 from splitserve.protos import kv_pb2
 
 _STATUS_REASON = {
@@ -97,9 +98,10 @@ class LayerStreamClient:
         heads this listener holds (default all); `confirm`: awaited after the final message and
         before KvPullDone (rank 0's stream: every other shard has landed; raising fails it)."""
         try:
-            return await self._pull(
-                host, port, request_id, num_tokens, dest_blocks, token, heads, confirm
-            )
+            with BOOST.busy():  # completions found at once (progress_wait.py)
+                return await self._pull(
+                    host, port, request_id, num_tokens, dest_blocks, token, heads, confirm
+                )
         except KvTransferError as exc:
             self.metrics.failures.labels(exc.reason).inc()
             raise

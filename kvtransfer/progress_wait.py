@@ -14,10 +14,23 @@ round trip 0.11 ms, after 0.5 s idle 0.42 ms; wait 100 ms: idle 0.1 %, 0.08 ms, 
                                           path's completions are the ones to check)
     apply_progress_wait(ms)               restarts ucxx's progress thread with that wait; call
                                           it before any transfer (the worker's start-up)
+    BOOST.busy()                          around a transfer: with kv_transfer.poll_while_busy
+                                          (default on CUDA), the thread polls while any transfer
+                                          is in flight and goes back to its wait LINGER_S after
+                                          the last one ended
+
+Why poll while busy: a cuda_ipc copy's completion is found by the thread's progress call, which
+an idle wait delays by up to the wait (ucxx's 1 ms); UCX's event-fd wake-up for CUDA copies is
+not what the thread sleeps on in practice (measured: benchmarks/kvtransfer.py
+--poll-while-busy off/on, results in benchmarks/results). Switching the thread costs ~0.3 ms
+(a stop joins it), so it stays polling LINGER_S after the last transfer: under load it never
+switches, and an idle worker still sleeps (issue 32's idle bound).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 UCXX_DEFAULT_MS = 1
@@ -32,21 +45,105 @@ def progress_wait_ms(configured: int | None, device_type: str) -> int:
     return CPU_DEFAULT_MS if device_type == "cpu" else UCXX_DEFAULT_MS
 
 
+def set_up_progress(config, device_type: str) -> None:
+    """A worker's start-up, before any transfer: the idle wait and polling while busy, from its
+    KvTransferConfig."""
+    apply_progress_wait(progress_wait_ms(config.progress_wait_ms, device_type))
+    BOOST.configure(poll_while_busy(config.poll_while_busy, device_type))
+
+
+def poll_while_busy(configured: bool | None, device_type: str) -> bool:
+    return configured if configured is not None else device_type != "cpu"
+
+
 def apply_progress_wait(ms: int) -> bool:
     """True when the progress thread now waits `ms` (-1: for events only); False when ucxx's
     own thread was left as it is (the default wait, a polling mode, an unknown ucxx)."""
     if ms == UCXX_DEFAULT_MS:
         return False
-    import ucxx
-
     try:
-        ctx = ucxx.core._get_ctx()  # the process's one context (ucxx 0.52; private)
-        if ctx.progress_mode != "thread":  # polling modes never sleep: nothing to set
-            return False
-        ctx.worker.stop_progress_thread()
-        ctx.worker.start_progress_thread(polling_mode=False, epoll_timeout=ms)
+        _restart_thread(polling=False, wait_ms=ms)
+    except _NotThreadMode:
+        return False
     except (AttributeError, TypeError) as exc:
         log.warning("kv_transfer.progress_wait_ms %d not applied (this ucxx: %s)", ms, exc)
         return False
+    BOOST.idle_ms, BOOST.polling = ms, False
     log.info("UCX progress thread waits %s between events", "for events" if ms < 0 else f"{ms} ms")
     return True
+
+
+class _NotThreadMode(RuntimeError):
+    pass
+
+
+def _restart_thread(polling: bool, wait_ms: int) -> None:
+    import ucxx
+
+    ctx = ucxx.core._get_ctx()  # the process's one context (ucxx 0.52; private)
+    if ctx.progress_mode != "thread":  # polling modes never sleep: nothing to set
+        raise _NotThreadMode(f"progress mode {ctx.progress_mode!r}")
+    ctx.worker.stop_progress_thread()
+    ctx.worker.start_progress_thread(polling_mode=polling, epoll_timeout=wait_ms)
+
+
+LINGER_S = 0.5
+
+
+class ProgressBoost:
+    """Process-wide (one ucxx context per process); event-loop thread only."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.idle_ms = UCXX_DEFAULT_MS
+        self.linger_s = LINGER_S
+        self.switches = 0  # thread restarts, both ways (tests, logs)
+        self.polling = False
+        self._active = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def configure(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    @contextlib.contextmanager
+    def busy(self):
+        counted = self._enter()
+        try:
+            yield
+        finally:
+            if counted:
+                self._exit()
+
+    def _enter(self) -> bool:
+        if not self.enabled:
+            return False
+        self._active += 1
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.polling:
+            self._switch(True)
+        return True
+
+    def _exit(self) -> None:
+        self._active -= 1
+        if self._active == 0 and self.polling:
+            self._timer = asyncio.get_running_loop().call_later(self.linger_s, self._rest)
+
+    def _rest(self) -> None:
+        self._timer = None
+        if self._active == 0 and self.polling:
+            self._switch(False)
+
+    def _switch(self, polling: bool) -> None:
+        try:
+            _restart_thread(polling, self.idle_ms)
+        except (AttributeError, TypeError, _NotThreadMode) as exc:  # a polling mode: no need
+            log.info("kv_transfer.poll_while_busy off (%s)", exc)
+            self.enabled = False
+            return
+        self.polling = polling
+        self.switches += 1
+
+
+BOOST = ProgressBoost()

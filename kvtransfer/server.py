@@ -61,7 +61,7 @@ from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, chec
 from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.idle_wait import PullWake, until_message
 from splitserve.kvtransfer.metrics import KvTransferMetrics
-from splitserve.kvtransfer.progress_wait import apply_progress_wait, progress_wait_ms
+from splitserve.kvtransfer.progress_wait import BOOST, set_up_progress
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
@@ -132,9 +132,7 @@ class KvTransferServer:
         log.info("UCX listener on port %d", self.port)
         self.metrics.log_transports()
         # before any pull: an idle listener must not wake ucxx's thread every millisecond
-        apply_progress_wait(
-            progress_wait_ms(self.config.progress_wait_ms, self.kv_cache.device.type)
-        )
+        set_up_progress(self.config, self.kv_cache.device.type)
         return self.port
 
     async def _on_connect(self, ep) -> None:
@@ -147,7 +145,8 @@ class KvTransferServer:
                 # no polling receive while idle (idle_wait.py)
                 await until_message(ep, last, self._expecting, self.wake)
                 req = await frames.recv(ep, kv_pb2.KvPullRequest, buf)
-                await self._serve(ep, req, buf)
+                with BOOST.busy():  # its payload's completions found at once (progress_wait.py)
+                    await self._serve(ep, req, buf)
                 last = time.monotonic()  # hot from the pull's last message (KvPullDone) on
         except Exception as exc:  # the peer closed or died: nothing to clean but the endpoint
             log.debug("KV endpoint closed: %s", exc)

@@ -62,3 +62,65 @@ print("ok")
         env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_poll_while_busy_defaults():
+    from splitserve.kvtransfer.progress_wait import poll_while_busy
+
+    assert poll_while_busy(None, "cuda") and not poll_while_busy(None, "cpu")
+    assert poll_while_busy(True, "cpu") and not poll_while_busy(False, "cuda")
+
+
+def test_polls_while_busy_then_waits_again():
+    """With poll_while_busy on, the thread polls from the first transfer on (one switch), stays
+    polling across back-to-back transfers and between them, and goes back to its wait
+    LINGER_S after the last one; transfers in either mode complete."""
+    code = """
+import asyncio
+import numpy as np
+import ucxx
+from splitserve.kvtransfer.config import KvTransferConfig
+from splitserve.kvtransfer.progress_wait import BOOST, set_up_progress
+
+async def main():
+    async def handler(ep):
+        buf = np.empty(4096, np.uint8)
+        for _ in range(5):
+            await ep.recv(buf)
+            await ep.send(buf)
+    lst = ucxx.create_listener(handler)
+    set_up_progress(KvTransferConfig(poll_while_busy=True), "cpu")
+    BOOST.linger_s = 0.2
+    assert BOOST.enabled and not BOOST.polling and BOOST.idle_ms == 100
+    ep = await ucxx.create_endpoint("127.0.0.1", lst.port)
+    msg, back = np.arange(4096, dtype=np.uint8), np.empty(4096, np.uint8)
+
+    async def transfer():
+        with BOOST.busy():
+            assert BOOST.polling
+            await asyncio.wait_for(ep.send(msg), 30)
+            await asyncio.wait_for(ep.recv(back), 30)
+        assert (back == msg).all()
+
+    await asyncio.gather(transfer(), transfer())  # two at once: one switch
+    await transfer()  # within the linger: no switch
+    assert BOOST.switches == 1 and BOOST.polling
+    await asyncio.sleep(0.6)
+    assert BOOST.switches == 2 and not BOOST.polling  # back to waiting 100 ms
+    await transfer()  # polling again
+    assert BOOST.switches == 3
+    await transfer()
+    await ep.close()
+    lst.close()
+
+asyncio.run(main())
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
