@@ -71,7 +71,8 @@ class KvTransferConfig(BaseModel):
         None,
         ge=-1,
         description="how long ucxx's progress thread sleeps when no UCX event wakes it "
-        "(events wake it at once); None: 100 on CPU, ucxx's 1 on CUDA; -1: events only. "
+        "(events wake it at once); None: 100, but ucxx's 1 on CUDA with poll_while_busy off; "
+        "-1: events only. "
         "Longer waits let an idle worker sleep (kvtransfer/progress_wait.py)",
     )
     poll_while_busy: bool | None = Field(

@@ -8,10 +8,10 @@ UCX signals through the worker's event fd; every request this process submits, w
 signals). Measured on CPU over TCP (loopback, 1 KiB round trips): wait 1 ms: idle 1.9 %, hot
 round trip 0.11 ms, after 0.5 s idle 0.42 ms; wait 100 ms: idle 0.1 %, 0.08 ms, 0.43 ms.
 
-    progress_wait_ms(configured, device)  the wait to use: kv_transfer.progress_wait_ms, or by
-                                          default 100 ms on CPU and ucxx's 1 ms on CUDA (kept
-                                          until the H200 measures the longer wait: the cuda_ipc
-                                          path's completions are the ones to check)
+    progress_wait_ms(configured, device, polls)
+                                          the wait to use: kv_transfer.progress_wait_ms, or by
+                                          default 100 ms, except ucxx's 1 ms on CUDA without
+                                          poll_while_busy (a CUDA copy's completion would wait)
     apply_progress_wait(ms)               restarts ucxx's progress thread with that wait; call
                                           it before any transfer (the worker's start-up)
     BOOST.busy()                          around a transfer: with kv_transfer.poll_while_busy
@@ -34,22 +34,23 @@ import contextlib
 import logging
 
 UCXX_DEFAULT_MS = 1
-CPU_DEFAULT_MS = 100
+IDLE_DEFAULT_MS = 100
 
 log = logging.getLogger("splitserve.kvtransfer")
 
 
-def progress_wait_ms(configured: int | None, device_type: str) -> int:
+def progress_wait_ms(configured: int | None, device_type: str, polls: bool = True) -> int:
     if configured is not None:
         return configured
-    return CPU_DEFAULT_MS if device_type == "cpu" else UCXX_DEFAULT_MS
+    return IDLE_DEFAULT_MS if device_type == "cpu" or polls else UCXX_DEFAULT_MS
 
 
 def set_up_progress(config, device_type: str) -> None:
     """A worker's start-up, before any transfer: the idle wait and polling while busy, from its
     KvTransferConfig."""
-    apply_progress_wait(progress_wait_ms(config.progress_wait_ms, device_type))
-    BOOST.configure(poll_while_busy(config.poll_while_busy, device_type))
+    polls = poll_while_busy(config.poll_while_busy, device_type)
+    apply_progress_wait(progress_wait_ms(config.progress_wait_ms, device_type, polls))
+    BOOST.configure(polls)
 
 
 def poll_while_busy(configured: bool | None, device_type: str) -> bool:

@@ -1,5 +1,5 @@
-"""kv_transfer.progress_wait_ms: the default by device (100 ms on CPU, ucxx's 1 ms on CUDA until
-the H200 measures more), 0 refused (a spinning thread), and applied: a transfer between two
+"""kv_transfer.progress_wait_ms: the default (100 ms; ucxx's 1 ms on CUDA when the thread does not
+poll while busy), 0 refused (a spinning thread), and applied: a transfer between two
 processes still works with the thread waiting 100 ms or for events only (the idle CPU bound is
 tests/kvtransfer/test_handover_processes.py's)."""
 
@@ -16,7 +16,9 @@ from splitserve.kvtransfer.progress_wait import progress_wait_ms
 
 
 def test_defaults_and_refusal():
-    assert progress_wait_ms(None, "cpu") == 100 and progress_wait_ms(None, "cuda") == 1
+    assert progress_wait_ms(None, "cpu") == 100 and progress_wait_ms(None, "cuda") == 100
+    assert progress_wait_ms(None, "cuda", polls=False) == 1  # completions would wait
+    assert progress_wait_ms(None, "cpu", polls=False) == 100
     assert progress_wait_ms(7, "cuda") == 7 and progress_wait_ms(-1, "cpu") == -1
     assert KvTransferConfig(progress_wait_ms=-1).progress_wait_ms == -1
     with pytest.raises(ValueError, match="spin"):
