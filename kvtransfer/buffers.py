@@ -33,7 +33,9 @@ def ucx_view(t: torch.Tensor):
 
 class TransferStream:
     def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # the highest priority: a piece's gather / landing gets SMs ahead of the kernels the
+        # engine queued (a prefill's GEMMs would otherwise delay a streamed piece)
+        self.stream = torch.cuda.Stream(device, priority=-100) if device.type == "cuda" else None
 
     def context(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
