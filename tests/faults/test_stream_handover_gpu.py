@@ -35,3 +35,18 @@ def test_gpu_streamed_handover_equals_pull_and_oracle(tiny_llama, oracle, procs)
     for prompt, s, q in zip(prompts, streamed, pulled):
         assert s.tokens == q.tokens == _want(oracle, prompt, 12)
         assert s.last.kv_handover.streamed and not q.last.kv_handover.streamed
+
+
+def test_gpu_64_concurrent_streamed_handovers(tiny_llama, oracle, procs):
+    # issue 32 on the GPU: 64 streams between one prefill and one decode worker (cuda_ipc), more
+    # than a peer's endpoint cap (16): none times out or recomputes; every block free (_run)
+    cuda = ("--device", "cuda")
+    p, _ = start_worker(procs, "prefill", tiny_llama, None, *cuda, wait=False)
+    d, _ = start_worker(procs, "decode", tiny_llama, None, *cuda, wait=False)
+    p.wait_serving()
+    d.wait_serving()
+    prompts = [[1] + [200 + (7 * i + j) % 300 for j in range(5 + i % 9)] for i in range(64)]
+    results = asyncio.run(_run(tiny_llama, p.address, d.address, prompts, 4))
+    for prompt, r in zip(prompts, results):
+        assert r.tokens == _want(oracle, prompt, 4)
+        assert r.last.kv_handover.streamed and not r.last.kv_handover.recomputed
