@@ -19,12 +19,12 @@ round trip 0.11 ms, after 0.5 s idle 0.42 ms; wait 100 ms: idle 0.1 %, 0.08 ms, 
                                           is in flight and goes back to its wait LINGER_S after
                                           the last one ended
 
-Why poll while busy: a cuda_ipc copy's completion is found by the thread's progress call, which
-an idle wait delays by up to the wait (ucxx's 1 ms); UCX's event-fd wake-up for CUDA copies is
-not what the thread sleeps on in practice (measured: benchmarks/kvtransfer.py
---poll-while-busy off/on, results in benchmarks/results). Switching the thread costs ~0.3 ms
-(a stop joins it), so it stays polling LINGER_S after the last transfer: under load it never
-switches, and an idle worker still sleeps (issue 32's idle bound).
+Why poll while busy: a transfer's completion is found by one of the thread's progress calls;
+for a cuda_ipc copy that call may come only when the thread's wait ends (ucxx's 1 ms), as the
+flat ~0.5 ms of raw ucxx from 1 to 256 MiB on the H100 suggests (h100-2026-12-06/
+kv_handover.json). `benchmarks/kvtransfer.py --poll-while-busy off|on` measures it. Switching the
+thread costs ~0.3 ms (a stop joins it), so it stays polling LINGER_S after the last transfer:
+under load it never switches, and an idle worker still sleeps (issue 32's idle bound).
 """
 
 from __future__ import annotations
