@@ -11,8 +11,8 @@ The constrained rows follow SCHEMA, whose `minItems` keeps them from ending befo
 steps (a constraint takes no ignore_eos), so the batch stays whole.
 The preset's tokenizer is the tiny byte-level one (the model's 128k vocabulary padded past
 it), so the host mask cost there is that of a small vocabulary: give a --model-dir whose
-tokenizer.json is a real one (bench_vocab.llama3_tokenizer writes Llama 3's) to measure what a
-128k vocabulary costs; `tokenizer_vocab` in the JSON says which one ran.
+tokenizer.json is a real one (benchmarks/llama3_checkpoint.py makes the preset's with Llama 3's)
+to measure what a 128k vocabulary costs; `tokenizer_vocab` in the JSON says which one ran.
 """
 
 from __future__ import annotations
