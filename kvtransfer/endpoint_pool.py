@@ -22,6 +22,7 @@ from collections import defaultdict
 
 from splitserve.kvtransfer import frames
 from splitserve.kvtransfer.errors import KvTransferError
+from splitserve.kvtransfer.progress_wait import BOOST
 
 MAX_PER_PEER = 16
 _FAILED_AT: dict[tuple[str, int], float] = {}  # peer -> monotonic time of its last failure
@@ -141,3 +142,4 @@ class EndpointPool:
                 ep.abort()
         self.idle.clear()
         self._made.clear()
+        BOOST.rest_now()  # the owner's loop may end before the polling linger does

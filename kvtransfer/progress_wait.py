@@ -60,6 +60,7 @@ def poll_while_busy(configured: bool | None, device_type: str) -> bool:
 def apply_progress_wait(ms: int) -> bool:
     """True when the progress thread now waits `ms` (-1: for events only); False when ucxx's
     own thread was left as it is (the default wait, a polling mode, an unknown ucxx)."""
+    BOOST.idle_ms = ms  # what a switch back from polling restores
     if ms == UCXX_DEFAULT_MS:
         return False
     try:
@@ -69,7 +70,7 @@ def apply_progress_wait(ms: int) -> bool:
     except (AttributeError, TypeError) as exc:
         log.warning("kv_transfer.progress_wait_ms %d not applied (this ucxx: %s)", ms, exc)
         return False
-    BOOST.idle_ms, BOOST.polling = ms, False
+    BOOST.polling = False
     log.info("UCX progress thread waits %s between events", "for events" if ms < 0 else f"{ms} ms")
     return True
 
@@ -115,15 +116,26 @@ class ProgressBoost:
             if counted:
                 self._exit()
 
+    def rest_now(self) -> None:
+        """Back to the wait at once when nothing is in flight: a transfer owner's close (its
+        loop may end before the linger's timer fires, which would leave the thread polling)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._active == 0 and self.polling:
+            self._switch(False)
+
     def _enter(self) -> bool:
         if not self.enabled:
             return False
-        self._active += 1
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if not self.polling:
             self._switch(True)
+            if not self.enabled:  # the switch failed: this transfer runs without it
+                return False
+        self._active += 1
         return True
 
     def _exit(self) -> None:
@@ -139,9 +151,15 @@ class ProgressBoost:
     def _switch(self, polling: bool) -> None:
         try:
             _restart_thread(polling, self.idle_ms)
-        except (AttributeError, TypeError, _NotThreadMode) as exc:  # a polling mode: no need
+        except _NotThreadMode as exc:  # a polling mode already: nothing to do
             log.info("kv_transfer.poll_while_busy off (%s)", exc)
             self.enabled = False
+            return
+        except Exception as exc:  # an unknown ucxx: off, and the waiting thread back if it can
+            log.warning("kv_transfer.poll_while_busy turned off (this ucxx: %s)", exc)
+            self.enabled, self.polling = False, False
+            with contextlib.suppress(Exception):
+                _restart_thread(False, self.idle_ms)
             return
         self.polling = polling
         self.switches += 1

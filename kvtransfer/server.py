@@ -308,3 +308,4 @@ class KvTransferServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        BOOST.rest_now()  # the loop may end before the polling linger does

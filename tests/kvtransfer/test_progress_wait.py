@@ -114,6 +114,8 @@ async def main():
     await transfer()
     await ep.close()
     lst.close()
+    BOOST.rest_now()  # a transfer owner's close: back to waiting without the linger
+    assert BOOST.switches == 4 and not BOOST.polling
 
 asyncio.run(main())
 print("ok")
@@ -126,3 +128,24 @@ print("ok")
         env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
+def test_a_failed_switch_turns_polling_off_and_counts_nothing(monkeypatch):
+    from splitserve.kvtransfer import progress_wait
+
+    boost = progress_wait.ProgressBoost()
+    boost.configure(True)
+    calls = []
+
+    def broken(polling, wait_ms):
+        calls.append(polling)
+        raise RuntimeError("no thread")
+
+    monkeypatch.setattr(progress_wait, "_restart_thread", broken)
+    with boost.busy():  # the transfer still runs, without polling
+        assert not boost.polling
+    # tried to poll, then to put the waiting thread back; off from then on, nothing counted
+    assert calls == [True, False] and not boost.enabled and boost._active == 0
+    with boost.busy():
+        pass
+    assert calls == [True, False]
