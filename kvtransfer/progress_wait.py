@@ -118,19 +118,21 @@ class ProgressBoost:
 
     def rest_now(self) -> None:
         """Back to the wait at once when nothing is in flight: a transfer owner's close (its
-        loop may end before the linger's timer fires, which would leave the thread polling)."""
+        loop may end before the linger's timer fires, which would leave the thread polling); also
+        the linger's timer itself."""
+        self._cancel_timer()
+        if self._active == 0 and self.polling:
+            self._switch(False)
+
+    def _cancel_timer(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._active == 0 and self.polling:
-            self._switch(False)
 
     def _enter(self) -> bool:
         if not self.enabled:
             return False
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._cancel_timer()
         if not self.polling:
             self._switch(True)
             if not self.enabled:  # the switch failed: this transfer runs without it
@@ -141,12 +143,7 @@ class ProgressBoost:
     def _exit(self) -> None:
         self._active -= 1
         if self._active == 0 and self.polling:
-            self._timer = asyncio.get_running_loop().call_later(self.linger_s, self._rest)
-
-    def _rest(self) -> None:
-        self._timer = None
-        if self._active == 0 and self.polling:
-            self._switch(False)
+            self._timer = asyncio.get_running_loop().call_later(self.linger_s, self.rest_now)
 
     def _switch(self, polling: bool) -> None:
         try:

@@ -15,6 +15,18 @@ from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.progress_wait import progress_wait_ms
 
 
+def _run_ok(code: str) -> None:
+    """`code` in a fresh interpreter (one ucxx context per process); it prints "ok" at the end."""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
+
 def test_defaults_and_refusal():
     assert progress_wait_ms(None, "cpu") == 100 and progress_wait_ms(None, "cuda") == 100
     assert progress_wait_ms(None, "cuda", polls=False) == 1  # completions would wait
@@ -56,14 +68,7 @@ async def main():
 asyncio.run(main())
 print("ok")
 """
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    _run_ok(code)
 
 
 def test_poll_while_busy_defaults():
@@ -120,14 +125,7 @@ async def main():
 asyncio.run(main())
 print("ok")
 """
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
-    )
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+    _run_ok(code)
 
 
 def test_a_failed_switch_turns_polling_off_and_counts_nothing(monkeypatch):
