@@ -26,9 +26,11 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -201,16 +203,36 @@ def default_out(device: str) -> Path:
     return Path(__file__).parent / "results" / f"{gpu}-{day}" / "kv_handover.json"
 
 
-def run_case(qs, n: int, streaming: bool, rid: str, vocab: int) -> float:
+class SideDied(RuntimeError):
+    pass
+
+
+def get_alive(q, procs, timeout: float):
+    """q.get that gives up as soon as one of `procs` (the two sides) has exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=1.0)
+        except queue.Empty:
+            dead = [p for p in procs if p is not None and not p.is_alive()]
+            if dead:
+                raise SideDied(
+                    f"{dead[0].name} exited (code {dead[0].exitcode}); see above"
+                ) from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no answer within {timeout:g}s") from None
+
+
+def run_case(qs, n: int, streaming: bool, rid: str, vocab: int, procs=()) -> float:
     p_cmd, p_out, d_cmd, d_out = qs
     prompt = [1] + [(hash((rid, i)) % (vocab - 3)) + 3 for i in range(n - 1)]
     if streaming:
         d_cmd.put((rid, n, None))  # the decode side attaches first, like the router's Decode
     p_cmd.put((rid, prompt))
-    _, end, handle = p_out.get(timeout=300)
+    _, end, handle = get_alive(p_out, procs, 300)
     if not streaming:
         d_cmd.put((rid, n, handle))  # the router's hop
-    _, landed = d_out.get(timeout=300)
+    _, landed = get_alive(d_out, procs, 300)
     return (landed - end) * 1000
 
 
@@ -219,33 +241,48 @@ def main(argv=None) -> int:
     model_dir = _model_dir(args)
     ctx = mp.get_context("spawn")
     info_q, p_cmd, p_out, d_cmd, d_out = (ctx.Queue() for _ in range(5))
-    prefill = ctx.Process(target=prefill_side, args=(args, model_dir, info_q, p_cmd, p_out))
+    prefill = ctx.Process(
+        target=prefill_side, args=(args, model_dir, info_q, p_cmd, p_out), name="prefill side"
+    )
     prefill.start()
-    port, compat, heads, dtype, vocab = info_q.get(timeout=600)
+    try:
+        port, compat, heads, dtype, vocab = get_alive(info_q, [prefill], 600)
+    except (SideDied, TimeoutError) as exc:
+        prefill.kill()
+        print(f"kv_streaming: the prefill side did not start: {exc}", file=sys.stderr)
+        return 1
     cfg = json.loads(Path(model_dir, "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     blocks = _configs(args, model_dir).engine.cache.num_blocks
     info = (port, compat, heads, dtype, cfg["num_hidden_layers"], head_dim, blocks)
-    decode = ctx.Process(target=decode_side, args=(args, info, d_cmd, d_out))
+    decode = ctx.Process(target=decode_side, args=(args, info, d_cmd, d_out), name="decode side")
     decode.start()
-    rows = []
+    rows, procs = [], (prefill, decode)
     try:
         qs = (p_cmd, p_out, d_cmd, d_out)
         for n in (int(x) for x in args.prompt_tokens.split(",")):
             for streaming in (True, False):
                 tag = f"{n}-{'s' if streaming else 'p'}"
-                run_case(qs, n, streaming, f"{tag}-warm", vocab)
-                ms = [run_case(qs, n, streaming, f"{tag}-{i}", vocab) for i in range(args.iters)]
+                run_case(qs, n, streaming, f"{tag}-warm", vocab, procs)
+                ms = [
+                    run_case(qs, n, streaming, f"{tag}-{i}", vocab, procs)
+                    for i in range(args.iters)
+                ]
                 rows.append(
                     {"prompt_tokens": n, "streaming": streaming, "ms": statistics.median(ms)}
                 )
                 print(f"{n:6d} tokens streaming={streaming!s:5}: exposed {rows[-1]['ms']:.3f} ms"
                       f" (runs {', '.join(f'{x:.3f}' for x in ms)})", file=sys.stderr)  # fmt: skip
+    except (SideDied, TimeoutError) as exc:
+        print(f"kv_streaming: {exc}", file=sys.stderr)
+        return 1
     finally:
         p_cmd.put(None)
         d_cmd.put(None)
-        prefill.join(60)
-        decode.join(60)
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
     out = Path(args.out) if args.out else default_out(args.device)
     out.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(out.read_text()) if out.is_file() else {}

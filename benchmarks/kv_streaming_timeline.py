@@ -122,9 +122,9 @@ def main(argv=None) -> int:
     os.environ[_ENV] = str(timeline.resolve())  # the spawned sides inherit it
     run_case = kv_streaming.run_case
 
-    def timed_case(qs, n, streaming, rid, vocab):
+    def timed_case(qs, n, streaming, rid, vocab, procs=()):
         _log("B", "case", rid=rid, streaming=streaming)
-        ms = run_case(qs, n, streaming, rid, vocab)
+        ms = run_case(qs, n, streaming, rid, vocab, procs)
         _log("B", "end", rid=rid)
         return ms
 
