@@ -4,7 +4,7 @@ both sides (one monotonic clock, two processes), printed per run relative to the
 
     P group g   the prefill hub heard that layer group g's KV write was issued (a CUDA event)
     P piece     the sender took a piece from the feed; P ready: its gather (after the group's
-                event) finished; P sent: header + payload sent
+                event) finished; P sent: header sent, payload posted
     D head      the decode side received the piece's header; D landed: it is in its blocks
     P finished  the prompt is done (the final message follows); B end: the decode side has all
 
@@ -52,10 +52,11 @@ def timed_prefill_side(*args) -> None:
 
         self.stream.wait = gathered
         try:
-            await send_piece(self, ep, p, timeout, corrupt)
+            posted = await send_piece(self, ep, p, timeout, corrupt)
         finally:
             self.stream.wait = wait
         _log("P", "sent")
+        return posted
 
     def ready(self, lo, hi, event):
         _log("P", "group", g=lo)

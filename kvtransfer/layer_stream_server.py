@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,6 +55,11 @@ from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
+
+# Payload sends a stream keeps posted at once: piece g+1's header and payload go out while g's
+# send still waits for its completion (the receiver's ack heard by the progress thread), which
+# takes that hop off each piece's path; bounded, as each holds its gathered copy alive.
+PAYLOADS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -139,20 +145,34 @@ class LayerStreamSender:
         timeout = self.config.data_timeout_s
         hit = self.faults.hits(req.request_id)
         sent = 0
-        with self.metrics.sending.track_inprogress():
-            if hit and self.faults.stall_before_payload_s:  # tests only: a stall before any piece
-                await asyncio.sleep(self.faults.stall_before_payload_s)
-            while True:
-                item = await feed.next(timeout)
-                if hit and 0 < self.faults.stream_break_after_pieces <= sent:
-                    # tests only: the prefill side dies between two pieces (or before the last)
-                    raise ConnectionError("fault injected: stream broken between layer groups")
-                if isinstance(item, StreamEnd):
-                    return await self._finish(ep, item, timeout), item.lease_id
-                await self._send_piece(ep, item, timeout, hit and self.faults.corrupt_payload)
-                sent += 1
+        posted: deque[asyncio.Future] = deque()  # payload sends not yet complete
+        try:
+            with self.metrics.sending.track_inprogress():
+                if hit and self.faults.stall_before_payload_s:  # tests only: a stall first
+                    await asyncio.sleep(self.faults.stall_before_payload_s)
+                while True:
+                    item = await feed.next(timeout)
+                    if hit and 0 < self.faults.stream_break_after_pieces <= sent:
+                        # tests only: the prefill side dies between two pieces (or before the last)
+                        raise ConnectionError("fault injected: stream broken between layer groups")
+                    if isinstance(item, StreamEnd):
+                        return await self._finish(ep, item, timeout, posted), item.lease_id
+                    corrupt = hit and self.faults.corrupt_payload
+                    posted.append(await self._send_piece(ep, item, timeout, corrupt))
+                    while len(posted) > PAYLOADS_IN_FLIGHT:
+                        await posted.popleft()
+                    sent += 1
+        finally:
+            for send in posted:  # a failed stream: its endpoint is aborted by the caller
+                if send.done() and not send.cancelled():
+                    send.exception()  # retrieved: the stream's own failure is what propagates
+                send.cancel()
 
-    async def _send_piece(self, ep, piece: StreamPiece, timeout: float, corrupt: bool) -> None:
+    async def _send_piece(
+        self, ep, piece: StreamPiece, timeout: float, corrupt: bool
+    ) -> asyncio.Future:
+        """Gathers the piece, sends its header and posts its payload (the future of the send:
+        the next piece's header need not wait for this payload's completion to be heard)."""
         stream = self.stream.stream
         if stream is not None and piece.event is None:
             self.stream.after_engine()  # computed by earlier steps, maybe still queued
@@ -177,10 +197,17 @@ class LayerStreamSender:
             checksum=to_u64(checksum),
         )
         await asyncio.wait_for(frames.send(ep, header), timeout)
-        await asyncio.wait_for(ep.send(ucx_view(payload), tag=PAYLOAD_TAG), timeout)
+        return asyncio.ensure_future(self._send_payload(ep, payload, timeout))
+
+    async def _send_payload(self, ep, payload: torch.Tensor, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(ep.send(ucx_view(payload), tag=PAYLOAD_TAG), timeout)
+        except BaseException:
+            frames.park(payload)  # UCX may still read it until the endpoint's abort is processed
+            raise
         self.metrics.bytes.labels("sent").inc(payload.numel())
 
-    async def _finish(self, ep, end: StreamEnd, timeout: float) -> bool:
+    async def _finish(self, ep, end: StreamEnd, timeout: float, posted: deque) -> bool:
         header = kv_pb2.KvStreamPiece(
             final=True,
             status=end.status,
@@ -190,6 +217,8 @@ class LayerStreamSender:
             lease_id=end.lease_id,
         )
         await asyncio.wait_for(frames.send(ep, header), timeout)
+        while posted:  # the final header went first: the decode side lands the last payload
+            await posted.popleft()
         if end.status != kv_pb2.KV_PULL_STATUS_OK or end.finished:
             return False  # nothing to confirm: the decode side drops its blocks
         done = await asyncio.wait_for(frames.recv(ep, kv_pb2.KvPullDone), timeout)
