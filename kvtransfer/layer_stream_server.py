@@ -56,10 +56,16 @@ from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
 
-# Payload sends a stream keeps posted at once: piece g+1's header and payload go out while g's
-# send still waits for its completion (the receiver's ack heard by the progress thread), which
-# takes that hop off each piece's path; bounded, as each holds its gathered copy alive.
+# Payload sends a stream keeps alive at once (posted, or gathered for the next piece): piece
+# g+1's header and payload go out while g's send still waits for its completion (the
+# receiver's ack heard by the progress thread), which takes that hop off each piece's path;
+# bounded, as each holds its gathered copy.
 PAYLOADS_IN_FLIGHT = 2
+
+
+def _retrieve(send: asyncio.Future) -> None:
+    if not send.cancelled():
+        send.exception()
 
 
 @dataclass(frozen=True)
@@ -158,14 +164,12 @@ class LayerStreamSender:
                     if isinstance(item, StreamEnd):
                         return await self._finish(ep, item, timeout, posted), item.lease_id
                     corrupt = hit and self.faults.corrupt_payload
+                    while posted and (posted[0].done() or len(posted) >= PAYLOADS_IN_FLIGHT):
+                        await posted.popleft()  # a failed send ends the stream before more goes
                     posted.append(await self._send_piece(ep, item, timeout, corrupt))
-                    while len(posted) > PAYLOADS_IN_FLIGHT:
-                        await posted.popleft()
                     sent += 1
         finally:
             for send in posted:  # a failed stream: its endpoint is aborted by the caller
-                if send.done() and not send.cancelled():
-                    send.exception()  # retrieved: the stream's own failure is what propagates
                 send.cancel()
 
     async def _send_piece(
@@ -197,13 +201,19 @@ class LayerStreamSender:
             checksum=to_u64(checksum),
         )
         await asyncio.wait_for(frames.send(ep, header), timeout)
-        return asyncio.ensure_future(self._send_payload(ep, payload, timeout))
+        # its UCX send is issued in the task's first step: tasks start in creation order, so
+        # payloads are posted (and matched by the decode side) in piece order
+        send = asyncio.ensure_future(self._send_payload(ep, payload, timeout))
+        send.add_done_callback(_retrieve)  # a failure next to the stream's own is not logged
+        return send
 
     async def _send_payload(self, ep, payload: torch.Tensor, timeout: float) -> None:
         try:
             await asyncio.wait_for(ep.send(ucx_view(payload), tag=PAYLOAD_TAG), timeout)
-        except BaseException:
+        except BaseException as exc:
             frames.park(payload)  # UCX may still read it until the endpoint's abort is processed
+            if not isinstance(exc, asyncio.CancelledError):
+                ep.abort()  # both sides fail now, not after the headers already sent ahead
             raise
         self.metrics.bytes.labels("sent").inc(payload.numel())
 
@@ -216,6 +226,8 @@ class LayerStreamSender:
             finished=end.finished,
             lease_id=end.lease_id,
         )
+        while posted and posted[0].done():
+            await posted.popleft()  # a failed send: no final header
         await asyncio.wait_for(frames.send(ep, header), timeout)
         while posted:  # the final header went first: the decode side lands the last payload
             await posted.popleft()
