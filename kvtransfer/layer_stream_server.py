@@ -18,6 +18,11 @@ layer group by layer group as the prefill writes it (the first token rides in th
     first decode step may run
     KvPullDone(ok) ────────────────────────────────▶ release the lease (blocks freed or cached)
 
+Pieces that queue up while the sender lags (its loop thread starved by a long prefill's kernel
+launches, a slow link) go as one: consecutive layers over the same blocks are merged into one
+gather and one message, within max_message_bytes; a payload's completion is not awaited before
+the next piece goes (at most PAYLOADS_IN_FLIGHT gathered copies alive).
+
 A request aborted or failed on the prefill side ends the stream with a final piece of status
 ABORTED; a decode side that goes away leaves the lease to the router (ReleaseLease) or its TTL.
 The listener (server.py) hands a KvPullRequest with `stream` set to `serve_stream`.
@@ -40,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -95,6 +100,9 @@ class StreamEnd:
 class StreamFeed(Protocol):
     async def next(self, timeout: float) -> StreamPiece | StreamEnd:
         """The next piece to send, or the end (TimeoutError after `timeout` without one)."""
+
+    def next_nowait(self) -> StreamPiece | StreamEnd | None:
+        """The next item if one is already queued, else None."""
 
 
 class StreamSource(Protocol):
@@ -156,8 +164,16 @@ class LayerStreamSender:
             with self.metrics.sending.track_inprogress():
                 if hit and self.faults.stall_before_payload_s:  # tests only: a stall first
                     await asyncio.sleep(self.faults.stall_before_payload_s)
+                held = None  # an item taken to coalesce with that could not be
                 while True:
-                    item = await feed.next(timeout)
+                    item, held = held or await feed.next(timeout), None
+                    while not hit and isinstance(item, StreamPiece):
+                        more = feed.next_nowait()
+                        if more is None:
+                            break
+                        item, held = self._coalesce(item, more)
+                        if held is not None:
+                            break
                     if hit and 0 < self.faults.stream_break_after_pieces <= sent:
                         # tests only: the prefill side dies between two pieces (or before the last)
                         raise ConnectionError("fault injected: stream broken between layer groups")
@@ -171,6 +187,26 @@ class LayerStreamSender:
         finally:
             for send in posted:  # a failed stream: its endpoint is aborted by the caller
                 send.cancel()
+
+    def _coalesce(self, a: StreamPiece, b: StreamPiece | StreamEnd):
+        """(a + b, None) when b continues a's layers over the same blocks within one message,
+        else (a, b). Pieces queue up when the sender lags the prefill (the loop thread starved,
+        a slow link): one gather and one message then carry them all, instead of a round trip
+        each; b's event follows a's on the prefill stream, so waiting for b covers both."""
+        if not (
+            isinstance(b, StreamPiece)
+            and b.layer_start == a.layer_end
+            and (b.block_start, b.block_end, b.block_ids)
+            == (a.block_start, a.block_end, a.block_ids)
+            and (a.event is None) == (b.event is None)
+        ):
+            return a, b
+        per_layer = 2 * len(a.block_ids) * self.kv_cache[0, 0, 0].numel()
+        if (b.layer_end - a.layer_start) * per_layer * self.kv_cache.element_size() > (
+            self.config.max_message_bytes
+        ):
+            return a, b
+        return replace(a, layer_end=b.layer_end, event=b.event), None
 
     async def _send_piece(
         self, ep, piece: StreamPiece, timeout: float, corrupt: bool

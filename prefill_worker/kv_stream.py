@@ -41,6 +41,12 @@ class Feed:
     async def next(self, timeout: float) -> StreamPiece | StreamEnd:
         return await asyncio.wait_for(self.queue.get(), timeout)
 
+    def next_nowait(self) -> StreamPiece | StreamEnd | None:
+        try:
+            return self.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return None
+
     def end(self, end: StreamEnd) -> None:
         if not self.ended:
             self.ended = True
