@@ -104,6 +104,9 @@ class StreamFeed(Protocol):
     def next_nowait(self) -> StreamPiece | StreamEnd | None:
         """The next item if one is already queued, else None."""
 
+    def unget(self, item: StreamPiece | StreamEnd) -> None:
+        """Puts back the item just taken: it comes next (unless the stream is aborted)."""
+
 
 class StreamSource(Protocol):
     """The prefill engine as a streamed pull sees it (its event loop, like LeaseSource)."""
@@ -164,16 +167,9 @@ class LayerStreamSender:
             with self.metrics.sending.track_inprogress():
                 if hit and self.faults.stall_before_payload_s:  # tests only: a stall first
                     await asyncio.sleep(self.faults.stall_before_payload_s)
-                held = None  # an item taken to coalesce with that could not be
+                limit = min(self.config.max_message_bytes, req.max_message_bytes or 2**62)
                 while True:
-                    item, held = held or await feed.next(timeout), None
-                    while not hit and isinstance(item, StreamPiece):
-                        more = feed.next_nowait()
-                        if more is None:
-                            break
-                        item, held = self._coalesce(item, more)
-                        if held is not None:
-                            break
+                    item = await feed.next(timeout)
                     if hit and 0 < self.faults.stream_break_after_pieces <= sent:
                         # tests only: the prefill side dies between two pieces (or before the last)
                         raise ConnectionError("fault injected: stream broken between layer groups")
@@ -182,17 +178,31 @@ class LayerStreamSender:
                     corrupt = hit and self.faults.corrupt_payload
                     while posted and (posted[0].done() or len(posted) >= PAYLOADS_IN_FLIGHT):
                         await posted.popleft()  # a failed send ends the stream before more goes
+                    if not hit:  # (fault injection counts pieces)
+                        item = self._merge_queued(feed, item, limit)
                     posted.append(await self._send_piece(ep, item, timeout, corrupt))
                     sent += 1
         finally:
             for send in posted:  # a failed stream: its endpoint is aborted by the caller
                 send.cancel()
 
-    def _coalesce(self, a: StreamPiece, b: StreamPiece | StreamEnd):
-        """(a + b, None) when b continues a's layers over the same blocks within one message,
-        else (a, b). Pieces queue up when the sender lags the prefill (the loop thread starved,
-        a slow link): one gather and one message then carry them all, instead of a round trip
-        each; b's event follows a's on the prefill stream, so waiting for b covers both."""
+    def _merge_queued(self, feed: StreamFeed, item: StreamPiece, limit: int) -> StreamPiece:
+        """`item` with the queued pieces that continue it (see _coalesce); the first that does
+        not goes back to the feed."""
+        while (more := feed.next_nowait()) is not None:
+            merged = self._coalesce(item, more, limit)
+            if merged is None:
+                feed.unget(more)
+                break
+            item = merged
+        return item
+
+    def _coalesce(self, a: StreamPiece, b: StreamPiece | StreamEnd, limit: int):
+        """a + b when b continues a's layers over the same blocks within one message of at most
+        `limit` bytes, else None. Pieces queue up when the sender lags the prefill (the loop
+        thread starved, a slow link): one gather and one message then carry them all, instead
+        of a round trip each; b's event follows a's on the prefill stream (all of a step's
+        groups are recorded on its stream in layer order), so waiting for b covers both."""
         if not (
             isinstance(b, StreamPiece)
             and b.layer_start == a.layer_end
@@ -200,13 +210,11 @@ class LayerStreamSender:
             == (a.block_start, a.block_end, a.block_ids)
             and (a.event is None) == (b.event is None)
         ):
-            return a, b
+            return None
         per_layer = 2 * len(a.block_ids) * self.kv_cache[0, 0, 0].numel()
-        if (b.layer_end - a.layer_start) * per_layer * self.kv_cache.element_size() > (
-            self.config.max_message_bytes
-        ):
-            return a, b
-        return replace(a, layer_end=b.layer_end, event=b.event), None
+        if (b.layer_end - a.layer_start) * per_layer * self.kv_cache.element_size() > limit:
+            return None
+        return replace(a, layer_end=b.layer_end, event=b.event)
 
     async def _send_piece(
         self, ep, piece: StreamPiece, timeout: float, corrupt: bool

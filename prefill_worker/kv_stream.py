@@ -38,14 +38,30 @@ class Feed:
     sent_tokens: int = 0  # prompt tokens whose KV (all layers) is queued
     ended: bool = False
 
+    head: StreamPiece | StreamEnd | None = None  # taken by the sender and given back
+
     async def next(self, timeout: float) -> StreamPiece | StreamEnd:
-        return await asyncio.wait_for(self.queue.get(), timeout)
+        item = self.next_nowait()
+        return item if item is not None else await asyncio.wait_for(self.queue.get(), timeout)
 
     def next_nowait(self) -> StreamPiece | StreamEnd | None:
+        if self.head is not None:
+            item, self.head = self.head, None
+            return item
         try:
             return self.queue.get_nowait()
         except asyncio.QueueEmpty:
             return None
+
+    def unget(self, item: StreamPiece | StreamEnd) -> None:
+        """Gives back the item just taken (it comes next): dropped with the queue by lease_gone,
+        so an end the sender looked at cannot overtake the ABORTED that replaces it."""
+        self.head = item
+
+    def drop_queued(self) -> None:
+        self.head = None
+        while not self.queue.empty():
+            self.queue.get_nowait()
 
     def end(self, end: StreamEnd) -> None:
         if not self.ended:
@@ -202,8 +218,7 @@ class StreamHub:
         feed = self.feeds.get(request_id)
         if feed is None:
             return
-        while not feed.queue.empty():
-            feed.queue.get_nowait()
+        feed.drop_queued()
         feed.ended = False
         feed.end(StreamEnd(kv_pb2.KV_PULL_STATUS_ABORTED, message=why))
 
