@@ -51,7 +51,7 @@ from typing import Protocol
 import torch
 
 from splitserve.kvtransfer import frames
-from splitserve.kvtransfer.buffers import TransferStream, ucx_view
+from splitserve.kvtransfer.buffers import TransferStream, ids_tensor, ucx_view
 from splitserve.kvtransfer.checksum import payload_checksum_async, to_u64
 from splitserve.kvtransfer.config import KvTransferConfig, TransferFaults
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
@@ -225,11 +225,11 @@ class LayerStreamSender:
         if stream is not None and piece.event is None:
             self.stream.after_engine()  # computed by earlier steps, maybe still queued
         with self.stream.context():
+            # from pinned memory: a pageable copy would first wait for the stream, i.e. block
+            # the event loop until the group below is computed
+            ids = ids_tensor(list(piece.block_ids), self.kv_cache.device)
             if stream is not None and piece.event is not None:
                 stream.wait_event(piece.event)  # that group's KV write on the prefill stream
-            ids = torch.tensor(piece.block_ids, dtype=torch.int64).to(
-                self.kv_cache.device, non_blocking=True
-            )
             data = self.kv_cache[piece.layer_start : piece.layer_end].index_select(2, ids)
             checksum = payload_checksum_async(data)  # the receiver decides whether to check it
         await self.stream.wait()
