@@ -99,6 +99,10 @@ class KvTransferConfig(BaseModel):
             )
         return v
 
+    def message_limit(self, requested: int) -> int:
+        """Bytes per payload message of one pull: ours, or the puller's if lower (0: none)."""
+        return max(1, min(self.max_message_bytes, requested or 2**62))
+
     def for_rank(self, rank: int) -> KvTransferConfig:
         """The settings of tensor-parallel rank `rank`'s listener: a fixed port moves up by the rank
         (every rank of a worker binds on the same host); 0 stays 0."""

@@ -167,7 +167,7 @@ class LayerStreamSender:
             with self.metrics.sending.track_inprogress():
                 if hit and self.faults.stall_before_payload_s:  # tests only: a stall first
                     await asyncio.sleep(self.faults.stall_before_payload_s)
-                limit = min(self.config.max_message_bytes, req.max_message_bytes or 2**62)
+                limit = self.config.message_limit(req.max_message_bytes)
                 while True:
                     item = await feed.next(timeout)
                     if hit and 0 < self.faults.stream_break_after_pieces <= sent:

@@ -197,7 +197,7 @@ class KvTransferServer:
         n = len(blocks)
         layers = self.kv_cache.shape[0]
         nbytes = n * self.kv_cache[0, 0, 0].numel() * 2 * layers * self.kv_cache.element_size()
-        limit = max(1, min(self.config.max_message_bytes, req.max_message_bytes or 2**62))
+        limit = self.config.message_limit(req.max_message_bytes)
         hit = self.faults.hits(req.request_id)
         if hit and self.faults.message_bytes:
             limit = self.faults.message_bytes
