@@ -98,6 +98,7 @@ class DecodeEngine:
         self.vocab_size = self.runner.model_config.vocab_size
         self._inflight: StepHandle | None = None
         self._unread: StepHandle | None = None  # within step(): the previous step, until read
+        self._rest: list[tuple] | None = None  # its unconstrained rows, read after the launch
         # blocks reserved for pulls / streams, not yet admitted or released; while nothing can
         # run for want of them, the engine waits for the next command (engine_loop.py: an
         # admission, a release, an abort) instead of stepping: `blocked`
@@ -262,11 +263,16 @@ class DecodeEngine:
 
     def _read_unread(self, constrained_read: Callable[[], None] | None = None) -> None:
         """Reads the previous step, once: after this step's launch, or (a batch with
-        constrained rows, whose masks need its tokens) while this step's forward runs; then
-        `constrained_read` runs once the constrained rows are read, before the others."""
+        constrained rows, whose masks need its tokens) while this step's forward runs. With
+        `constrained_read` only the constrained rows are read, then it runs (the masks fill);
+        the other rows wait for the call after the launch, so their host work overlaps the
+        masked sampling instead of delaying its launch."""
         prev, self._unread = self._unread, None
         if prev is not None:
             self._complete(prev, constrained_read)
+        if constrained_read is None and self._rest is not None:
+            rows, self._rest = self._rest, None
+            self._accept_rows(rows, time.monotonic())
 
     def _complete(
         self, handle: StepHandle, constrained_read: Callable[[], None] | None = None
@@ -277,16 +283,17 @@ class DecodeEngine:
         now = time.monotonic()
         rows = list(zip(handle.seqs, tokens, logprobs))
         if constrained_read is not None:  # the masks need only these: they start filling
-            rows.sort(key=lambda row: row[0].matcher is None)  # (stable) while the rest is read
+            self._accept_rows([r for r in rows if r[0].matcher is not None], now)
+            constrained_read()
+            self._rest = [r for r in rows if r[0].matcher is None]
+            return
+        self._accept_rows(rows, now)
+
+    def _accept_rows(self, rows: list[tuple], now: float) -> None:
         for seq, tok, lp in rows:
-            if constrained_read is not None and seq.matcher is None:
-                constrained_read()
-                constrained_read = None
             seq.in_flight -= 1
             if not seq.finished:
                 self._accept(seq, tok, lp, now)
-        if constrained_read is not None:
-            constrained_read()
 
     def _accept(
         self, seq: DecodeSequence, token: int, logprob: TokenLogprobs | None, now: float
@@ -344,7 +351,7 @@ class DecodeEngine:
 
     def close(self, error: RequestError | None = None) -> None:
         """Ends what is left with `error` (default UNAVAILABLE) and releases the graphs; idempotent."""
-        self._inflight = None
+        self._inflight = self._rest = None
         self.abort_all(
             "error",
             error
