@@ -267,12 +267,12 @@ class DecodeEngine:
         `constrained_read` only the constrained rows are read, then it runs (the masks fill);
         the other rows wait for the call after the launch, so their host work overlaps the
         masked sampling instead of delaying its launch."""
+        if self._rest is not None:  # (before `prev`: older rows, left by a masked launch)
+            rows, self._rest = self._rest, None
+            self._accept_rows(rows, time.monotonic())
         prev, self._unread = self._unread, None
         if prev is not None:
             self._complete(prev, constrained_read)
-        if constrained_read is None and self._rest is not None:
-            rows, self._rest = self._rest, None
-            self._accept_rows(rows, time.monotonic())
 
     def _complete(
         self, handle: StepHandle, constrained_read: Callable[[], None] | None = None
