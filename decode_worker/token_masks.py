@@ -7,8 +7,9 @@ buffer that the MASK graph variants read (graph_runner.py: `sample_step(token_ma
 A batch without a constrained row never touches either buffer.
 
 The host work overlaps the device: the step's forward is enqueued first (the MASK variants are
-two graphs, forward and sampling), then the engine reads the previous step's tokens and
-advances the matchers, then the masks are filled and copied, then the sampling is enqueued.
+two graphs, forward and sampling), then the engine reads the previous step's constrained rows
+and advances their matchers, then the masks are filled and copied, then the sampling is
+enqueued, and only then are the unconstrained rows read (engine.py `_read_unread`).
 The pinned buffer is rewritten only after the previous step was read, i.e. after its mask copy.
 
 Rows whose matchers stand in one state (same constraint, same tokens so far: the forced
