@@ -14,7 +14,8 @@ Single-threaded (the engine loop thread, or a test, calls it). One step:
        after its prompt's last chunk, accepted like any other token, then runs its first decode
        step in this same step: prefill and decode in one loop
     3. launch the step (graph replay or eager); a batch with a structured-output row launches
-       its forward, reads the previous step (4.) while it runs, then its masked sampling
+       its forward, reads the previous step's constrained rows (4.) while it runs, fills their
+       masks, launches its masked sampling, then reads the previous step's other rows
     4. read the PREVIOUS step's tokens (overlap: the device already runs this one), run stop
        checks, advance constrained rows' matchers, stream outputs, free finished sequences
     5. with overlap off, this step is read at once

@@ -170,9 +170,9 @@ class GraphRunner(GraphCapture):
         """Enqueues one decode step for `seqs` (their KV up to next_position present, their
         blocks allocated); returns at once (on CUDA) with a handle for `read`. A batch with a
         constrained row enqueues the forward, calls `before_masks` (the engine reads the
-        previous step there: the matchers need its tokens; it calls the hook it is given once
-        the constrained rows are read, which fills the masks, before it reads the others) while
-        the forward runs, then copies the masks and enqueues the sampling."""
+        previous step's constrained rows there: the matchers need their tokens; then it calls
+        the hook it is given, which fills the masks; it reads the other rows after this returns)
+        while the forward runs, then copies the masks and enqueues the sampling."""
         n = len(seqs)
         if not 0 < n <= self.max_batch_size:
             raise ValueError(f"batch of {n} outside 1..{self.max_batch_size}")

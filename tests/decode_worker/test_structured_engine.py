@@ -185,7 +185,8 @@ def _first_allowed(matcher, vocab: int) -> int:
 
 def test_masked_graph_halves_keep_the_overlap(tiny_llama):
     """With (stand-in) captured graphs, a constrained batch replays the forward half, reads the
-    previous step while it runs, then the sampling half: outputs validate, the free row keeps
+    previous step's constrained rows while it runs, then the sampling half, then the free row:
+    outputs validate, the free row keeps
     its tokens, and the host never waits for a step it has just launched."""
     from test_graph_runner_cpu import _fake_capture
 
@@ -204,8 +205,9 @@ def test_masked_graph_halves_keep_the_overlap(tiny_llama):
     forward, complete = g.run_forward, engine._complete
     g.run_forward = lambda *a: (order.append("forward"), forward(*a))[1]
     engine._complete = lambda h, *hook: (order.append("read"), complete(h, *hook))[1]
-    start, accept = g.masks.start, engine._accept
+    start, accept, sample = g.masks.start, engine._accept, g.run_sample
     g.masks.start = lambda seqs: (order.append("mask fill"), start(seqs))[1]
+    g.run_sample = lambda *a: (order.append("sampling"), sample(*a))[1]
     engine._accept = lambda seq, *a: (
         order.append("constrained" if seq.matcher else "unconstrained"),
         accept(seq, *a),
@@ -213,9 +215,10 @@ def test_masked_graph_halves_keep_the_overlap(tiny_llama):
     col = _run(engine, reqs)
     steps = "".join(o[0] for o in order)
     # steady masked steps: the step's forward is enqueued before the previous step is read,
-    # and the mask fill starts after the constrained rows are read, before the free one
+    # the mask fill starts after the constrained rows are read, and the free row is read only
+    # after the sampling is enqueued
     assert steps.count("fr") > 5, order
-    assert steps.count("cmu") > 5, order
+    assert steps.count("cmsu") > 5, order
     assert col.tokens["free"] == want
     for i, s in enumerate(cases):
         assert col.final[f"j{i}"].finish_reason == "stop"
