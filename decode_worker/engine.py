@@ -361,4 +361,5 @@ class DecodeEngine:
             ),
         )
         self.graphs.release()
+        self.graphs.masks.filler.close()
         self.sampler.release_graphs()

@@ -2,14 +2,18 @@
 
 One bitmask row per sampled row, [n, W] int32 with W = ceil(vocab / 32) (kernels/
 token_bitmask.py reads it): all ones (-1) for an unconstrained row, the matcher's allowed
-tokens for a constrained one. llguidance computes the constrained rows in parallel on its own
-threads (`LLExecutor`, `executor_threads()`), outside the GIL.
+tokens for a constrained one. Rows fill in parallel outside the GIL (`MaskFiller`): one row
+at a time per thread, the rows that cost most last step first, so a step's fill takes about
+as long as its slowest row instead of its slowest thread's share of a fixed split.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 import numpy as np
@@ -48,6 +52,12 @@ def grammar_lineages() -> int:
     return LINEAGES_PER_THREAD * executor_threads()
 
 
+# "rows": MaskFiller's own threads, one row at a time, costliest first; "rayon": llguidance's
+# fill_next_token_bitmask_par, which splits the rows into fixed contiguous runs per thread
+# (benchmarks/decode.py --fill-mode compares them)
+FILL_MODE = "rows"
+
+
 def _executor() -> llguidance.LLExecutor:
     global _EXECUTOR
     if _EXECUTOR is None:
@@ -55,14 +65,73 @@ def _executor() -> llguidance.LLExecutor:
     return _EXECUTOR
 
 
+class MaskFiller:
+    """Fills many rows' masks on `threads` threads, the caller being one of them. Each thread
+    takes the next row from one list (a row inside a bounded string costs 1-2 ms at 128k
+    tokens, most rows ~15 us, so a fixed split of the rows can put two slow ones on one
+    thread while the others idle); the list starts with the rows that cost most last time, by
+    matcher (a row's state changes little in one token). llguidance's compute drops the GIL."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.threads = threads or executor_threads()
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # one fill at a time per filler (its cost memo)
+        self._cost: dict[int, float] = {}  # id(matcher) -> seconds, rows of the last fill
+
+    def fill(self, rows: Sequence[tuple[object, int]], out: np.ndarray) -> None:
+        """out[i] <- matcher's mask for each (matcher, i); `out` C-contiguous int32 [n, W]."""
+        if not (out.flags.c_contiguous and out.dtype == np.int32):
+            raise ValueError("masks must be a C-contiguous int32 array")
+        base, nbytes = out.ctypes.data, out.shape[1] * 4
+        with self._lock:
+            last = self._cost
+            todo = iter(sorted(rows, key=lambda r: -last.get(id(r[0]), 0.0)))
+            cost: dict[int, float] = {}
+
+            def work() -> None:
+                for m, i in todo:  # (the GIL makes next() on one iterator safe)
+                    t = time.perf_counter()
+                    m.unsafe_compute_mask_ptr(base + i * nbytes, nbytes)
+                    cost[id(m)] = time.perf_counter() - t
+
+            helpers = min(self.threads, len(rows)) - 1
+            if helpers > 0 and self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="mask-fill")
+            futures = [self._pool.submit(work) for _ in range(helpers)] if helpers > 0 else []
+            try:
+                work()
+            finally:  # every helper done before `out` is read or reused
+                errors = [f.exception() for f in futures]
+            self._cost = cost
+        for e in errors:
+            if e is not None:
+                raise e
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+_FILLER: MaskFiller | None = None
+
+
+def _default_filler() -> MaskFiller:
+    global _FILLER
+    if _FILLER is None:
+        _FILLER = MaskFiller()
+    return _FILLER
+
+
 def fill_masks(
     matchers: Sequence[object | None],
     out: np.ndarray,
     same_as: Sequence[int | None] | None = None,
+    filler: MaskFiller | None = None,
 ) -> None:
     """out[i] <- row i's mask: matchers[i]'s next allowed tokens, or all ones for None and for
     a matcher in an error state (its engine ends that request when it consumes the token; one
-    request's failure must not fail the batch).
+    request's failure must not fail the batch). `filler`: whose threads (default: a shared one).
 
     same_as[i] = j < i says row i's matcher stands in the same state as row j's (same grammar,
     same tokens consumed: the caller proves it), so row i copies row j's mask instead of walking
@@ -79,8 +148,10 @@ def fill_masks(
             rows.append((m, i))
         else:
             copies.append((i, j))
-    if rows:
+    if rows and FILL_MODE == "rayon":
         fill_next_token_bitmask_par(_executor(), rows, out[:n])
+    elif rows:
+        (filler or _default_filler()).fill(rows, out)
     for i, j in copies:
         out[i] = out[j]
 
