@@ -9,10 +9,13 @@ a random allowed token per step; a row whose output is complete starts over.
     python -m benchmarks.grammar_cpu --llama3 /tmp/w/llama_models/llama3/tokenizer.model
     python -m benchmarks.grammar_cpu --model ~/.cache/splitserve/models/tiny
     python -m benchmarks.grammar_cpu --synthetic-vocab 128000
+    python -m benchmarks.grammar_cpu --llama3 ... --schema bench --batch 32 --fill-mode rayon
 
 --llama3 takes Llama 3's tiktoken file (128,256 tokens; benchmarks/bench_vocab.py says where
 to get it); --synthetic-vocab writes a byte-level stand-in of that many tokens. Prints one JSON
 line: p50 / p90 / max ms per step of advance, fill and both, and the threads that filled.
+--schema bench takes decode.py --constrained's schema (short bounded strings: llguidance's slow
+rows); --fill-mode compares the engine's row-at-a-time threads with llguidance's par fill.
 """
 
 from __future__ import annotations
@@ -30,14 +33,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_vocab, grammar_engines
 from bench_vocab import llama3_tokenizer, synthetic_tokenizer  # noqa: E402
+from decode_structured import bench_schema  # noqa: E402
 from grammar_engines import MID_SCHEMA  # noqa: E402
 
 from splitserve.engine import grammar_masks  # noqa: E402
 from splitserve.engine.grammar_masks import fill_masks, mask_words  # noqa: E402
 from splitserve.request.constraint import Constraint  # noqa: E402
 from splitserve.request.grammar_cache import GrammarCache  # noqa: E402
-
-SCHEMA = MID_SCHEMA  # nested objects, arrays, enums, bounds, patterns a form-filling app sends
 
 
 def _stats(xs: list[float]) -> dict:
@@ -56,9 +58,15 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--threads", type=int, help="fill threads (default: the engine's choice)")
+    ap.add_argument("--schema", choices=("mid", "bench"), default="mid")
+    ap.add_argument("--fill-mode", choices=("rows", "rayon"), help="default: the engine's")
     args = ap.parse_args()
     if args.threads:
         grammar_masks.executor_threads = lambda: args.threads
+    if args.fill_mode:
+        grammar_masks.FILL_MODE = args.fill_mode
+    # mid: nested objects, arrays, enums, bounds, patterns a form-filling app sends
+    schema = MID_SCHEMA if args.schema == "mid" else bench_schema(64)
     tmp = Path(tempfile.mkdtemp())
     if args.llama3:
         folder, vocab, eos = llama3_tokenizer(args.llama3, tmp)
@@ -74,7 +82,7 @@ def main() -> None:
     t = time.perf_counter()
     cache.tokenizer()
     tokenizer_s = time.perf_counter() - t
-    c = Constraint(kind="json_schema", text=json.dumps(SCHEMA))
+    c = Constraint(kind="json_schema", text=json.dumps(schema))
     t = time.perf_counter()
     first = cache.compile_now(c)
     compile_ms = (time.perf_counter() - t) * 1e3
@@ -118,6 +126,8 @@ def main() -> None:
                 "steps": args.steps,
                 "cpus": os.cpu_count(),
                 "fill_threads": grammar_masks.executor_threads(),
+                "fill_mode": grammar_masks.FILL_MODE,
+                "schema": args.schema,
                 "tokenizer_load_s": round(tokenizer_s, 3),
                 "compile_new_ms": round(compile_ms, 2),
                 "first_mask_ms": round(first_mask_ms, 2),  # one row, a new schema
