@@ -360,6 +360,8 @@ class DecodeEngine:
                 "the decode worker is shutting down; retry on another decode worker"
             ),
         )
-        self.graphs.release()
-        self.graphs.masks.filler.close()
+        try:
+            self.graphs.release()
+        finally:
+            self.graphs.masks.filler.close()
         self.sampler.release_graphs()

@@ -77,13 +77,21 @@ class MaskFiller:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # one fill at a time per filler (its cost memo)
         self._cost: dict[int, float] = {}  # id(matcher) -> seconds, rows of the last fill
+        self._closed = False
 
     def fill(self, rows: Sequence[tuple[object, int]], out: np.ndarray) -> None:
         """out[i] <- matcher's mask for each (matcher, i); `out` C-contiguous int32 [n, W]."""
-        if not (out.flags.c_contiguous and out.dtype == np.int32):
-            raise ValueError("masks must be a C-contiguous int32 array")
+        if (
+            not (out.ndim == 2 and out.flags.c_contiguous and out.flags.writeable)
+            or out.dtype != np.int32
+        ):
+            raise ValueError("masks must be a writeable C-contiguous int32 [rows, words] array")
+        if any(not 0 <= i < out.shape[0] for _, i in rows):
+            raise ValueError(f"a row index outside the {out.shape[0]} mask rows")
         base, nbytes = out.ctypes.data, out.shape[1] * 4
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the mask filler is closed")
             last = self._cost
             todo = iter(sorted(rows, key=lambda r: -last.get(id(r[0]), 0.0)))
             cost: dict[int, float] = {}
@@ -95,12 +103,16 @@ class MaskFiller:
                     cost[id(m)] = time.perf_counter() - t
 
             helpers = min(self.threads, len(rows)) - 1
-            if helpers > 0 and self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="mask-fill")
-            futures = [self._pool.submit(work) for _ in range(helpers)] if helpers > 0 else []
+            futures = []
             try:
+                if helpers > 0 and self._pool is None:
+                    self._pool = ThreadPoolExecutor(
+                        self.threads - 1, thread_name_prefix="mask-fill"
+                    )
+                for _ in range(helpers):
+                    futures.append(self._pool.submit(work))
                 work()
-            finally:  # every helper done before `out` is read or reused
+            finally:  # every helper done before `out` is read, reused or freed
                 errors = [f.exception() for f in futures]
             self._cost = cost
         for e in errors:
@@ -108,9 +120,12 @@ class MaskFiller:
                 raise e
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Stops the helper threads (after a fill in flight); later fills are refused."""
+        with self._lock:
+            self._closed = True
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
 
 _FILLER: MaskFiller | None = None

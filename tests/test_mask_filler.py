@@ -4,6 +4,7 @@ rows taken costliest first, a failing row's error raised after every thread is d
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -22,19 +23,21 @@ SCHEMAS = [
 
 
 class Recorder:
-    """A matcher stand-in that logs which row it filled, in order (or fails)."""
+    """A matcher stand-in that logs which row it filled, in order (or fails at once)."""
 
-    def __init__(self, inner, log: list, fail: bool = False) -> None:
-        self.inner, self.log, self.fail = inner, log, fail
+    def __init__(self, inner, log: list, fail: bool = False, delay: float = 0.0) -> None:
+        self.inner, self.log, self.fail, self.delay = inner, log, fail, delay
 
     def is_error(self) -> bool:
         return False
 
     def unsafe_compute_mask_ptr(self, ptr: int, nbytes: int) -> None:
-        self.log.append(self)
         if self.fail:
+            self.log.append(self)
             raise RuntimeError("row failed")
+        time.sleep(self.delay)  # a slow row: still running when the failing one raises
         self.inner.unsafe_compute_mask_ptr(ptr, nbytes)
+        self.log.append(self)
 
 
 def test_rows_fill_the_same_masks_as_llguidance_par(tiny_llama, monkeypatch):
@@ -83,14 +86,19 @@ def test_a_failing_row_raises_once_every_thread_is_done(tiny_llama):
     cache = GrammarCache(tiny_llama, VOCAB, [EOS])
     c = Constraint(kind="json_schema", text=json.dumps(SCHEMAS[1]))
     log: list = []
-    rows = [Recorder(cache.compile_now(c), log, fail=(i == 1)) for i in range(6)]
+    rows = [Recorder(cache.compile_now(c), log, i == 1, delay=0.05) for i in range(6)]
     filler = MaskFiller(threads=3)
+    filler._cost = {id(rows[1]): 1.0}  # the failing row first: the others are still to come
     out = np.empty((6, mask_words(VOCAB)), dtype=np.int32)
     with pytest.raises(RuntimeError, match="row failed"):
         filler.fill([(r, i) for i, r in enumerate(rows)], out)
-    assert len(log) >= 2  # the other threads went on; the filler still serves
+    assert len(log) == 6  # every slow row was done before fill raised; the filler still serves
     good = [(r, i) for i, r in enumerate(rows) if i != 1]
     filler.fill(good, out)
     with pytest.raises(ValueError, match="C-contiguous int32"):
         filler.fill(good, out[:, ::2])
+    with pytest.raises(ValueError, match="outside the 4 mask rows"):
+        filler.fill(good, out[:4])  # never a write past the array
     filler.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        filler.fill(good, out)
