@@ -88,12 +88,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         help="--constrained: threads that fill the token masks (default: the engine's choice)",
     )
-    p.add_argument(
-        "--fill-mode",
-        choices=("rows", "rayon"),
-        help="--constrained: rows = splitserve's row-at-a-time fill threads, rayon = "
-        "llguidance's fill_next_token_bitmask_par (default: the engine's choice)",
-    )
     p.add_argument("--out", help="write the JSON result here")
     return p.parse_args(argv)
 
@@ -160,10 +154,6 @@ def main(argv=None) -> int:
         from splitserve.engine import grammar_masks
 
         grammar_masks.executor_threads = lambda: args.fill_threads
-    if args.fill_mode:
-        from splitserve.engine import grammar_masks
-
-        grammar_masks.FILL_MODE = args.fill_mode
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
         log(f"writing the {args.preset} preset to {model_dir}")
@@ -205,10 +195,9 @@ def main(argv=None) -> int:
         )
     if args.constrained:
         found = structured_results(engine, sizes, args, log)
-        from splitserve.engine import grammar_masks
+        from splitserve.engine.grammar_masks import executor_threads
 
-        found["fill_threads"] = grammar_masks.executor_threads()
-        found["fill_mode"] = grammar_masks.FILL_MODE
+        found["fill_threads"] = executor_threads()
         return write_out(args, torch, {"context": args.context, "steps": args.steps, **found})
     eager_runner = GraphRunner(engine.runner, max(sizes))
     bw = copy_bandwidth(torch, args.device, (2 << 30) if args.device == "cuda" else (64 << 20))

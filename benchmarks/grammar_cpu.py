@@ -9,13 +9,13 @@ a random allowed token per step; a row whose output is complete starts over.
     python -m benchmarks.grammar_cpu --llama3 /tmp/w/llama_models/llama3/tokenizer.model
     python -m benchmarks.grammar_cpu --model ~/.cache/splitserve/models/tiny
     python -m benchmarks.grammar_cpu --synthetic-vocab 128000
-    python -m benchmarks.grammar_cpu --llama3 ... --schema bench --batch 32 --fill-mode rayon
+    python -m benchmarks.grammar_cpu --llama3 ... --schema bench --batch 32 --threads 16
 
 --llama3 takes Llama 3's tiktoken file (128,256 tokens; benchmarks/bench_vocab.py says where
 to get it); --synthetic-vocab writes a byte-level stand-in of that many tokens. Prints one JSON
 line: p50 / p90 / max ms per step of advance, fill and both, and the threads that filled.
 --schema bench takes decode.py --constrained's schema (short bounded strings: llguidance's slow
-rows); --fill-mode compares the engine's row-at-a-time threads with llguidance's par fill.
+rows).
 """
 
 from __future__ import annotations
@@ -59,12 +59,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--threads", type=int, help="fill threads (default: the engine's choice)")
     ap.add_argument("--schema", choices=("mid", "bench"), default="mid")
-    ap.add_argument("--fill-mode", choices=("rows", "rayon"), help="default: the engine's")
     args = ap.parse_args()
     if args.threads:
         grammar_masks.executor_threads = lambda: args.threads
-    if args.fill_mode:
-        grammar_masks.FILL_MODE = args.fill_mode
     # mid: nested objects, arrays, enums, bounds, patterns a form-filling app sends
     schema = MID_SCHEMA if args.schema == "mid" else bench_schema(64)
     tmp = Path(tempfile.mkdtemp())
@@ -126,7 +123,6 @@ def main() -> None:
                 "steps": args.steps,
                 "cpus": os.cpu_count(),
                 "fill_threads": grammar_masks.executor_threads(),
-                "fill_mode": grammar_masks.FILL_MODE,
                 "schema": args.schema,
                 "tokenizer_load_s": round(tokenizer_s, 3),
                 "compile_new_ms": round(compile_ms, 2),

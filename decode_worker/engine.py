@@ -360,8 +360,5 @@ class DecodeEngine:
                 "the decode worker is shutting down; retry on another decode worker"
             ),
         )
-        try:
-            self.graphs.release()
-        finally:
-            self.graphs.masks.filler.close()
+        self.graphs.release()
         self.sampler.release_graphs()

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from splitserve.decode_worker.sequence import DecodeSequence
-from splitserve.engine.grammar_masks import MaskFiller, fill_masks, mask_words
+from splitserve.engine.grammar_masks import fill_masks, mask_words
 
 
 class TokenMasks:
@@ -39,7 +39,6 @@ class TokenMasks:
         self.on_fill: Callable[[float], None] | None = None  # seconds per masked step (metrics)
         self._filled: int | None = None  # shared rows of the fill `start` did, until `finish`
         self._fill_s = 0.0  # the fill's host time, for `finish` to report
-        self.filler = MaskFiller()  # this engine's fill threads and per-row cost memo
 
     @staticmethod
     def constrained(seqs: Sequence[DecodeSequence]) -> bool:
@@ -55,7 +54,7 @@ class TokenMasks:
         # wasted lane: any mask will do, and its matcher may be past its end
         matchers = [None if s.finished else s.matcher for s in seqs]
         same = same_state(seqs, matchers)
-        fill_masks(matchers, self.host.numpy(), same, self.filler)
+        fill_masks(matchers, self.host.numpy(), same)
         self._filled = len(same) - same.count(None)
         self._fill_s = time.perf_counter() - t0
 
