@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from decode_host_phases import host_phases, phases_ms
 
 
 def bench_schema(min_items: int, nonce: str = "") -> dict:
@@ -61,6 +62,9 @@ def first_allowed(matcher, vocab: int) -> int:
     return int(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))[0])
 
 
+INLINE = 10**9  # engine.beside_min_rows that no batch reaches: every row read on its thread
+
+
 def _run(engine, batch: int, args, constrained: bool, sampled: bool = True) -> float:
     """Wall ms per step of the serving loop; rows 0, 2, 4, ... constrained when asked; every
     row sampled at temperature 1 with its own seed, or every row greedy."""
@@ -90,7 +94,26 @@ def _run(engine, batch: int, args, constrained: bool, sampled: bool = True) -> f
         engine.step()
         steps += 1
     assert engine.allocator.num_free == engine.allocator.num_usable
+    _run.steps = steps
     return (time.perf_counter() - t0) * 1e3 / max(steps, 1)
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _beside_vs_inline(engine, b: int, args, repeats: int = 3) -> dict:
+    """The masked step with the previous step's rows read beside the fill (the engine's
+    default from `beside_min_rows` rows) and on the engine thread, alternated, medians."""
+    default, beside, inline = engine.beside_min_rows, [], []
+    try:
+        for r in range(repeats):
+            for mode in ("beside", "inline") if r % 2 == 0 else ("inline", "beside"):
+                engine.beside_min_rows = 1 if mode == "beside" else INLINE
+                (beside if mode == "beside" else inline).append(_run(engine, b, args, True))
+    finally:
+        engine.beside_min_rows = default
+    return {"beside_step_ms": _median(beside), "inline_step_ms": _median(inline)}
 
 
 def first_token_ms(engine, args, nonce: str) -> float:
@@ -143,7 +166,24 @@ def structured_results(engine, sizes, args, log) -> dict:
                 f"  batch={b} {name or 'sampled_'}plain={plain:.3f} ms "
                 f"half-constrained={half:.3f} ms ratio={half / plain:.3f}"
             )
+        ab = _beside_vs_inline(engine, b, args)
+        plain = _median([_run(engine, b, args, False) for _ in range(3)])
+        row |= {
+            "ab_unconstrained_step_ms": plain,
+            "ab_beside_ratio": ab["beside_step_ms"] / plain,
+            "ab_inline_ratio": ab["inline_step_ms"] / plain,
+            **{f"ab_{k}": v for k, v in ab.items()},
+        }
+        log(
+            f"  batch={b} rows read beside the fill {ab['beside_step_ms']:.3f} ms "
+            f"({row['ab_beside_ratio']:.3f}x), on the engine thread {ab['inline_step_ms']:.3f} "
+            f"ms ({row['ab_inline_ratio']:.3f}x), unconstrained {plain:.3f} ms (medians of 3)"
+        )
         rows.append(row)
+    with host_phases(engine) as total:
+        _run(engine, max(sizes), args, True)
+    phases = phases_ms(total, _run.steps + 1)
+    log(f"  host phases at batch {max(sizes)}, ms per step: {phases}")
     new = first_token_ms(engine, args, nonce=str(time.time_ns()))
     # the grammar cache compiles a schema's first `lineages` requests anew (independent compiles
     # fill in parallel), then hands out copies: the second request pays a compile, later ones not
@@ -163,4 +203,5 @@ def structured_results(engine, sizes, args, log) -> dict:
         "first_token_ms_new_schema": new,
         "first_token_ms_new_lineage": lineage,
         "first_token_ms_cached_schema": cached,
+        "host_phases_ms_per_step": {"batch": max(sizes), **phases},
     }

@@ -42,7 +42,7 @@ from splitserve.decode_worker.recompute import recompute_kv, sample_first_tokens
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
 from splitserve.decode_worker.startup import warm_up
-from splitserve.engine.grammar_masks import grammar_lineages
+from splitserve.engine.grammar_masks import consume_tokens, grammar_lineages
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
@@ -51,6 +51,8 @@ from splitserve.request.grammar_cache import GrammarCache
 from splitserve.request.stop_checker import StopChecker
 
 log = logging.getLogger(__name__)
+
+BESIDE_MIN_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,9 @@ class DecodeEngine:
         self._inflight: StepHandle | None = None
         self._unread: StepHandle | None = None  # within step(): the previous step, until read
         self._rest: list[tuple] | None = None  # its unconstrained rows, read after the launch
+        # a masked step with at least this many rows of the previous step to read reads them on
+        # a helper thread while the masks fill (smaller ones: the hop costs more than it saves)
+        self.beside_min_rows = BESIDE_MIN_ROWS
         # blocks reserved for pulls / streams, not yet admitted or released; while nothing can
         # run for want of them, the engine waits for the next command (engine_loop.py: an
         # admission, a release, an abort) instead of stepping: `blocked`
@@ -262,12 +267,14 @@ class DecodeEngine:
             for seq, tok, lp in zip(firsts, out.token_ids, out.logprobs):
                 self._accept(seq, tok, lp, now)
 
-    def _read_unread(self, constrained_read: Callable[[], None] | None = None) -> None:
+    def _read_unread(self, constrained_read: Callable[..., None] | None = None) -> None:
         """Reads the previous step, once: after this step's launch, or (a batch with
         constrained rows, whose masks need its tokens) while this step's forward runs. With
-        `constrained_read` only the constrained rows are read, then it runs (the masks fill);
-        the other rows wait for the call after the launch, so their host work overlaps the
-        masked sampling instead of delaying its launch."""
+        `constrained_read` (it fills the masks; its optional argument is work to run beside
+        the fill) the constrained rows' tokens are consumed first, then it runs: a batch of
+        `beside_min_rows` or more reads every row beside the fill, a smaller one reads its
+        constrained rows before it and leaves the others for the call after the launch, so
+        their host work overlaps the masked sampling instead of delaying its launch."""
         if self._rest is not None:  # (before `prev`: older rows, left by a masked launch)
             rows, self._rest = self._rest, None
             self._accept_rows(rows, time.monotonic())
@@ -276,36 +283,64 @@ class DecodeEngine:
             self._complete(prev, constrained_read)
 
     def _complete(
-        self, handle: StepHandle, constrained_read: Callable[[], None] | None = None
+        self, handle: StepHandle, constrained_read: Callable[..., None] | None = None
     ) -> None:
         if handle is self._launched:  # read before the next step was launched: a host wait
             self.sync_reads += 1
         tokens, logprobs = self.graphs.read(handle)
         now = time.monotonic()
         rows = list(zip(handle.seqs, tokens, logprobs))
-        if constrained_read is not None:  # the masks need only these: they start filling
+        if constrained_read is None:
+            self._accept_rows(rows, now)
+        elif len(rows) >= self.beside_min_rows:
+            # the masks need only the constrained rows' tokens consumed; every row's other
+            # bookkeeping runs on a helper thread while llguidance fills (engine/side_thread.py)
+            self._advance_matchers([r for r in rows if r[0].matcher is not None])
+            constrained_read(lambda: self._accept_rows(rows, now, advanced=True))
+        else:  # few rows: the constrained first, the others after the sampling is enqueued
             self._accept_rows([r for r in rows if r[0].matcher is not None], now)
             constrained_read()
             self._rest = [r for r in rows if r[0].matcher is None]
-            return
-        self._accept_rows(rows, now)
 
-    def _accept_rows(self, rows: list[tuple], now: float) -> None:
+    def _advance_matchers(self, rows: list[tuple]) -> None:
+        """Constrained rows: the token appended and consumed by the matcher (in parallel); a
+        refused one ends its request here. `_accept(advanced=True)` does the rest."""
+        rows = [r for r in rows if not r[0].finished]
+        for seq, tok, _ in rows:
+            seq.output_token_ids.append(tok)
+        oks = consume_tokens([seq.matcher for seq, _, _ in rows], [tok for _, tok, _ in rows])
+        for (seq, tok, _), ok in zip(rows, oks):
+            seq.note_consumed(tok)
+            if not ok:
+                self._refused(seq, tok)
+
+    def _refused(self, seq: DecodeSequence, token: int) -> None:
+        why = seq.matcher.get_error()  # e.g. a grammar over the engine's per-step limits
+        log.error("%s: token %d broke its constraint: %s", seq.request_id, token, why)
+        err = RequestError(grpc.StatusCode.INTERNAL, f"the constraint failed: {why}")
+        self.abort(seq.request_id, "error", err)
+
+    def _accept_rows(self, rows: list[tuple], now: float, advanced: bool = False) -> None:
         for seq, tok, lp in rows:
             seq.in_flight -= 1
             if not seq.finished:
-                self._accept(seq, tok, lp, now)
+                self._accept(seq, tok, lp, now, advanced)
 
     def _accept(
-        self, seq: DecodeSequence, token: int, logprob: TokenLogprobs | None, now: float
+        self,
+        seq: DecodeSequence,
+        token: int,
+        logprob: TokenLogprobs | None,
+        now: float,
+        advanced: bool = False,
     ) -> None:
-        seq.output_token_ids.append(token)
-        if seq.matcher is not None and not seq.advance_matcher(token):
-            why = seq.matcher.get_error()  # e.g. a grammar over the engine's per-step limits
-            log.error("%s: token %d broke its constraint: %s", seq.request_id, token, why)
-            err = RequestError(grpc.StatusCode.INTERNAL, f"the constraint failed: {why}")
-            self.abort(seq.request_id, "error", err)
-            return
+        """`advanced`: a constrained row's token is already appended and consumed
+        (`_advance_matchers`)."""
+        if not (advanced and seq.matcher is not None):
+            seq.output_token_ids.append(token)
+            if seq.matcher is not None and not seq.advance_matcher(token):
+                self._refused(seq, token)
+                return
         result = seq.stop.update(token, "")  # no text: stop strings are the servicer's
         if len(seq.output_token_ids) > 1:  # a first token sampled here ends no inter-token gap
             self.metrics.itl_seconds.observe(now - seq.last_token_time)
@@ -361,4 +396,5 @@ class DecodeEngine:
             ),
         )
         self.graphs.release()
+        self.graphs.masks.close()
         self.sampler.release_graphs()

@@ -165,13 +165,15 @@ class GraphRunner(GraphCapture):
         seqs: Sequence[DecodeSequence],
         changed: bool,
         new_blocks: Sequence[tuple[DecodeSequence, int, int]] = (),
-        before_masks: Callable[[Callable[[], None]], None] | None = None,
+        before_masks: Callable[[Callable[..., None]], None] | None = None,
     ) -> StepHandle:
         """Enqueues one decode step for `seqs` (their KV up to next_position present, their
         blocks allocated); returns at once (on CUDA) with a handle for `read`. A batch with a
         constrained row enqueues the forward, calls `before_masks` (the engine reads the
         previous step's constrained rows there: the matchers need their tokens; then it calls
-        the hook it is given, which fills the masks; it reads the other rows after this returns)
+        the hook it is given, which fills the masks, running the work it is passed, if any, on
+        a helper thread beside the fill; the engine reads the other rows then or after this
+        returns)
         while the forward runs, then copies the masks and enqueues the sampling."""
         n = len(seqs)
         if not 0 < n <= self.max_batch_size:
@@ -211,7 +213,7 @@ class GraphRunner(GraphCapture):
         if variant & MASK:
             logits = self.run_forward(slot, n, graph_size, prep)
             if before_masks is not None:  # the fill starts once the constrained rows are read
-                before_masks(lambda: self.masks.start(seqs))
+                before_masks(lambda beside=None: self.masks.start(seqs, beside))
             self.masks.finish(seqs)
             self.run_sample(n, graph_size, variant, logits)
         else:

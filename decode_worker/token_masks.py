@@ -25,6 +25,7 @@ import torch
 
 from splitserve.decode_worker.sequence import DecodeSequence
 from splitserve.engine.grammar_masks import fill_masks, mask_words
+from splitserve.engine.side_thread import SideThread
 
 
 class TokenMasks:
@@ -39,24 +40,31 @@ class TokenMasks:
         self.on_fill: Callable[[float], None] | None = None  # seconds per masked step (metrics)
         self._filled: int | None = None  # shared rows of the fill `start` did, until `finish`
         self._fill_s = 0.0  # the fill's host time, for `finish` to report
+        self.side = SideThread("mask-side")  # reads rows beside the fill (`start`)
 
     @staticmethod
     def constrained(seqs: Sequence[DecodeSequence]) -> bool:
         return any(s.matcher is not None for s in seqs)
 
-    def start(self, seqs: Sequence[DecodeSequence]) -> None:
-        """Fills the host buffer, on the calling thread: measured on the H100 (llama 1B, Llama 3
-        vocabulary, 32 of 64 rows constrained) a helper thread that filled while the engine read
-        the unconstrained rows made the masked step slower (1.54x unconstrained against 1.24x
-        inline; the hop and the GIL cost more than the overlap gave)."""
+    def start(
+        self, seqs: Sequence[DecodeSequence], beside: Callable[[], None] | None = None
+    ) -> None:
+        """Fills the host buffer, on the calling thread (llguidance's threads do the work, the
+        GIL released); `beside` runs on `side`'s helper thread meanwhile (engine/side_thread.py:
+        the previous step's bookkeeping), or after the fill if no row needs a walk. (A helper
+        thread that filled while the engine read the rows was measured slower on the H100:
+        1.54x unconstrained at batch 64 against 1.24x inline: it got the GIL late.)"""
         t0 = time.perf_counter()
         # a row that just finished (its last token read while this step's forward ran) is a
         # wasted lane: any mask will do, and its matcher may be past its end
         matchers = [None if s.finished else s.matcher for s in seqs]
         same = same_state(seqs, matchers)
-        fill_masks(matchers, self.host.numpy(), same)
+        fill_masks(matchers, self.host.numpy(), same, beside, self.side)
         self._filled = len(same) - same.count(None)
         self._fill_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.side.close()
 
     def finish(self, seqs: Sequence[DecodeSequence]) -> None:
         """Rows [:len(seqs)] of the device buffer <- the rows' masks (stream-ordered): takes

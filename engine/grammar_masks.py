@@ -9,12 +9,14 @@ threads (`LLExecutor`, `executor_threads()`), outside the GIL.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llguidance
 import numpy as np
 import torch
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import consume_token_par, fill_next_token_bitmask_par
+
+from splitserve.engine.side_thread import SideThread
 
 _EXECUTOR: llguidance.LLExecutor | None = None
 
@@ -63,6 +65,8 @@ def fill_masks(
     matchers: Sequence[object | None],
     out: np.ndarray,
     same_as: Sequence[int | None] | None = None,
+    beside: Callable[[], None] | None = None,
+    side: SideThread | None = None,
 ) -> None:
     """out[i] <- row i's mask: matchers[i]'s next allowed tokens, or all ones for None and for
     a matcher in an error state (its engine ends that request when it consumes the token; one
@@ -71,7 +75,11 @@ def fill_masks(
     same_as[i] = j < i says row i's matcher stands in the same state as row j's (same grammar,
     same tokens consumed: the caller proves it), so row i copies row j's mask instead of walking
     the token trie again: rows of one schema share their forced opening, `n` choices of one
-    prompt share theirs, and a state inside a bounded string costs ~1-2 ms at 128k tokens."""
+    prompt share theirs, and a state inside a bounded string costs ~1-2 ms at 128k tokens.
+
+    `beside` (Python work that touches none of these matchers) runs on `side`'s thread while
+    llguidance fills (the GIL released), or here after the fill when there is no `side` or no
+    row to walk."""
     n = len(matchers)
     out[:n] = -1
     rows, copies = [], []
@@ -83,10 +91,25 @@ def fill_masks(
             rows.append((m, i))
         else:
             copies.append((i, j))
-    if rows:
+    if rows and beside is not None and side is not None:
+        side.beside(beside, lambda: fill_next_token_bitmask_par(_executor(), rows, out[:n]))
+        beside = None
+    elif rows:
         fill_next_token_bitmask_par(_executor(), rows, out[:n])
+    if beside is not None:
+        beside()
     for i, j in copies:
         out[i] = out[j]
+
+
+def consume_tokens(matchers: Sequence[object], tokens: Sequence[int]) -> list[bool]:
+    """matchers[i] consumes tokens[i], on llguidance's threads outside the GIL when there are
+    several; [i] is False where the constraint refuses the token."""
+    if len(matchers) == 1:
+        return [matchers[0].consume_token(tokens[0])]
+    if not matchers:
+        return []
+    return consume_token_par(_executor(), list(zip(matchers, tokens)))
 
 
 def host_masks(matchers: Sequence[object | None], vocab: int, device: torch.device) -> torch.Tensor:

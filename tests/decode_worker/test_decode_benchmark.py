@@ -40,3 +40,7 @@ def test_constrained_half_batch_on_cpu(tiny_llama, tmp_path):
     (row,) = found["results"]
     assert row["batch"] == 2 and row["ratio_to_unconstrained"] > 0
     assert found["first_token_ms_new_schema"] > 0 and found["first_token_ms_cached_schema"] > 0
+    # the A/B of reading rows beside the mask fill or on the engine thread, and the host phases
+    assert row["ab_beside_ratio"] > 0 and row["ab_inline_ratio"] > 0
+    phases = found["host_phases_ms_per_step"]
+    assert phases["batch"] == 2 and phases["step"] > 0 and phases["mask_fill_incl_rows_beside"] > 0

@@ -206,7 +206,7 @@ def test_masked_graph_halves_keep_the_overlap(tiny_llama):
     g.run_forward = lambda *a: (order.append("forward"), forward(*a))[1]
     engine._complete = lambda h, *hook: (order.append("read"), complete(h, *hook))[1]
     start, accept, sample = g.masks.start, engine._accept, g.run_sample
-    g.masks.start = lambda seqs: (order.append("mask fill"), start(seqs))[1]
+    g.masks.start = lambda seqs, beside=None: (order.append("mask fill"), start(seqs, beside))[1]
     g.run_sample = lambda *a: (order.append("sampling"), sample(*a))[1]
     engine._accept = lambda seq, *a: (
         order.append("constrained" if seq.matcher else "unconstrained"),
@@ -228,9 +228,11 @@ def test_masked_graph_halves_keep_the_overlap(tiny_llama):
 
 
 @pytest.mark.gpu
-def test_captured_masked_graphs_on_the_gpu(tiny_llama):
+@pytest.mark.parametrize("beside_min_rows", [1, 10**9])
+def test_captured_masked_graphs_on_the_gpu(tiny_llama, beside_min_rows):
     """Real CUDA graphs (the MASK variants' forward and sampling halves): constrained rows
-    validate, the free row keeps its tokens, graphs were replayed, the host never waited."""
+    validate, the free row keeps its tokens, graphs were replayed, the host never waited;
+    with the previous step's rows read beside the mask fill (engine/side_thread.py) or not."""
     from splitserve.decode_worker.engine import DecodeEngine
 
     def cuda_engine() -> DecodeEngine:
@@ -245,6 +247,7 @@ def test_captured_masked_graphs_on_the_gpu(tiny_llama):
     free = _params(None, temperature=1.0, seed=11, max_tokens=30)
     want = _run(cuda_engine(), {"free": (free, False, None)}).tokens["free"]
     engine = cuda_engine()
+    engine.beside_min_rows = beside_min_rows
     cases = schemas(seed=9, count=5)
     reqs = {"free": (free, False, None)}
     for i, s in enumerate(cases):
@@ -257,4 +260,5 @@ def test_captured_masked_graphs_on_the_gpu(tiny_llama):
         check_instance(json.loads(_text(tiny_llama, col.tokens[f"j{i}"])), s)
     g = engine.graphs
     assert g.masks.steps > 5 and g.num_replays > 5 and engine.sync_reads == 0
+    assert (g.masks.side.jobs_run > 5) == (beside_min_rows == 1)
     assert_all_free(engine)
