@@ -42,7 +42,7 @@ from splitserve.decode_worker.recompute import recompute_kv, sample_first_tokens
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
 from splitserve.decode_worker.startup import warm_up
-from splitserve.engine.grammar_masks import consume_tokens, grammar_lineages
+from splitserve.engine.grammar_masks import grammar_lineages
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.request.block_allocator import BlockAllocator
@@ -303,15 +303,14 @@ class DecodeEngine:
             self._rest = [r for r in rows if r[0].matcher is None]
 
     def _advance_matchers(self, rows: list[tuple]) -> None:
-        """Constrained rows: the token appended and consumed by the matcher (in parallel); a
-        refused one ends its request here. `_accept(advanced=True)` does the rest."""
-        rows = [r for r in rows if not r[0].finished]
+        """Constrained rows: the token appended and consumed by the matcher; a refused one ends
+        its request here. `_accept(advanced=True)` does the rest. (One at a time: llguidance's
+        consume_token_par took 0.2-1.1 ms for 32 rows on the H100 host, against ~0.1 ms.)"""
         for seq, tok, _ in rows:
+            if seq.finished:
+                continue
             seq.output_token_ids.append(tok)
-        oks = consume_tokens([seq.matcher for seq, _, _ in rows], [tok for _, tok, _ in rows])
-        for (seq, tok, _), ok in zip(rows, oks):
-            seq.note_consumed(tok)
-            if not ok:
+            if not seq.advance_matcher(tok):
                 self._refused(seq, tok)
 
     def _refused(self, seq: DecodeSequence, token: int) -> None:

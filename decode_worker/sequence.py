@@ -125,12 +125,8 @@ class DecodeSequence:
 
     def advance_matcher(self, token: int) -> bool:
         """The matcher consumes `token` (out[-1]); False when the constraint refuses it."""
-        self.note_consumed(token)
-        return self.matcher.consume_token(token)
-
-    def note_consumed(self, token: int) -> None:
-        """The fingerprint follows the matcher, which consumed `token` (here or in a batch)."""
         self.grammar_fp = hash((self.grammar_fp, token))
+        return self.matcher.consume_token(token)
 
     @property
     def next_position(self) -> int:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import llguidance
 import numpy as np
 import torch
-from llguidance.numpy import consume_token_par, fill_next_token_bitmask_par
+from llguidance.numpy import fill_next_token_bitmask_par
 
 from splitserve.engine.side_thread import SideThread
 
@@ -100,16 +100,6 @@ def fill_masks(
         beside()
     for i, j in copies:
         out[i] = out[j]
-
-
-def consume_tokens(matchers: Sequence[object], tokens: Sequence[int]) -> list[bool]:
-    """matchers[i] consumes tokens[i], on llguidance's threads outside the GIL when there are
-    several; [i] is False where the constraint refuses the token."""
-    if len(matchers) == 1:
-        return [matchers[0].consume_token(tokens[0])]
-    if not matchers:
-        return []
-    return consume_token_par(_executor(), list(zip(matchers, tokens)))
 
 
 def host_masks(matchers: Sequence[object | None], vocab: int, device: torch.device) -> torch.Tensor:
