@@ -103,8 +103,9 @@ def _median(xs: list[float]) -> float:
 
 
 def _beside_vs_inline(engine, b: int, args, repeats: int = 7) -> dict:
-    """The masked step with the previous step's rows read beside the fill (the engine's
-    default from `beside_min_rows` rows) and on the engine thread, alternated, medians."""
+    """The masked step with the previous step's rows read beside the fill (forced at every
+    size; the engine does it from `beside_min_rows` rows) and on the engine thread,
+    alternated, medians."""
     default, beside, inline = engine.beside_min_rows, [], []
     try:
         for r in range(repeats):

@@ -14,8 +14,10 @@ Single-threaded (the engine loop thread, or a test, calls it). One step:
        after its prompt's last chunk, accepted like any other token, then runs its first decode
        step in this same step: prefill and decode in one loop
     3. launch the step (graph replay or eager); a batch with a structured-output row launches
-       its forward, reads the previous step's constrained rows (4.) while it runs, fills their
-       masks, launches its masked sampling, then reads the previous step's other rows
+       its forward, advances the previous step's constrained rows' matchers while it runs,
+       fills their masks (reading the previous step's rows (4.) on a helper thread meanwhile,
+       or, below `beside_min_rows` rows, the constrained ones before and the others after),
+       then launches its masked sampling
     4. read the PREVIOUS step's tokens (overlap: the device already runs this one), run stop
        checks, advance constrained rows' matchers, stream outputs, free finished sequences
     5. with overlap off, this step is read at once

@@ -9,7 +9,9 @@ A batch without a constrained row never touches either buffer.
 The host work overlaps the device: the step's forward is enqueued first (the MASK variants are
 two graphs, forward and sampling), then the engine reads the previous step's constrained rows
 and advances their matchers, then the masks are filled and copied, then the sampling is
-enqueued, and only then are the unconstrained rows read (engine.py `_read_unread`).
+enqueued. The previous step's other bookkeeping (stop checks, metrics, outputs of every row)
+runs on a helper thread while llguidance fills (`SideThread`, from `beside_min_rows` rows), or,
+in a smaller batch, after the sampling is enqueued (engine.py `_read_unread`).
 The pinned buffer is rewritten only after the previous step was read, i.e. after its mask copy.
 
 Rows whose matchers stand in one state (same constraint, same tokens so far: the forced
@@ -59,9 +61,10 @@ class TokenMasks:
         # wasted lane: any mask will do, and its matcher may be past its end
         matchers = [None if s.finished else s.matcher for s in seqs]
         same = same_state(seqs, matchers)
-        fill_masks(matchers, self.host.numpy(), same, beside, self.side)
+        t1 = time.perf_counter()
+        took = fill_masks(matchers, self.host.numpy(), same, beside, self.side)
         self._filled = len(same) - same.count(None)
-        self._fill_s = time.perf_counter() - t0
+        self._fill_s = t1 - t0 + took  # not the rows read beside the fill
 
     def close(self) -> None:
         self.side.close()
@@ -76,7 +79,7 @@ class TokenMasks:
         n, t_copy = len(seqs), time.perf_counter()
         self.device[:n].copy_(self.host[:n], non_blocking=True)
         self.steps += 1
-        took = self._fill_s + time.perf_counter() - t_copy  # not the rows read in between
+        took = self._fill_s + time.perf_counter() - t_copy  # not the rows read meanwhile
         self.fill_seconds += took
         if self.on_fill is not None:
             self.on_fill(took)

@@ -9,6 +9,7 @@ threads (`LLExecutor`, `executor_threads()`), outside the GIL.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 
 import llguidance
@@ -67,7 +68,7 @@ def fill_masks(
     same_as: Sequence[int | None] | None = None,
     beside: Callable[[], None] | None = None,
     side: SideThread | None = None,
-) -> None:
+) -> float:
     """out[i] <- row i's mask: matchers[i]'s next allowed tokens, or all ones for None and for
     a matcher in an error state (its engine ends that request when it consumes the token; one
     request's failure must not fail the batch).
@@ -79,7 +80,7 @@ def fill_masks(
 
     `beside` (Python work that touches none of these matchers) runs on `side`'s thread while
     llguidance fills (the GIL released), or here after the fill when there is no `side` or no
-    row to walk."""
+    row to walk. Returns the seconds the fill itself took (not `beside`)."""
     n = len(matchers)
     out[:n] = -1
     rows, copies = [], []
@@ -91,15 +92,23 @@ def fill_masks(
             rows.append((m, i))
         else:
             copies.append((i, j))
-    if rows and beside is not None and side is not None:
-        side.beside(beside, lambda: fill_next_token_bitmask_par(_executor(), rows, out[:n]))
-        beside = None
-    elif rows:
+    t0 = time.perf_counter()
+
+    def fill() -> float:
         fill_next_token_bitmask_par(_executor(), rows, out[:n])
+        return time.perf_counter()
+
+    if rows and beside is not None and side is not None:
+        took = side.beside(beside, fill) - t0
+        beside = None
+    else:
+        took = (fill() if rows else time.perf_counter()) - t0
     if beside is not None:
         beside()
+    t1 = time.perf_counter()
     for i, j in copies:
         out[i] = out[j]
+    return took + time.perf_counter() - t1
 
 
 def host_masks(matchers: Sequence[object | None], vocab: int, device: torch.device) -> torch.Tensor:

@@ -38,21 +38,27 @@ class SideThread:
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._lock = threading.Lock()
 
     def beside(self, side: Callable[[], None], main: Callable[[], T]) -> T:
         """Runs `side()` on the helper while `main()` runs here; returns `main()`'s result once
         both have ended. An exception of `side` is raised here (`main`'s wins if both fail)."""
-        if self._closed:
-            raise RuntimeError(f"{self.name}: closed")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
         job = _Job(side)
-        self._jobs.put(job)
+        with self._lock:  # (a close() between the check and the put would strand the job)
+            if self._closed:
+                raise RuntimeError(f"{self.name}: closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self._thread.start()
+            self._jobs.put(job)
         try:
             out = main()
-        finally:
-            job.done.acquire()  # (the GIL is released while it waits)
+        except BaseException as e:
+            job.done.acquire()
+            if job.error is not None:
+                e.add_note(f"{self.name}: the side job failed too: {job.error!r}")
+            raise
+        job.done.acquire()  # (the GIL is released while it waits)
         if job.error is not None:
             raise job.error
         return out
@@ -68,9 +74,10 @@ class SideThread:
 
     def close(self, timeout: float = 5.0) -> None:
         """Ends the helper once its current job is done; idempotent."""
-        self._closed = True
-        if self._thread is not None:
-            self._jobs.put(None)
-            if self._thread is not threading.current_thread():
-                self._thread.join(timeout)
-            self._thread = None
+        with self._lock:
+            self._closed = True
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._jobs.put(None)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)

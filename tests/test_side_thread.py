@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -38,13 +37,18 @@ def test_side_runs_on_the_helper_while_main_runs_here():
 def test_the_caller_returns_only_after_the_side_job_ended():
     side = SideThread("t-side")
     done: list[str] = []
+    main_ended = threading.Event()
 
     def slow() -> None:
-        time.sleep(0.05)
+        assert main_ended.wait(30)  # ends only after main has returned
         done.append("side")
 
+    def main() -> None:
+        done.append("main")
+        main_ended.set()
+
     try:
-        side.beside(slow, lambda: done.append("main"))
+        side.beside(slow, main)
         assert done == ["main", "side"]
     finally:
         side.close()
@@ -62,8 +66,9 @@ def test_errors_reach_the_caller_and_the_helper_keeps_serving():
     try:
         with pytest.raises(ValueError, match="side failed"):
             side.beside(boom, lambda: None)
-        with pytest.raises(KeyError, match="main failed"):  # main's error wins
+        with pytest.raises(KeyError, match="main failed") as raised:  # main's error wins ...
             side.beside(boom, main_fails)
+        assert "side failed" in "".join(raised.value.__notes__)  # ... and names the side's
         assert side.beside(lambda: None, lambda: "ok") == "ok"
     finally:
         side.close()

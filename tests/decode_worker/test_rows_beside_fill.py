@@ -83,7 +83,7 @@ def test_rows_read_beside_the_fill_give_the_inline_tokens(tiny_llama):
 
 
 @pytest.mark.parametrize("beside_min_rows", [1, INLINE])
-def test_a_refused_token_ends_only_its_request(tiny_llama, beside_min_rows):
+def test_a_refused_token_ends_only_its_request(tiny_llama, beside_min_rows, caplog):
     """The device sampled under the mask, so a refusal means a broken engine or grammar: the
     request ends with an error, the others go on, every block comes back."""
     alone = make_engine(tiny_llama)
@@ -108,4 +108,8 @@ def test_a_refused_token_ends_only_its_request(tiny_llama, beside_min_rows):
     assert out.finish_reason == "error" and "the constraint failed" in str(out.error)
     assert col.tokens["free"] == want.tokens["free"]
     assert col.final["j0"].finish_reason == "stop"
+    assert bad not in col.tokens["rx"]  # the refused token was never streamed
+    # nothing was streamed after a final chunk (Collected asserts it; _emit would only log it)
+    assert not [r for r in caplog.records if "output sink of" in r.getMessage()]
+    assert (engine.graphs.masks.side.jobs_run > 0) == (beside_min_rows == 1)
     assert_all_free(engine)
