@@ -26,6 +26,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+GC_MAX_PAUSE = re.compile(r'splitserve_gc_pause_max_seconds\{generation="(\d)"\} ([\d.e+-]+)')
 SERVING_LINE = re.compile(
     r"serving splitserve\.v1\.PrefillWorker on ([\w.]+):(\d+).*metrics on :(\d+)"
     r".*started in ([\d.]+) s"
@@ -135,7 +136,9 @@ def first_prompt(
                     timeout=30,
                 )
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
-        compiles = SERVING_COMPILES.search(metrics.read().decode())
+        scraped = metrics.read().decode()
+        compiles = SERVING_COMPILES.search(scraped)
+        gc_max = GC_MAX_PAUSE.findall(scraped)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -164,6 +167,9 @@ def first_prompt(
         "after_idle_worker_ms": list(idle_parts),
         "startup_s": startup_s,
         "serving_compilations": float(compiles[1]) if compiles else None,
+        # the worker's longest Python garbage collection by generation (worker/gc_pauses.py)
+        "gc_pause_max_ms": {g: float(v) * 1e3 for g, v in gc_max},
+        "gc_heap_frozen": os.environ.get("SPLITSERVE_NO_GC_FREEZE") != "1",
     }
 
 

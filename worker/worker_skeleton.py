@@ -3,6 +3,7 @@ add only their engine, servicer and KV side).
 
     start():  gRPC bound (health NOT_SERVING; health answers from here on)
               -> start_engine(): model load + warm-up (+ tensor-parallel ranks), KV transfer
+              -> the start-up heap frozen (worker/gc_pauses.py)
               -> health SERVING -> the stall watch (worker/stall_watch.py); the start-up time
               and warm-up's kernel compilations go into the SERVING log line (startup_note)
     rank lost (tensor parallel): fail_in_flight(), then NOT_SERVING, exit 1 (tp_lifecycle.py)
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from splitserve.service.cluster_auth import RequireClusterSecret
 from splitserve.service.credentials import cluster_secret, is_loopback_host
 from splitserve.service.grpc_service import GrpcServer
+from splitserve.worker.gc_pauses import GcPauseCollector, freeze_startup_heap, unfreeze_heap
 from splitserve.worker.kernel_metrics import KernelCompileMetrics
 from splitserve.worker.stall_watch import StallWatch
 from splitserve.worker.tp_lifecycle import exit_after_rank_loss, serve_until_lost
@@ -49,6 +51,8 @@ class WorkerSkeleton:
         self.server = GrpcServer(cfg.server, registry, guard)
         # before any kernel runs: warm-up's compilations count as start-up, later ones as serving
         self.kernel_compiles = KernelCompileMetrics(registry)
+        self.gc_pauses = GcPauseCollector(registry)
+        self.frozen_objects = 0  # the start-up heap, out of the collector's way (gc_pauses.py)
         self.startup_s: float | None = None
         self.servicer = servicer
         self.server.add(add_servicer, servicer, self.service_name)
@@ -119,6 +123,9 @@ class WorkerSkeleton:
         await self.server.start()
         await self.start_engine()
         self.kernel_compiles.mark_serving()
+        # the first full collection would otherwise land on a request (worker/gc_pauses.py)
+        self.frozen_objects, _ = freeze_startup_heap()
+        self.gc_pauses.mark_serving()
         self.startup_s = time.perf_counter() - began
         await self.server.set_serving(True)
         self.watch = StallWatch(
@@ -137,7 +144,8 @@ class WorkerSkeleton:
             return ""
         return (
             f", started in {self.startup_s:.1f} s "
-            f"({self.kernel_compiles.startup()} kernel compilations during warm-up)"
+            f"({self.kernel_compiles.startup()} kernel compilations during warm-up; "
+            f"{self.frozen_objects} start-up objects frozen out of the garbage collector)"
         )
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -148,6 +156,8 @@ class WorkerSkeleton:
         await self.server.drain(grace_s)
         self.kernel_compiles.mark_stopped()
         await self.stop_engine()
+        self.gc_pauses.close()
+        unfreeze_heap()  # a worker run in-process (tests, benchmarks) leaves a collectable heap
         if self.ranks is not None:  # after the engine: its last commands reach the followers first
             await asyncio.to_thread(self.ranks.close)
             self.ranks = None

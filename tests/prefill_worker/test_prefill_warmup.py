@@ -157,6 +157,9 @@ def test_served_steps_stay_in_warmed_classes_and_the_counter_is_exported(tiny_ll
                 is not None
             )
             assert "started in" in worker.describe() and worker.startup_s > 0
+            # the start-up heap was frozen before SERVING (worker/gc_pauses.py)
+            assert worker.frozen_objects > 1000 and "frozen out of the garbage" in worker.describe()
+            assert reg.get_sample_value("splitserve_gc_collections_total", {"generation": "2"}) >= 0
 
     with torch.inference_mode(False):
         asyncio.run(run())
