@@ -113,3 +113,49 @@ def test_a_refused_token_ends_only_its_request(tiny_llama, beside_min_rows, capl
     assert not [r for r in caplog.records if "output sink of" in r.getMessage()]
     assert (engine.graphs.masks.side.jobs_run > 0) == (beside_min_rows == 1)
     assert_all_free(engine)
+
+
+def test_batches_without_a_constrained_row_leave_the_masked_graphs(tiny_llama):
+    """Once the constrained rows have finished, the batch launches the plain variants again
+    (one graph, full overlap): MASK only while a constrained row is in the batch."""
+    from splitserve.decode_worker.graph_runner import MASK
+
+    engine = make_engine(tiny_llama)
+    steps: list[tuple[bool, bool]] = []  # (a constrained row in the batch, MASK launched)
+    launch = engine.graphs.launch
+
+    def spy(seqs, *a):
+        handle = launch(seqs, *a)
+        steps.append((any(s.matcher is not None for s in seqs), bool(handle.variant & MASK)))
+        return handle
+
+    engine.graphs.launch = spy
+    reqs = _requests(engine)
+    short = SamplingParams(temperature=0.0, constraint=Constraint(kind="choice", choices=("ok",)))
+    _run(engine, {"free": reqs["free"], "ch": short})
+    assert all(constrained == masked for constrained, masked in steps), steps
+    first_plain = next(i for i, (c, _) in enumerate(steps) if not c)
+    assert steps[0] == (True, True) and first_plain > 0  # masked first, plain after
+    assert all(not m for _, m in steps[first_plain:])
+    assert_all_free(engine)
+
+
+def test_a_handed_over_first_token_the_constraint_refuses_is_invalid_argument(tiny_llama):
+    """The decode worker rebuilds the matcher from the carried constraint and feeds it the
+    prefill worker's first token; a token it refuses ends the admission with INVALID_ARGUMENT
+    and the pulled blocks go back."""
+    import grpc
+
+    from splitserve.request.errors import RequestError
+
+    engine = make_engine(tiny_llama)
+    p = _requests(engine)["rx"]
+    bad = Tokenizer.from_dir(tiny_llama).encode("z", add_special_tokens=False)[0]
+    blocks = engine.reserve_blocks(2)
+    inp = DecodeInput("h", PROMPT, bad, p, engine.grammars.compile_now(p.constraint))
+    with pytest.raises(RequestError) as err:
+        engine.admit(inp, blocks, Collected().sink("h"))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not allowed by the request's constraint" in str(err.value)
+    assert engine.reserved_blocks == 0
+    assert_all_free(engine)
