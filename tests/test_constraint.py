@@ -227,3 +227,20 @@ def test_cli_flags_set_the_constraint(tmp_path):
     assert sampling_from_args(p.parse_args([])).WhichOneof("constraint") is None
     with pytest.raises(SystemExit):
         p.parse_args(["--regex", "x", "--json-object"])
+
+
+@pytest.mark.parametrize("choice", [None, "auto"])
+def test_tool_choice_auto_says_what_to_send_instead(choice):
+    """No free-form tool-call parser: "auto" (and no tool_choice with tools) is a 400 that names
+    the three choices that work."""
+    from splitserve.router.openai_errors import OpenAIError
+    from splitserve.router.openai_structured import tool_constraint
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    with pytest.raises(OpenAIError) as err:
+        tool_constraint(tools, choice, generate_pb2.SamplingParams())
+    e = err.value
+    assert e.status == 400 and e.param == "tool_choice"
+    for fix in ('"required"', "name a function", '"none"'):
+        assert fix in e.message, e.message
+    assert tool_constraint(tools, "none", generate_pb2.SamplingParams()) is None
