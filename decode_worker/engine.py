@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-import grpc
 
 from splitserve.decode_worker.config import DecodeWorkerConfig
 from splitserve.decode_worker.graph_runner import GraphRunner, StepHandle
@@ -44,17 +42,16 @@ from splitserve.decode_worker.recompute import recompute_kv, sample_first_tokens
 from splitserve.decode_worker.scheduler import DecodeScheduler
 from splitserve.decode_worker.sequence import DecodeInput, DecodeSequence, Sink, StepOutput
 from splitserve.decode_worker.startup import warm_up
+from splitserve.decode_worker.step_reads import BESIDE_MIN_ROWS, StepReads
 from splitserve.engine.grammar_masks import grammar_lineages
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.sampler import Sampler, TokenLogprobs
+from splitserve.engine.sampler import Sampler
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.errors import RequestError
 from splitserve.request.grammar_cache import GrammarCache
 from splitserve.request.stop_checker import StopChecker
 
 log = logging.getLogger(__name__)
-
-BESIDE_MIN_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,7 @@ class LoadSnapshot:
     total_blocks: int = 0
 
 
-class DecodeEngine:
+class DecodeEngine(StepReads):
     def __init__(
         self,
         cfg: DecodeWorkerConfig,
@@ -268,109 +265,6 @@ class DecodeEngine:
             now = time.monotonic()
             for seq, tok, lp in zip(firsts, out.token_ids, out.logprobs):
                 self._accept(seq, tok, lp, now)
-
-    def _read_unread(self, constrained_read: Callable[..., None] | None = None) -> None:
-        """Reads the previous step, once: after this step's launch, or (a batch with
-        constrained rows, whose masks need its tokens) while this step's forward runs. With
-        `constrained_read` (it fills the masks; its optional argument is work to run beside
-        the fill) the constrained rows' tokens are consumed first, then it runs: a batch of
-        `beside_min_rows` or more reads every row beside the fill, a smaller one reads its
-        constrained rows before it and leaves the others for the call after the launch, so
-        their host work overlaps the masked sampling instead of delaying its launch."""
-        if self._rest is not None:  # (before `prev`: older rows, left by a masked launch)
-            rows, self._rest = self._rest, None
-            self._accept_rows(rows, time.monotonic())
-        prev, self._unread = self._unread, None
-        if prev is not None:
-            self._complete(prev, constrained_read)
-
-    def _complete(
-        self, handle: StepHandle, constrained_read: Callable[..., None] | None = None
-    ) -> None:
-        if handle is self._launched:  # read before the next step was launched: a host wait
-            self.sync_reads += 1
-        tokens, logprobs = self.graphs.read(handle)
-        now = time.monotonic()
-        rows = list(zip(handle.seqs, tokens, logprobs))
-        if constrained_read is None:
-            self._accept_rows(rows, now)
-        elif len(rows) >= self.beside_min_rows:
-            # the masks need only the constrained rows' tokens consumed; every row's other
-            # bookkeeping runs on a helper thread while llguidance fills (engine/side_thread.py)
-            self._advance_matchers([r for r in rows if r[0].matcher is not None])
-            constrained_read(lambda: self._accept_rows(rows, now, advanced=True))
-        else:  # few rows: the constrained first, the others after the sampling is enqueued
-            self._accept_rows([r for r in rows if r[0].matcher is not None], now)
-            constrained_read()
-            self._rest = [r for r in rows if r[0].matcher is None]
-
-    def _advance_matchers(self, rows: list[tuple]) -> None:
-        """Constrained rows: the token appended and consumed by the matcher; a refused one ends
-        its request here. `_accept(advanced=True)` does the rest. (One at a time: llguidance's
-        consume_token_par took 0.2-1.1 ms for 32 rows on the H100 host, against ~0.1 ms.)"""
-        for seq, tok, _ in rows:
-            if seq.finished:
-                continue
-            seq.output_token_ids.append(tok)
-            if not seq.advance_matcher(tok):
-                self._refused(seq, tok)
-
-    def _refused(self, seq: DecodeSequence, token: int) -> None:
-        why = seq.matcher.get_error()  # e.g. a grammar over the engine's per-step limits
-        log.error("%s: token %d broke its constraint: %s", seq.request_id, token, why)
-        err = RequestError(grpc.StatusCode.INTERNAL, f"the constraint failed: {why}")
-        self.abort(seq.request_id, "error", err)
-
-    def _accept_rows(self, rows: list[tuple], now: float, advanced: bool = False) -> None:
-        for seq, tok, lp in rows:
-            seq.in_flight -= 1
-            if not seq.finished:
-                self._accept(seq, tok, lp, now, advanced)
-
-    def _accept(
-        self,
-        seq: DecodeSequence,
-        token: int,
-        logprob: TokenLogprobs | None,
-        now: float,
-        advanced: bool = False,
-    ) -> None:
-        """`advanced`: a constrained row's token is already appended and consumed
-        (`_advance_matchers`)."""
-        if not (advanced and seq.matcher is not None):
-            seq.output_token_ids.append(token)
-            if seq.matcher is not None and not seq.advance_matcher(token):
-                self._refused(seq, token)
-                return
-        result = seq.stop.update(token, "")  # no text: stop strings are the servicer's
-        if len(seq.output_token_ids) > 1:  # a first token sampled here ends no inter-token gap
-            self.metrics.itl_seconds.observe(now - seq.last_token_time)
-        seq.last_token_time = now
-        if result.finished:
-            self.scheduler.finish(seq)
-            self.metrics.finished.labels(result.finish_reason).inc()
-        started = None
-        if not seq.started_reported:
-            seq.started_reported = True
-            started = (seq.admitted_at, now)
-        self._emit(
-            seq,
-            StepOutput(
-                seq.request_id,
-                (token,),
-                (logprob,),
-                result.finish_reason,
-                result.stop_reason,
-                started=started,
-            ),
-        )
-
-    def _emit(self, seq: DecodeSequence, out: StepOutput) -> None:
-        try:
-            seq.sink(out)
-        except Exception:  # a broken consumer must not stop the batch
-            log.exception("output sink of %s failed; aborting it", seq.request_id)
-            self.scheduler.finish(seq)
 
     def _snapshot(self) -> None:
         free = self.allocator.num_free
