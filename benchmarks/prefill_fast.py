@@ -31,6 +31,10 @@ SERVING_LINE = re.compile(
     r"serving splitserve\.v1\.PrefillWorker on ([\w.]+):(\d+).*metrics on :(\d+)"
     r".*started in ([\d.]+) s"
 )
+STEP_SUMS = {  # the worker's step time as the event loop sees it, and as its step thread does
+    k: re.compile(rf"splitserve_prefill_{k}_seconds_(sum|count) ([\d.e+-]+)")
+    for k in ("step", "step_thread")
+}
 SERVING_COMPILES = re.compile(r'splitserve_kernel_compilations_total\{phase="serving"\} ([\d.]+)')
 
 
@@ -135,8 +139,9 @@ def first_prompt(
                     ),
                     timeout=30,
                 )
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10)
-        scraped = metrics.read().decode()
+                if i == 0:
+                    after_first = _step_sums(_scrape(metrics_port))
+        scraped = _scrape(metrics_port)
         compiles = SERVING_COMPILES.search(scraped)
         gc_max = GC_MAX_PAUSE.findall(scraped)
     finally:
@@ -167,10 +172,34 @@ def first_prompt(
         "after_idle_worker_ms": list(idle_parts),
         "startup_s": startup_s,
         "serving_compilations": float(compiles[1]) if compiles else None,
+        # the first prompt's steps, then the mean of the later ones: the loop's wall of a step
+        # and its step thread's (model + first tokens); compute time minus the loop's wall is
+        # admission and finishing, the loop's minus the thread's is the hop between them
+        "step_ms_first_then_rest": _first_and_rest(after_first, _step_sums(scraped), "step"),
+        "step_thread_ms_first_then_rest": _first_and_rest(
+            after_first, _step_sums(scraped), "step_thread"
+        ),
         # the worker's longest Python garbage collection by generation (worker/gc_pauses.py)
         "gc_pause_max_ms": {g: float(v) * 1e3 for g, v in gc_max},
         "gc_heap_frozen": os.environ.get("SPLITSERVE_NO_GC_FREEZE") != "1",
     }
+
+
+def _scrape(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
+def _step_sums(scraped: str) -> dict[str, dict[str, float]]:
+    return {k: {m[0]: float(m[1]) for m in rx.findall(scraped)} for k, rx in STEP_SUMS.items()}
+
+
+def _first_and_rest(first: dict, end: dict, key: str) -> list[float] | None:
+    """[ms of the first prompt's steps, mean ms of a later step] (None: not exported)."""
+    a, b = first.get(key, {}), end.get(key, {})
+    if not {"sum", "count"} <= a.keys() or not {"sum", "count"} <= b.keys():
+        return None
+    later = max(b["count"] - a["count"], 1)
+    return [a["sum"] * 1e3, (b["sum"] - a["sum"]) * 1e3 / later]
 
 
 def write(args, base, bench, runner, worker_cfg, hf, peak, model_dir, result) -> None:

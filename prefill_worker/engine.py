@@ -224,8 +224,16 @@ class PrefillEngine:
         if hub is not None:
             hub.before_step(batch)
         try:
-            sampled, sampling_s = await loop.run_in_executor(
-                self._executor, run_step, self.runner, self.sampler, chunks, rows, infos, delay
+            (sampled, sampling_s), thread_s = await loop.run_in_executor(
+                self._executor,
+                _timed,
+                run_step,
+                self.runner,
+                self.sampler,
+                chunks,
+                rows,
+                infos,
+                delay,
             )
         finally:
             self._in_step = set()
@@ -233,6 +241,7 @@ class PrefillEngine:
             if hub is not None:
                 hub.after_step()
         self.metrics.step_seconds.observe(time.perf_counter() - start)
+        self.metrics.step_thread_seconds.observe(thread_s)
         self.metrics.batch_tokens.observe(sum(c.end - c.start for c in batch))
         if sampled is not None:  # the first tokens' sampling, for the metric and their replies
             self.metrics.sampling_seconds.observe(sampling_s)
@@ -329,3 +338,10 @@ class PrefillEngine:
         m.blocks_free.set(self.allocator.num_free)
         m.blocks_used.set(self.allocator.num_usable - self.allocator.num_free)
         m.cached_blocks.set(self.cache.num_cached_blocks)
+
+
+def _timed(fn, *args):
+    """(fn(*args), its wall seconds on the calling thread: the step thread)."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0

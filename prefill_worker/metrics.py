@@ -30,6 +30,13 @@ class PrefillMetrics:
             buckets=_LATENCY,
             registry=r,
         )
+        self.step_thread_seconds = Histogram(
+            "splitserve_prefill_step_thread_seconds",
+            "a prefill step as its thread runs it (model + first tokens); the rest of "
+            "splitserve_prefill_step_seconds is the event loop's hop to and from that thread",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.sampling_seconds = Histogram(
             "splitserve_prefill_sampling_seconds",
             "first-token sampling per step that finished prompts (device time)",

@@ -70,3 +70,8 @@ def test_benchmark_writes_the_fast_table_and_the_first_prompt_ratio(tiny_llama, 
         assert row["sampled_ms"] > 0
     assert result["first_prompt_ratio"] > 0 and result["startup_s"] > 0
     assert result["serving_compilations"] == 0  # CPU: nothing compiles; the metric is scraped
+    for key in ("step_ms_first_then_rest", "step_thread_ms_first_then_rest"):
+        first, rest = result[key]
+        assert first > 0 and rest > 0, (key, result[key])
+    # the step thread's time is part of the loop's step time
+    assert result["step_thread_ms_first_then_rest"][0] <= result["step_ms_first_then_rest"][0]
