@@ -123,6 +123,7 @@ def first_prompt(
             stub = worker_pb2_grpc.PrefillWorkerStub(channel)
             for i in range(2 + follow):
                 if i == 1 + follow:  # one more after an idle pause: a once-only cost, or idling?
+                    before_idle = _step_sums(_scrape(metrics_port))
                     time.sleep(IDLE_PAUSE_S)
                 prompt = [(7919 * (i + 11) + 104729 * j) % (vocab - 3) + 3 for j in range(length)]
                 req = worker_pb2.PrefillRequest(
@@ -172,13 +173,11 @@ def first_prompt(
         "after_idle_worker_ms": list(idle_parts),
         "startup_s": startup_s,
         "serving_compilations": float(compiles[1]) if compiles else None,
-        # the first prompt's steps, then the mean of the later ones: the loop's wall of a step
-        # and its step thread's (model + first tokens); compute time minus the loop's wall is
-        # admission and finishing, the loop's minus the thread's is the hop between them
-        "step_ms_first_then_rest": _first_and_rest(after_first, _step_sums(scraped), "step"),
-        "step_thread_ms_first_then_rest": _first_and_rest(
-            after_first, _step_sums(scraped), "step_thread"
-        ),
+        # per step: the first prompt's mean, then the next prompts' (before the idle pause):
+        # the loop's wall of a step and its step thread's; compute time minus the loop's wall
+        # is admission and finishing, the loop's minus the thread's is the hop between them
+        "step_ms_first_then_rest": _first_and_rest(after_first, before_idle, "step"),
+        "step_thread_ms_first_then_rest": _first_and_rest(after_first, before_idle, "step_thread"),
         # the worker's longest Python garbage collection by generation (worker/gc_pauses.py)
         "gc_pause_max_ms": {g: float(v) * 1e3 for g, v in gc_max},
         "gc_heap_frozen": os.environ.get("SPLITSERVE_NO_GC_FREEZE") != "1",
@@ -194,12 +193,12 @@ def _step_sums(scraped: str) -> dict[str, dict[str, float]]:
 
 
 def _first_and_rest(first: dict, end: dict, key: str) -> list[float] | None:
-    """[ms of the first prompt's steps, mean ms of a later step] (None: not exported)."""
+    """[mean ms of the first prompt's steps, of the later steps] (None: not exported)."""
     a, b = first.get(key, {}), end.get(key, {})
     if not {"sum", "count"} <= a.keys() or not {"sum", "count"} <= b.keys():
         return None
     later = max(b["count"] - a["count"], 1)
-    return [a["sum"] * 1e3, (b["sum"] - a["sum"]) * 1e3 / later]
+    return [a["sum"] * 1e3 / max(a["count"], 1), (b["sum"] - a["sum"]) * 1e3 / later]
 
 
 def write(args, base, bench, runner, worker_cfg, hf, peak, model_dir, result) -> None:

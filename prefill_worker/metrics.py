@@ -32,7 +32,8 @@ class PrefillMetrics:
         )
         self.step_thread_seconds = Histogram(
             "splitserve_prefill_step_thread_seconds",
-            "a prefill step as its thread runs it (model + first tokens); the rest of "
+            "a prefill step as its thread runs it: the model's launches, and for a step that "
+            "ends a prompt its first tokens' sampling, which waits for the device; the rest of "
             "splitserve_prefill_step_seconds is the event loop's hop to and from that thread",
             buckets=_LATENCY,
             registry=r,

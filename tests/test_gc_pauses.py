@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from splitserve.worker.gc_pauses import GcPauseCollector, freeze_startup_heap, unfreeze_heap
+from splitserve.worker.gc_pauses import (
+    FREEZE_OFF_ENV,
+    GcPauseCollector,
+    freeze_startup_heap,
+    unfreeze_heap,
+)
 
 
 class _Cycle:
@@ -15,21 +21,34 @@ class _Cycle:
         self.me = self
 
 
-def test_freeze_moves_the_live_heap_out_and_unfreeze_gives_it_back():
+def test_freeze_moves_the_live_heap_out_and_unfreeze_gives_it_back(monkeypatch):
+    monkeypatch.delenv(FREEZE_OFF_ENV, raising=False)
     gc.unfreeze()
+    kept = _Cycle()  # alive at the freeze: frozen, so a collection no longer visits it
     try:
-        frozen, took = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 1000 and took >= 0
-        # what was alive is skipped by later collections: generation 2 holds only newer objects
-        assert len(gc.get_objects(generation=2)) < frozen
+        frozen, _ = freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() > 1000
+        assert all(o is not kept for o in gc.get_objects())
+        freeze_startup_heap()  # a second worker in this process
+        unfreeze_heap()
+        assert gc.get_freeze_count() > 0  # still frozen: the other worker runs
     finally:
         unfreeze_heap()
     assert gc.get_freeze_count() == 0
+    assert any(o is kept for o in gc.get_objects())  # collectable again
+    unfreeze_heap()  # more stops than freezes: nothing happens
+
+
+def test_the_freeze_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(FREEZE_OFF_ENV, "1")
+    gc.unfreeze()
+    assert freeze_startup_heap() == (0, 0.0) and gc.get_freeze_count() == 0
 
 
 def test_collections_are_timed_by_generation_and_exported():
     registry = CollectorRegistry()
     pauses = GcPauseCollector(registry)
+    gc.disable()  # only the collections below (explicit ones still call the callbacks)
     try:
         before = pauses.count[2]
         for _ in range(10):
@@ -49,9 +68,22 @@ def test_collections_are_timed_by_generation_and_exported():
             == pauses.max_s[2]
         )
     finally:
+        gc.enable()
         pauses.close()
     count = pauses.count[2]
     gc.collect()
     assert pauses.count[2] == count  # closed: no longer called
     pauses.mark_serving()  # what start-up collected is not counted as serving's
     assert pauses.count == [0, 0, 0] and pauses.max_s == [0.0, 0.0, 0.0]
+
+
+def test_a_registry_that_refuses_the_collector_gets_no_callback_behind():
+    registry = CollectorRegistry()
+    first = GcPauseCollector(registry)
+    try:
+        callbacks = len(gc.callbacks)
+        with pytest.raises(ValueError, match="Duplicated"):
+            GcPauseCollector(registry)  # the same names twice
+        assert len(gc.callbacks) == callbacks
+    finally:
+        first.close()

@@ -26,19 +26,30 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 FREEZE_OFF_ENV = "SPLITSERVE_NO_GC_FREEZE"  # "1": leave the heap as it is (an A/B, a debug run)
 
 
+_freezes = 0  # workers of this process that froze the heap and have not stopped
+
+
 def freeze_startup_heap() -> tuple[int, float]:
     """Collects, then freezes what is left; returns (objects frozen, seconds it took)."""
+    global _freezes
     if os.environ.get(FREEZE_OFF_ENV) == "1":
         return 0, 0.0
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()
+    _freezes += 1
     return gc.get_freeze_count(), time.perf_counter() - t0
 
 
 def unfreeze_heap() -> None:
-    """The frozen objects back to the collector (a process that goes on after its worker)."""
-    gc.unfreeze()
+    """A worker that froze the heap stopped: once none is left in this process (tests and
+    benchmarks run workers in-process), the frozen objects go back to the collector."""
+    global _freezes
+    if _freezes == 0:
+        return
+    _freezes -= 1
+    if _freezes == 0:
+        gc.unfreeze()
 
 
 class GcPauseCollector:
@@ -47,9 +58,13 @@ class GcPauseCollector:
         self.seconds = [0.0, 0.0, 0.0]
         self.max_s = [0.0, 0.0, 0.0]
         self._t0: float | None = None
-        gc.callbacks.append(self._on_gc)
-        if registry is not None:
+        if registry is not None:  # first: a registry that refuses it leaves no callback behind
             registry.register(self)
+        gc.callbacks.append(self._on_gc)
+
+    def describe(self):
+        """Lets a registry check names up front (and serve `?name[]=` scrapes)."""
+        return self.collect()
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":

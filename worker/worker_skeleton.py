@@ -51,8 +51,10 @@ class WorkerSkeleton:
         self.server = GrpcServer(cfg.server, registry, guard)
         # before any kernel runs: warm-up's compilations count as start-up, later ones as serving
         self.kernel_compiles = KernelCompileMetrics(registry)
-        self.gc_pauses = GcPauseCollector(registry)
-        self.frozen_objects = 0  # the start-up heap, out of the collector's way (gc_pauses.py)
+        self.registry = registry
+        self.gc_pauses: GcPauseCollector | None = None  # from SERVING on (gc_pauses.py)
+        self.frozen_objects = 0  # the start-up heap, out of the collector's way
+        self._froze = False
         self.startup_s: float | None = None
         self.servicer = servicer
         self.server.add(add_servicer, servicer, self.service_name)
@@ -125,7 +127,9 @@ class WorkerSkeleton:
         self.kernel_compiles.mark_serving()
         # the first full collection would otherwise land on a request (worker/gc_pauses.py)
         self.frozen_objects, _ = freeze_startup_heap()
-        self.gc_pauses.mark_serving()
+        self._froze = self.frozen_objects > 0
+        if self.gc_pauses is None:
+            self.gc_pauses = GcPauseCollector(self.registry)
         self.startup_s = time.perf_counter() - began
         await self.server.set_serving(True)
         self.watch = StallWatch(
@@ -155,12 +159,21 @@ class WorkerSkeleton:
             self.watch = None
         await self.server.drain(grace_s)
         self.kernel_compiles.mark_stopped()
-        await self.stop_engine()
-        self.gc_pauses.close()
-        unfreeze_heap()  # a worker run in-process (tests, benchmarks) leaves a collectable heap
+        try:
+            await self.stop_engine()
+        finally:
+            self._release_heap()
         if self.ranks is not None:  # after the engine: its last commands reach the followers first
             await asyncio.to_thread(self.ranks.close)
             self.ranks = None
+
+    def _release_heap(self) -> None:
+        """A worker run in-process (tests, benchmarks) leaves a collectable heap behind."""
+        if self.gc_pauses is not None:
+            self.gc_pauses.close()
+        if self._froze:
+            self._froze = False
+            unfreeze_heap()
 
     async def serve_until_signal(self) -> int:
         signum = await serve_until_lost(self.server, self._lost)

@@ -1,5 +1,5 @@
 """A masked step reads the previous step's rows on a helper thread while the masks fill
-(engine.py `_complete`, engine/side_thread.py): the same tokens as reading them on the engine
+(step_reads.py `_complete`, engine/side_thread.py): the same tokens as reading them on the engine
 thread, and a token the constraint refuses still ends only its own request (CPU, tiny model)."""
 
 from __future__ import annotations

@@ -116,7 +116,12 @@ def _served(runner) -> list[list[WarmSeq]]:
     return steps
 
 
-def test_served_steps_stay_in_warmed_classes_and_the_counter_is_exported(tiny_llama):
+def test_served_steps_stay_in_warmed_classes_and_the_counter_is_exported(tiny_llama, monkeypatch):
+    import gc
+
+    monkeypatch.delenv("SPLITSERVE_NO_GC_FREEZE", raising=False)
+    gc.unfreeze()
+
     async def run():
         data = worker_config(
             tiny_llama, num_blocks=128, block_size=4, budget=24, max_queue_len=64
@@ -159,7 +164,14 @@ def test_served_steps_stay_in_warmed_classes_and_the_counter_is_exported(tiny_ll
             assert "started in" in worker.describe() and worker.startup_s > 0
             # the start-up heap was frozen before SERVING (worker/gc_pauses.py)
             assert worker.frozen_objects > 1000 and "frozen out of the garbage" in worker.describe()
-            assert reg.get_sample_value("splitserve_gc_collections_total", {"generation": "2"}) >= 0
+            assert (
+                reg.get_sample_value("splitserve_gc_collections_total", {"generation": "2"})
+                is not None
+            )
+            pauses = worker.gc_pauses
+            assert pauses._on_gc in gc.callbacks and gc.get_freeze_count() > 0
+        # stopped: the heap is the collector's again and the callback is gone
+        assert gc.get_freeze_count() == 0 and pauses._on_gc not in gc.callbacks
 
     with torch.inference_mode(False):
         asyncio.run(run())
