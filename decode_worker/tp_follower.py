@@ -26,6 +26,7 @@ import torch.distributed as dist
 from splitserve.engine.tp_follower import follower_process
 from splitserve.kernels import ops
 from splitserve.kvtransfer.shards import head_overlap
+from splitserve.worker.gc_pauses import then_freeze
 
 log = logging.getLogger("splitserve.decode_worker.tp")
 
@@ -115,6 +116,7 @@ def decode_follower_main(rank: int, size: int, launch, cfg) -> None:
                 "write_slots": graphs.write_slots,
                 "kv_in": kv_in,
                 "capture": graphs.capture,
+                "zero_kv": then_freeze(runner.zero_kv),  # warm-up's end (worker/gc_pauses.py)
             },
         )
     finally:

@@ -31,6 +31,7 @@ from splitserve.engine.tp_follower import follower_process
 from splitserve.kvtransfer.server import LeaseLookupError
 from splitserve.prefill_worker.leases import Lease, LeaseTable
 from splitserve.protos import kv_pb2
+from splitserve.worker.gc_pauses import then_freeze
 
 log = logging.getLogger("splitserve.prefill_worker.tp")
 
@@ -190,7 +191,7 @@ async def _serve(tp, runner, cfg) -> None:
 
     handlers = {
         "prefill": forward(runner.prefill),
-        "zero_kv": forward(runner.zero_kv),
+        "zero_kv": then_freeze(forward(runner.zero_kv)),  # warm-up's end (worker/gc_pauses.py)
         "lease_grant": leases.grant,
         "lease_drop": leases.drop,
     }

@@ -12,6 +12,7 @@ from splitserve.worker.gc_pauses import (
     FREEZE_OFF_ENV,
     GcPauseCollector,
     freeze_startup_heap,
+    then_freeze,
     unfreeze_heap,
 )
 
@@ -87,3 +88,15 @@ def test_a_registry_that_refuses_the_collector_gets_no_callback_behind():
         assert len(gc.callbacks) == callbacks
     finally:
         first.close()
+
+
+def test_a_followers_zero_kv_freezes_after_it_runs(monkeypatch):
+    monkeypatch.delenv(FREEZE_OFF_ENV, raising=False)
+    gc.unfreeze()
+    seen: list[int] = []
+    try:
+        then_freeze(lambda: seen.append(gc.get_freeze_count()))()
+        assert seen == [0] and gc.get_freeze_count() > 1000  # zeroed first, then frozen
+    finally:
+        unfreeze_heap()
+    assert gc.get_freeze_count() == 0

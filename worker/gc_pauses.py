@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -50,6 +51,18 @@ def unfreeze_heap() -> None:
     _freezes -= 1
     if _freezes == 0:
         gc.unfreeze()
+
+
+def then_freeze(fn: Callable[[], None]) -> Callable[[], None]:
+    """A tensor-parallel follower's `zero_kv` handler: the pool zeroed is the last step of every
+    worker's warm-up (rank 0 mirrors it), so the follower freezes its heap right after; a full
+    collection there would stall every rank's lockstep step."""
+
+    def run(*args) -> None:
+        fn(*args)
+        freeze_startup_heap()
+
+    return run
 
 
 class GcPauseCollector:
