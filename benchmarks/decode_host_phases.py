@@ -11,20 +11,32 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 
-def _timed(total: dict[str, float], name: str, fn: Callable) -> Callable:
-    def wrapper(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            total[name] = total.get(name, 0.0) + time.perf_counter() - t0
+class Phases:
+    """Seconds and calls per phase, filled while `host_phases` is active."""
 
-    return wrapper
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def timed(self, name: str, fn: Callable) -> Callable:
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+                self.calls[name] = self.calls.get(name, 0) + 1
+
+        return wrapper
+
+    def ms_per_step(self) -> dict[str, float]:
+        steps = max(self.calls.get("step", 0), 1)
+        return {k: round(v * 1e3 / steps, 4) for k, v in self.seconds.items()}
 
 
 @contextmanager
 def host_phases(engine):
-    """Yields a dict that holds, after the block, seconds spent per phase."""
+    """Yields a `Phases` that the engine's methods fill until the block ends."""
     g = engine.graphs
     spots = {
         "step": (engine, "step"),
@@ -39,20 +51,16 @@ def host_phases(engine):
         "accept_rows": (engine, "_accept_rows"),
         "snapshot": (engine, "_snapshot"),
     }
-    total: dict[str, float] = {}
-    saved = {}
+    phases = Phases()
+    saved = []
     for name, (obj, attr) in spots.items():
-        saved[name] = (obj, attr, obj.__dict__.get(attr))
-        setattr(obj, attr, _timed(total, name, getattr(obj, attr)))
+        saved.append((obj, attr, obj.__dict__.get(attr)))
+        setattr(obj, attr, phases.timed(name, getattr(obj, attr)))
     try:
-        yield total
+        yield phases
     finally:
-        for obj, attr, old in saved.values():
+        for obj, attr, old in saved:
             if old is None:
                 delattr(obj, attr)  # back to the class's method
             else:
                 setattr(obj, attr, old)
-
-
-def phases_ms(total: dict[str, float], steps: int) -> dict[str, float]:
-    return {k: round(v * 1e3 / max(steps, 1), 4) for k, v in total.items()}

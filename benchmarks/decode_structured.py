@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from decode_host_phases import host_phases, phases_ms
+from decode_host_phases import host_phases
 
 
 def bench_schema(min_items: int, nonce: str = "") -> dict:
@@ -94,7 +94,6 @@ def _run(engine, batch: int, args, constrained: bool, sampled: bool = True) -> f
         engine.step()
         steps += 1
     assert engine.allocator.num_free == engine.allocator.num_usable
-    _run.steps = steps
     return (time.perf_counter() - t0) * 1e3 / max(steps, 1)
 
 
@@ -181,9 +180,9 @@ def structured_results(engine, sizes, args, log) -> dict:
             f"ms ({row['ab_inline_ratio']:.3f}x), unconstrained {plain:.3f} ms (medians)"
         )
         rows.append(row)
-    with host_phases(engine) as total:
+    with host_phases(engine) as timed:
         _run(engine, max(sizes), args, True)
-    phases = phases_ms(total, _run.steps + 1)
+    phases = timed.ms_per_step()
     log(f"  host phases at batch {max(sizes)}, ms per step: {phases}")
     new = first_token_ms(engine, args, nonce=str(time.time_ns()))
     # the grammar cache compiles a schema's first `lineages` requests anew (independent compiles

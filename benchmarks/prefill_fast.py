@@ -90,6 +90,7 @@ def first_prompt(
     import grpc
 
     from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
+    from splitserve.worker.gc_pauses import FREEZE_OFF_ENV
 
     cache = tempfile.mkdtemp(prefix="triton-cold-")
     env = {**os.environ, "TRITON_CACHE_DIR": cache}
@@ -180,7 +181,7 @@ def first_prompt(
         "step_thread_ms_first_then_rest": _first_and_rest(after_first, before_idle, "step_thread"),
         # the worker's longest Python garbage collection by generation (worker/gc_pauses.py)
         "gc_pause_max_ms": {g: float(v) * 1e3 for g, v in gc_max},
-        "gc_heap_frozen": os.environ.get("SPLITSERVE_NO_GC_FREEZE") != "1",
+        "gc_heap_frozen": os.environ.get(FREEZE_OFF_ENV) != "1",
     }
 
 

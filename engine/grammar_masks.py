@@ -94,7 +94,7 @@ def fill_masks(
             copies.append((i, j))
     t0 = time.perf_counter()
 
-    def fill() -> float:
+    def fill() -> float:  # the moment the fill ended (`beside` may still run after it)
         fill_next_token_bitmask_par(_executor(), rows, out[:n])
         return time.perf_counter()
 

@@ -9,7 +9,8 @@ vLLM does after its warm-up (`freeze_gc_heap`) and SGLang offers (`freeze_gc`). 
 collections then walk only what serving allocated.
 
 `GcPauseCollector` times every collection (gc.callbacks) into plain counters and hands them to
-the metrics endpoint at scrape time (from SERVING on), so a stall can be matched with a pause:
+the metrics endpoint at scrape time (the worker creates it at SERVING), so a stall can be
+matched with a pause:
 splitserve_gc_pause_seconds_total / splitserve_gc_collections_total / splitserve_gc_pause_max_seconds,
 each by generation. (No prometheus metric is touched inside the callback: a collection can start
 while this thread holds a metric's lock.)
@@ -90,10 +91,6 @@ class GcPauseCollector:
         self.count[g] += 1
         self.seconds[g] += took
         self.max_s[g] = max(self.max_s[g], took)
-
-    def mark_serving(self) -> None:
-        """From here on the counters cover serving only (warm-up's collections are start-up)."""
-        self.count, self.seconds, self.max_s = [0, 0, 0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
 
     def close(self) -> None:
         if self._on_gc in gc.callbacks:
