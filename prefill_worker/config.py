@@ -64,6 +64,11 @@ class PrefillWorkerConfig(BaseModel):
         description="run every prefill shape and sampler variant before serving "
         "(then zero the KV pool)",
     )
+    rehearsal: bool | None = Field(
+        None,
+        description="after warm-up, run one request of the largest step's size through the "
+        "engine's request path before serving (no trace left: rehearsal.py); None: on CUDA only",
+    )
     cuda_graph: bool = Field(
         True,
         description="run prefill steps as piecewise CUDA graphs at token buckets "

@@ -35,6 +35,7 @@ from splitserve.prefill_worker.prefill_step import (
     step_inputs,
 )
 from splitserve.prefill_worker.prefix_cache import PrefixCache
+from splitserve.prefill_worker.rehearsal import rehearse
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import PrefillScheduler, ScheduledChunk
 from splitserve.prefill_worker.startup import release_graphs, warm_up
@@ -77,6 +78,7 @@ class PrefillEngine:
         self._in_step: set[PrefillSeq] = set()
         self.progress = 0  # steps finished (stall_watch.py)
         self.stream_hub = None  # kv_stream.StreamHub when streamed hand-overs are on
+        self.rehearsal_tokens = 0  # the start-up rehearsal's prompt length (0: none ran)
 
     @property
     def vocab_size(self) -> int:
@@ -96,6 +98,8 @@ class PrefillEngine:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, warm_up, self.cfg, self.runner, self.sampler)
         self._task = asyncio.create_task(self._loop(), name="prefill-engine")
+        if self.cfg.warmup:  # the request path once, at the largest step (rehearsal.py)
+            self.rehearsal_tokens = await rehearse(self)
         self._update_gauges()
 
     async def stop(self) -> None:

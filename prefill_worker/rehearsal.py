@@ -1,0 +1,64 @@
+"""One request through the prefill engine's own path before SERVING (after warm-up).
+
+Warm-up (startup.py) runs every kernel shape from the step thread, yet on the H100 the first
+3,072-token prompt after SERVING still took 7-11 ms more than the next ones (issue 31's
+first-prompt ratio 1.4-1.6): the device work was the same, and its extra was host CPU time at
+the start of the step (`ModelRunner._step_arrays`, plain numpy over the step's token lists:
+4.6-8.3 ms of thread CPU against 0.2-0.5 ms on the next step; no allocation of device or
+pinned memory, no compilation, no import, no garbage collection, no lock). Requests of 16 and
+512 tokens before it took only part of it away; one of the same size took all of it. So the
+engine rehearses what a user's request meets, at the largest step it will run: admission, the
+prefix-cache lookup, a step of `min(max_model_len - 2, max_num_batched_tokens)` tokens, the
+first token, the lease, its release. SGLang sends a warm-up request through its own server
+before it reports ready, and vLLM runs a dummy batch of the largest size at start-up.
+
+Nothing of it is left behind: its metrics go to a private registry, the prefix cache is off
+while it runs (no cached entry of made-up tokens), and its blocks are free again after.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from splitserve.prefill_worker.metrics import PrefillMetrics
+from splitserve.request.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+REHEARSAL_ID = "splitserve-start-up-rehearsal"
+
+
+def rehearsal_tokens(engine) -> int:
+    """The rehearsal's prompt length: the largest step, within the free pool (0: none fits)."""
+    sc = engine.cfg.engine.scheduler
+    bs = engine.runner.block_size
+    fits = (engine.allocator.num_free - 1) * bs  # one block spare for the lease's token
+    return max(0, min(engine.max_model_len - 2, sc.max_num_batched_tokens, fits))
+
+
+def wanted(engine) -> bool:
+    """The config's `rehearsal`; None means on CUDA only (CPU start-ups stay quick in tests)."""
+    on = engine.cfg.rehearsal
+    return engine.runner.device.type == "cuda" if on is None else on
+
+
+async def rehearse(engine) -> int:
+    """Runs the rehearsal on a started engine; returns its prompt length (0: skipped)."""
+    n = rehearsal_tokens(engine)
+    if n == 0 or not wanted(engine):
+        return 0
+    vocab = engine.vocab_size
+    prompt = [(7919 * j + 104729) % vocab for j in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    metrics, cache_on = engine.metrics, engine.cache.enabled
+    engine.metrics, engine.cache.enabled = PrefillMetrics(), False
+    start = time.perf_counter()
+    try:
+        result = await engine.prefill(REHEARSAL_ID, prompt, params, engine.cfg.lease_ttl_s)
+        if result.lease is not None:
+            engine.release_lease(result.lease.lease_id)
+    finally:
+        engine.metrics, engine.cache.enabled = metrics, cache_on
+    log.info("rehearsed a %d-token request in %.1f ms", n, (time.perf_counter() - start) * 1e3)
+    return n

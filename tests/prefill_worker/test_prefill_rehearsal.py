@@ -1,0 +1,94 @@
+"""The start-up rehearsal (prefill_worker/rehearsal.py): one request of the largest step's size
+through the engine's request path before SERVING, leaving no trace (no metric, no cached
+prefix, no lease, every block free) and no effect on what users get."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prefill_helpers import GREEDY, prefill_request, release, serving, worker_config
+
+from splitserve.prefill_worker.rehearsal import REHEARSAL_ID, rehearsal_tokens
+
+PROMPT = [5, 17, 3, 99, 42, 7, 250, 11, 64, 8, 1, 300, 77]
+
+
+def _count(engine, name: str) -> float:
+    return engine.metrics.registry.get_sample_value(name) or 0.0
+
+
+async def _first_tokens(cfg) -> tuple[int, list[int]]:
+    async with serving(cfg) as (worker, stub):
+        engine = worker.engine
+        ran = engine.rehearsal_tokens
+        # no trace: nothing counted, nothing cached, no lease, no block held (serving() checks
+        # the blocks again at the end, after the user's requests)
+        assert _count(engine, "splitserve_prefill_step_seconds_count") == 0
+        assert _count(engine, "splitserve_prefill_prompt_tokens_total") == 0
+        assert engine.cache.num_cached_blocks == 0 and engine.cache.enabled
+        assert len(engine.leases) == 0
+        assert engine.allocator.num_free == engine.allocator.num_usable
+        firsts = []
+        for i in range(2):  # the second one hits the first one's cached prefix
+            resp = await stub.Prefill(prefill_request(f"u{i}", PROMPT, GREEDY))
+            firsts.append(resp.first_token_id)
+            await release(stub, resp)
+        assert _count(engine, "splitserve_prefill_step_seconds_count") == 2
+        assert engine.cache.num_cached_blocks > 0  # the users' blocks are cached as before
+        return ran, firsts
+
+
+def test_rehearsal_runs_the_largest_step_and_leaves_no_trace(tiny_llama):
+    on = worker_config(tiny_llama, max_model_len=96, budget=64, warmup=True, rehearsal=True)
+    off = worker_config(tiny_llama, max_model_len=96, budget=64, warmup=True, rehearsal=False)
+    ran, with_rehearsal = asyncio.run(_first_tokens(on))
+    assert ran == 64  # min(max_model_len - 2, budget, what the pool holds)
+    not_ran, without = asyncio.run(_first_tokens(off))
+    assert not_ran == 0
+    assert with_rehearsal == without  # the rehearsal's KV and state do not leak into a reply
+
+
+def test_rehearsal_is_capped_by_model_length_and_pool():
+    class _Engine:  # only what rehearsal_tokens reads
+        def __init__(self, max_len, budget, free, bs):
+            self.max_model_len = max_len
+            self.cfg = type("C", (), {})()
+            self.cfg.engine = type("E", (), {})()
+            self.cfg.engine.scheduler = type("S", (), {"max_num_batched_tokens": budget})()
+            self.runner = type("R", (), {"block_size": bs})()
+            self.allocator = type("A", (), {"num_free": free})()
+
+    assert rehearsal_tokens(_Engine(4096, 8192, 10_000, 16)) == 4094  # the model length
+    assert rehearsal_tokens(_Engine(131072, 8192, 10_000, 16)) == 8192  # the step budget
+    assert rehearsal_tokens(_Engine(131072, 8192, 9, 16)) == 128  # the pool, one block spare
+    assert rehearsal_tokens(_Engine(131072, 8192, 1, 16)) == 0  # nothing fits: skipped
+
+
+def test_rehearsal_defaults_to_cuda_only_and_a_user_id_cannot_collide(tiny_llama):
+    async def body():
+        cfg = worker_config(tiny_llama, max_model_len=64, warmup=True)
+        assert cfg.rehearsal is None
+        async with serving(cfg) as (worker, stub):
+            assert worker.engine.rehearsal_tokens == 0  # CPU: skipped by default
+            # the rehearsal's id is an ordinary id once start-up is over
+            resp = await stub.Prefill(prefill_request(REHEARSAL_ID, PROMPT, GREEDY))
+            await release(stub, resp)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("num_blocks", [3, 40])
+def test_rehearsal_fits_a_small_pool(tiny_llama, num_blocks):
+    async def body():
+        cfg = worker_config(
+            tiny_llama, num_blocks=num_blocks, max_model_len=256, warmup=True, rehearsal=True
+        )
+        async with serving(cfg) as (worker, stub):
+            engine = worker.engine
+            assert engine.rehearsal_tokens == rehearsal_tokens(engine)
+            assert engine.rehearsal_tokens <= (engine.allocator.num_usable - 1) * 4
+            resp = await stub.Prefill(prefill_request("u", PROMPT[:5], GREEDY))
+            await release(stub, resp)
+
+    asyncio.run(body())
