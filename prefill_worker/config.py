@@ -66,8 +66,9 @@ class PrefillWorkerConfig(BaseModel):
     )
     rehearsal: bool | None = Field(
         None,
-        description="after warm-up, run one request of the largest step's size through the "
-        "engine's request path before serving (no trace left: rehearsal.py); None: on CUDA only",
+        description="after warm-up, run one request per token bucket up to the largest step "
+        "through the engine's request path before serving (no trace left: rehearsal.py); "
+        "None: on CUDA only",
     )
     cuda_graph: bool = Field(
         True,

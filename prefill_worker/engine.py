@@ -78,7 +78,7 @@ class PrefillEngine:
         self._in_step: set[PrefillSeq] = set()
         self.progress = 0  # steps finished (stall_watch.py)
         self.stream_hub = None  # kv_stream.StreamHub when streamed hand-overs are on
-        self.rehearsal_tokens = 0  # the start-up rehearsal's prompt length (0: none ran)
+        self.rehearsal_sizes: list[int] = []  # the start-up rehearsal's prompt lengths
 
     @property
     def vocab_size(self) -> int:
@@ -99,7 +99,7 @@ class PrefillEngine:
             await loop.run_in_executor(self._executor, warm_up, self.cfg, self.runner, self.sampler)
         self._task = asyncio.create_task(self._loop(), name="prefill-engine")
         if self.cfg.warmup:  # the request path once, at the largest step (rehearsal.py)
-            self.rehearsal_tokens = await rehearse(self)
+            self.rehearsal_sizes = await rehearse(self)
         self._update_gauges()
 
     async def stop(self) -> None:

@@ -6,11 +6,14 @@ first-prompt ratio 1.4-1.6): the device work was the same, and its extra was hos
 the start of the step (`ModelRunner._step_arrays`, plain numpy over the step's token lists:
 4.6-8.3 ms of thread CPU against 0.2-0.5 ms on the next step; no allocation of device or
 pinned memory, no compilation, no import, no garbage collection, no lock). Requests of 16 and
-512 tokens before it took only part of it away; one of the same size took all of it. So the
-engine rehearses what a user's request meets, at the largest step it will run: admission, the
-prefix-cache lookup, a step of `min(max_model_len - 2, max_num_batched_tokens)` tokens, the
-first token, the lease, its release. SGLang sends a warm-up request through its own server
-before it reports ready, and vLLM runs a dummy batch of the largest size at start-up.
+512 tokens before it took only part of it away; one of the same size took all of it (whether
+the cost follows the size or the largest size seen so far was not settled). So the engine
+rehearses what a user's request meets at every token bucket of the step, largest first:
+admission, the prefix-cache lookup, one step of N tokens for each N of `token_buckets` up to
+`min(max_model_len - 2, max_num_batched_tokens)` (16, 32, ..., the largest), the first token,
+the lease, its release. On the GPU that is about twice the largest step's time. SGLang sends a
+warm-up request through its own server before it reports ready, and vLLM runs a dummy batch of
+the largest size at start-up.
 
 Nothing of it is left behind: its metrics go to a private registry, the prefix cache is off
 while it runs (no cached entry of made-up tokens), and its blocks are free again after.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import logging
 import time
 
+from splitserve.engine.prefill_warmup import token_buckets
 from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.request.sampling_params import SamplingParams
 
@@ -43,22 +47,35 @@ def wanted(engine) -> bool:
     return engine.runner.device.type == "cuda" if on is None else on
 
 
-async def rehearse(engine) -> int:
-    """Runs the rehearsal on a started engine; returns its prompt length (0: skipped)."""
+def rehearsal_sizes(engine) -> list[int]:
+    """The rehearsal's prompt lengths, largest first ([]: none fits)."""
     n = rehearsal_tokens(engine)
-    if n == 0 or not wanted(engine):
-        return 0
+    return sorted(token_buckets(n, smallest=min(16, n)), reverse=True) if n else []
+
+
+async def rehearse(engine) -> list[int]:
+    """Runs the rehearsal on a started engine; returns its prompt lengths ([]: skipped)."""
+    sizes = rehearsal_sizes(engine) if wanted(engine) else []
+    if not sizes:
+        return []
     vocab = engine.vocab_size
-    prompt = [(7919 * j + 104729) % vocab for j in range(n)]
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     metrics, cache_on = engine.metrics, engine.cache.enabled
     engine.metrics, engine.cache.enabled = PrefillMetrics(), False
     start = time.perf_counter()
     try:
-        result = await engine.prefill(REHEARSAL_ID, prompt, params, engine.cfg.lease_ttl_s)
-        if result.lease is not None:
-            engine.release_lease(result.lease.lease_id)
+        for n in sizes:
+            prompt = [(7919 * j + 104729 * n) % vocab for j in range(n)]
+            result = await engine.prefill(REHEARSAL_ID, prompt, params, engine.cfg.lease_ttl_s)
+            if result.lease is not None:
+                engine.release_lease(result.lease.lease_id)
     finally:
         engine.metrics, engine.cache.enabled = metrics, cache_on
-    log.info("rehearsed a %d-token request in %.1f ms", n, (time.perf_counter() - start) * 1e3)
-    return n
+    log.info(
+        "rehearsed %d requests of %d-%d tokens in %.1f ms",
+        len(sizes),
+        sizes[-1],
+        sizes[0],
+        (time.perf_counter() - start) * 1e3,
+    )
+    return sizes

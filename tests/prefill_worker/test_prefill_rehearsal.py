@@ -1,5 +1,5 @@
-"""The start-up rehearsal (prefill_worker/rehearsal.py): one request of the largest step's size
-through the engine's request path before SERVING, leaving no trace (no metric, no cached
+"""The start-up rehearsal (prefill_worker/rehearsal.py): one request per token bucket up to the
+largest step through the engine's request path before SERVING, leaving no trace (no metric, no cached
 prefix, no lease, every block free) and no effect on what users get."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from prefill_helpers import GREEDY, prefill_request, release, serving, worker_config
 
-from splitserve.prefill_worker.rehearsal import REHEARSAL_ID, rehearsal_tokens
+from splitserve.prefill_worker.rehearsal import REHEARSAL_ID, rehearsal_sizes, rehearsal_tokens
 
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 11, 64, 8, 1, 300, 77]
 
@@ -21,7 +21,7 @@ def _count(engine, name: str) -> float:
 async def _first_tokens(cfg) -> tuple[int, list[int]]:
     async with serving(cfg) as (worker, stub):
         engine = worker.engine
-        ran = engine.rehearsal_tokens
+        ran = engine.rehearsal_sizes
         # no trace: nothing counted, nothing cached, no lease, no block held (serving() checks
         # the blocks again at the end, after the user's requests)
         assert _count(engine, "splitserve_prefill_step_seconds_count") == 0
@@ -43,9 +43,9 @@ def test_rehearsal_runs_the_largest_step_and_leaves_no_trace(tiny_llama):
     on = worker_config(tiny_llama, max_model_len=96, budget=64, warmup=True, rehearsal=True)
     off = worker_config(tiny_llama, max_model_len=96, budget=64, warmup=True, rehearsal=False)
     ran, with_rehearsal = asyncio.run(_first_tokens(on))
-    assert ran == 64  # min(max_model_len - 2, budget, what the pool holds)
+    assert ran == [64, 32, 16]  # buckets up to min(max_model_len - 2, budget, the pool)
     not_ran, without = asyncio.run(_first_tokens(off))
-    assert not_ran == 0
+    assert not_ran == []
     assert with_rehearsal == without  # the rehearsal's KV and state do not leak into a reply
 
 
@@ -70,7 +70,7 @@ def test_rehearsal_defaults_to_cuda_only_and_a_user_id_cannot_collide(tiny_llama
         cfg = worker_config(tiny_llama, max_model_len=64, warmup=True)
         assert cfg.rehearsal is None
         async with serving(cfg) as (worker, stub):
-            assert worker.engine.rehearsal_tokens == 0  # CPU: skipped by default
+            assert worker.engine.rehearsal_sizes == []  # CPU: skipped by default
             # the rehearsal's id is an ordinary id once start-up is over
             resp = await stub.Prefill(prefill_request(REHEARSAL_ID, PROMPT, GREEDY))
             await release(stub, resp)
@@ -86,8 +86,8 @@ def test_rehearsal_fits_a_small_pool(tiny_llama, num_blocks):
         )
         async with serving(cfg) as (worker, stub):
             engine = worker.engine
-            assert engine.rehearsal_tokens == rehearsal_tokens(engine)
-            assert engine.rehearsal_tokens <= (engine.allocator.num_usable - 1) * 4
+            assert engine.rehearsal_sizes == rehearsal_sizes(engine)
+            assert engine.rehearsal_sizes[0] == min(254, (engine.allocator.num_usable - 1) * 4)
             resp = await stub.Prefill(prefill_request("u", PROMPT[:5], GREEDY))
             await release(stub, resp)
 
