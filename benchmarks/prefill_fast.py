@@ -7,7 +7,9 @@ in the same run, and the ratio to `transformers` SDPA. Then the first-prompt sta
 prefill worker process started with an empty TRITON_CACHE_DIR; the TTFT (Prefill RPC latency)
 of the first `--first-prompt-len`-token prompt after SERVING divided by the median of the next
 ten (distinct prompts, so no prefix-cache hit), with the worker's start-up time and its
-`splitserve_kernel_compilations_total` while serving.
+`splitserve_kernel_compilations_total` while serving; the worker rehearses at start-up
+(`--rehearsal`, prefill_worker/rehearsal.py: `rehearsal_requests_ms`), and a second worker
+without it (`no_rehearsal`) shows what the rehearsal takes away.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ STEP_SUMS = {  # the worker's step time as the event loop sees it, and as its st
     k: re.compile(rf"splitserve_prefill_{k}_seconds_(sum|count) ([\d.e+-]+)")
     for k in ("step", "step_thread")
 }
+REHEARSAL_LINE = re.compile(r"rehearsed (\d+) requests of (\d+)-(\d+) tokens in ([\d.]+) ms")
 SERVING_COMPILES = re.compile(r'splitserve_kernel_compilations_total\{phase="serving"\} ([\d.]+)')
 
 
@@ -84,9 +87,17 @@ IDLE_PAUSE_S = 2.0
 
 
 def first_prompt(
-    model_dir, device: str, length: int, vocab: int, block_size: int, budget: int, follow: int = 10
+    model_dir,
+    device: str,
+    length: int,
+    vocab: int,
+    block_size: int,
+    budget: int,
+    follow: int = 10,
+    rehearsal: bool = True,
 ) -> dict:
-    """Starts a prefill worker with a cold Triton cache and times its first prompts."""
+    """Starts a prefill worker with a cold Triton cache and times its first prompts
+    (`rehearsal`: the worker's start-up rehearsal on or off, prefill_worker/rehearsal.py)."""
     import grpc
 
     from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
@@ -98,7 +109,7 @@ def first_prompt(
         sys.executable, "-m", "splitserve.cli.main", "prefill-worker", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", "--device", device,
         "--block-size", str(block_size), "--max-num-batched-tokens", str(budget),
-        "--max-model-len", str(length + 16),
+        "--max-model-len", str(length + 16), "--rehearsal" if rehearsal else "--no-rehearsal",
     ]  # fmt: skip
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -115,6 +126,7 @@ def first_prompt(
             if m := SERVING_LINE.search(line):
                 break
         address, metrics_port, startup_s = f"{m[1]}:{m[2]}", int(m[3]), float(m[4])
+        rehearsed = next(filter(None, map(REHEARSAL_LINE.search, seen)), None)
         params = generate_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         ttfts, parts = [], []
         with grpc.insecure_channel(address) as channel:
@@ -161,6 +173,9 @@ def first_prompt(
     )
     return {
         "first_prompt_ratio": ttfts[0] / rest,
+        "rehearsal": rehearsal,
+        # the rehearsal's cost at start-up (part of startup_s): [requests, ms]
+        "rehearsal_requests_ms": [int(rehearsed[1]), float(rehearsed[4])] if rehearsed else None,
         "first_prompt_ms": ttfts[0] * 1e3,
         "next_median_ms": rest * 1e3,
         "first_prompt_len": length,
@@ -217,6 +232,9 @@ def write(args, base, bench, runner, worker_cfg, hf, peak, model_dir, result) ->
     bs, budget = args.block_size, args.max_num_batched_tokens
     vocab = runner.model_config.vocab_size
     fast.update(first_prompt(model_dir, args.device, args.first_prompt_len, vocab, bs, budget))
+    # the same probe with the start-up rehearsal off: what the rehearsal takes away
+    off = first_prompt(model_dir, args.device, args.first_prompt_len, vocab, bs, budget, 10, False)
+    fast["no_rehearsal"] = {k: v for k, v in off.items() if k.startswith(("first_prompt", "next"))}
     Path(args.fast_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.fast_out).write_text(json.dumps(fast, indent=2))
     print(f"wrote {args.fast_out}", file=sys.stderr)

@@ -18,6 +18,7 @@ _OVERRIDES = {
     "lease_ttl_s": "lease_ttl_s",
     "cuda_graph": "cuda_graph",
     "prefill_graph_sizes": "prefill_graph_sizes",
+    "rehearsal": "rehearsal",
 }
 
 
@@ -41,6 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         const=False,
         default=None,
         help="run every prefill step eagerly (no piecewise CUDA graphs)",
+    )
+    p.add_argument(
+        "--rehearsal",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="after warm-up, run one request per token bucket through the request path before "
+        "serving (default: on CUDA only)",
     )
     p.add_argument(
         "--prefill-graph-sizes",

@@ -69,6 +69,11 @@ def test_benchmark_writes_the_fast_table_and_the_first_prompt_ratio(tiny_llama, 
         assert row["ms"] > 0 and row["mfu"] > 0 and row["ratio_to_transformers"] > 0
         assert row["sampled_ms"] > 0
     assert result["first_prompt_ratio"] > 0 and result["startup_s"] > 0
+    # the first probe's worker rehearsed (forced on, even on CPU) and said so; the A/B's did not
+    assert result["rehearsal"] is True
+    requests, ms = result["rehearsal_requests_ms"]
+    assert requests == 2 and ms > 0  # max_model_len 32: buckets 30 and 16
+    assert result["no_rehearsal"]["first_prompt_ratio"] > 0
     assert result["serving_compilations"] == 0  # CPU: nothing compiles; the metric is scraped
     for key in ("step_ms_first_then_rest", "step_thread_ms_first_then_rest"):
         first, rest = result[key]
