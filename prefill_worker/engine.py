@@ -149,7 +149,7 @@ class PrefillEngine:
             prompt,
             params,
             lease_ttl_s,
-            block_keys(prompt, self.runner.block_size),
+            block_keys(prompt, self.runner.block_size) if self.cache.enabled else [],
             asyncio.get_running_loop().create_future(),
             matcher=matcher,
             stream_token=stream_token,

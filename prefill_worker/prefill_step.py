@@ -20,7 +20,6 @@ from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import ScheduledChunk
-from splitserve.request.block_hash import ROOT_KEY
 from splitserve.request.stop_checker import StopChecker
 
 
@@ -89,13 +88,8 @@ class SamplingTimer:
 
 def register_full_blocks(cache: PrefixCache, seq: PrefillSeq, block_size: int) -> None:
     """Publishes `seq`'s computed full blocks not yet in the prefix cache (each once)."""
-    bs = block_size
-    full = seq.num_computed // bs
-    for i in range(seq.num_registered, full):
-        parent = seq.block_keys[i - 1] if i else ROOT_KEY
-        cache.register(
-            seq.block_table[i], seq.block_keys[i], parent, seq.prompt[i * bs : (i + 1) * bs]
-        )
+    full = seq.num_computed // block_size
+    cache.register_run(seq.block_table, seq.block_keys, seq.num_registered, full, seq.prompt)
     seq.num_registered = max(seq.num_registered, full)
 
 

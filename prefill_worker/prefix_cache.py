@@ -24,14 +24,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from splitserve.request.block_allocator import BlockAllocator
 from splitserve.request.block_hash import ROOT_KEY
 
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
+class _Entry(NamedTuple):  # a tuple: a prompt's blocks are published by the hundred per step
     key: bytes
     parent_key: bytes
     tokens: tuple[int, ...]
@@ -97,6 +96,24 @@ class PrefixCache:
         self._entries[block_id] = _Entry(key, parent_key, tuple(tokens))
         self._recent[key] = None
         return True
+
+    def register_run(
+        self, block_ids: Sequence[int], keys: Sequence[bytes], start: int, stop: int, tokens
+    ) -> None:
+        """`register` for blocks start..stop-1 of one prompt: block i holds
+        tokens[i * block_size : (i + 1) * block_size] under keys[i], after keys[i - 1]."""
+        if not self.enabled:
+            return
+        by_key, entries, recent, bs = self._by_key, self._entries, self._recent, self.block_size
+        for i in range(start, stop):
+            key, block = keys[i], block_ids[i]
+            if key in by_key or block in entries:
+                continue
+            by_key[key] = block
+            entries[block] = _Entry(
+                key, keys[i - 1] if i else ROOT_KEY, tuple(tokens[i * bs : (i + 1) * bs])
+            )
+            recent[key] = None
 
     def free(self, block_table: Sequence[int]) -> None:
         """Drops one owner's references, tail first, so that a prompt's tail blocks (the least
