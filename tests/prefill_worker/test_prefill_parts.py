@@ -54,6 +54,43 @@ def test_a_change_in_any_block_changes_that_key_and_every_later_one():
     assert block_keys(prompt[:20] + [999], 4) == keys  # the partial block is no part of any key
 
 
+def test_block_keys_equal_chain_key_block_by_block_and_refuse_ids_beyond_uint32():
+    import random
+    import struct
+
+    rng = random.Random(7)
+    for n, bs in ((0, 4), (3, 4), (37, 4), (8192, 16), (100, 1)):
+        toks = [rng.randrange(2**32) for _ in range(n)]
+        chained, parent = [], ROOT_KEY
+        for i in range(n // bs):
+            parent = chain_key(parent, toks[i * bs : (i + 1) * bs])
+            chained.append(parent)
+        assert block_keys(toks, bs) == chained, (n, bs)
+    for bad in (-1, 2**32, 2**70):  # what chain_key's pack refuses, refused the same way
+        with pytest.raises(struct.error):
+            block_keys([1, 2, bad, 3], 4)
+        with pytest.raises(struct.error):
+            chain_key(ROOT_KEY, [1, 2, bad, 3])
+
+
+def test_register_run_publishes_like_register_one_by_one():
+    prompt = list(range(1, 30))  # 7 full blocks of 4
+    keys = block_keys(prompt, 4)
+    table = [10, 11, 12, 13, 14, 15, 16]
+    one, run = (PrefixCache(BlockAllocator(32), 4) for _ in range(2))
+    one.register(20, keys[1], keys[0], prompt[4:8])  # already cached elsewhere: kept, skipped
+    run.register(20, keys[1], keys[0], prompt[4:8])
+    _publish(one, table, prompt)
+    run.register_run(table, keys, 0, 3, prompt)
+    run.register_run(table, keys, 3, 7, prompt)
+    assert one._entries == run._entries and one._by_key == run._by_key
+    assert list(one._recent) == list(run._recent)
+    assert run.match(prompt, keys) == [10, 20, 12, 13, 14, 15, 16]
+    off = PrefixCache(BlockAllocator(32), 4, enabled=False)
+    off.register_run(table, keys, 0, 7, prompt)
+    assert off.num_cached_blocks == 0
+
+
 def test_prefix_cache_reuse_eviction_and_collisions():
     alloc = BlockAllocator(8)  # 7 usable
     cache = PrefixCache(alloc, 4)
