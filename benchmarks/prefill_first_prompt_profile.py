@@ -32,6 +32,11 @@ def parse_args(argv=None):
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--rows", type=int, default=12, help="rows per profiler table")
+    p.add_argument(
+        "--no-rehearsal",
+        action="store_true",
+        help="skip the engine's start-up rehearsal (prefill_worker/rehearsal.py), as before it",
+    )
     return p.parse_args(argv)
 
 
@@ -67,7 +72,9 @@ def main(argv=None) -> int:
         },
     )
     runner = ModelRunner(cfg)
-    worker_cfg = PrefillWorkerConfig(engine=cfg, enable_prefix_cache=True, warmup=True)
+    worker_cfg = PrefillWorkerConfig(
+        engine=cfg, enable_prefix_cache=True, warmup=True, rehearsal=not args.no_rehearsal
+    )
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     vocab = runner.model_config.vocab_size
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

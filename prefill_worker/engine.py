@@ -35,7 +35,7 @@ from splitserve.prefill_worker.prefill_step import (
     step_inputs,
 )
 from splitserve.prefill_worker.prefix_cache import PrefixCache
-from splitserve.prefill_worker.rehearsal import rehearse
+from splitserve.prefill_worker.rehearsal import rehearsal_sizes, rehearse, wanted
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import PrefillScheduler, ScheduledChunk
 from splitserve.prefill_worker.startup import release_graphs, warm_up
@@ -94,12 +94,15 @@ class PrefillEngine:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        if self.cfg.warmup:
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, warm_up, self.cfg, self.runner, self.sampler)
+        loop = asyncio.get_running_loop()
+        rehearsing = self.cfg.warmup and wanted(self) and bool(rehearsal_sizes(self))
+        if self.cfg.warmup:  # the pool is zeroed after the rehearsal when one runs
+            args = (self.cfg, self.runner, self.sampler, not rehearsing)
+            await loop.run_in_executor(self._executor, warm_up, *args)
         self._task = asyncio.create_task(self._loop(), name="prefill-engine")
-        if self.cfg.warmup:  # the request path once, at the largest step (rehearsal.py)
+        if rehearsing:  # the request path at every step size (rehearsal.py), then the zeroing
             self.rehearsal_sizes = await rehearse(self)
+            await loop.run_in_executor(self._executor, self.runner.zero_kv)
         self._update_gauges()
 
     async def stop(self) -> None:

@@ -88,7 +88,7 @@ class SamplingTimer:
 
 def register_full_blocks(cache: PrefixCache, seq: PrefillSeq, block_size: int) -> None:
     """Publishes `seq`'s computed full blocks not yet in the prefix cache (each once)."""
-    full = seq.num_computed // block_size
+    full = min(seq.num_computed // block_size, len(seq.block_keys))  # none: queued cache-off
     cache.register_run(seq.block_table, seq.block_keys, seq.num_registered, full, seq.prompt)
     seq.num_registered = max(seq.num_registered, full)
 

@@ -16,7 +16,8 @@ warm-up request through its own server before it reports ready, and vLLM runs a 
 the largest size at start-up.
 
 Nothing of it is left behind: its metrics go to a private registry, the prefix cache is off
-while it runs (no cached entry of made-up tokens), and its blocks are free again after.
+while it runs (no cached entry of made-up tokens), its blocks are free again after, and the
+engine zeroes the KV pool once it is over (warm-up's zeroing waits for it: engine.start).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ import logging
 import time
 
 from splitserve.engine.prefill_warmup import token_buckets
+from splitserve.prefill_worker.config import REHEARSAL_ID
 from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.request.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-REHEARSAL_ID = "splitserve-start-up-rehearsal"
+__all__ = ["REHEARSAL_ID", "rehearsal_sizes", "rehearsal_tokens", "rehearse", "wanted"]
 
 
 def rehearsal_tokens(engine) -> int:

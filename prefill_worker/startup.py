@@ -12,8 +12,11 @@ from splitserve.engine.sampler import Sampler
 from splitserve.prefill_worker.config import PrefillWorkerConfig
 
 
-def warm_up(cfg: PrefillWorkerConfig, runner: ModelRunner, sampler: Sampler) -> None:
-    """Runs in the step thread before SERVING."""
+def warm_up(
+    cfg: PrefillWorkerConfig, runner: ModelRunner, sampler: Sampler, zero: bool = True
+) -> None:
+    """Runs in the step thread before SERVING; `zero` False leaves the zeroing of the pool to
+    the caller (after the start-up rehearsal, engine.start)."""
     sc = cfg.engine.scheduler
     if cfg.cuda_graph:
         capture_prefill_graphs(runner, cfg.prefill_graph_sizes, sc.max_num_batched_tokens)
@@ -21,7 +24,8 @@ def warm_up(cfg: PrefillWorkerConfig, runner: ModelRunner, sampler: Sampler) -> 
             pool = runner.prefill_graphs.pool if runner.prefill_graphs is not None else None
             sampler.capture_graphs(runner.model_config.vocab_size, runner.device, pool)
     warm_up_prefill(runner, sampler, sc.max_num_batched_tokens, sc.max_batch_size)
-    runner.zero_kv()
+    if zero:
+        runner.zero_kv()
 
 
 def release_graphs(runner: ModelRunner, sampler: Sampler) -> None:

@@ -9,7 +9,11 @@ import asyncio
 import pytest
 from prefill_helpers import GREEDY, prefill_request, release, serving, worker_config
 
+from splitserve.prefill_worker.config import PrefillFaults
+from splitserve.prefill_worker.prefill_step import register_full_blocks
+from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.rehearsal import REHEARSAL_ID, rehearsal_sizes, rehearsal_tokens
+from splitserve.request.block_allocator import BlockAllocator
 
 PROMPT = [5, 17, 3, 99, 42, 7, 250, 11, 64, 8, 1, 300, 77]
 
@@ -22,6 +26,8 @@ async def _first_tokens(cfg) -> tuple[int, list[int]]:
     async with serving(cfg) as (worker, stub):
         engine = worker.engine
         ran = engine.rehearsal_sizes
+        assert engine.progress == len(ran)  # each rehearsal request ran its own step
+        assert float(engine.runner.kv_cache.abs().sum()) == 0.0  # zeroed after the rehearsal
         # no trace: nothing counted, nothing cached, no lease, no block held (serving() checks
         # the blocks again at the end, after the user's requests)
         assert _count(engine, "splitserve_prefill_step_seconds_count") == 0
@@ -92,3 +98,20 @@ def test_rehearsal_fits_a_small_pool(tiny_llama, num_blocks):
             await release(stub, resp)
 
     asyncio.run(body())
+
+
+def test_test_faults_never_slow_the_rehearsal():
+    faults = PrefillFaults(last_chunk_delay_s=0.5)  # an empty prefix: every request is hit
+    assert faults.slow_last_chunk(["user-1"]) == 0.5
+    assert faults.slow_last_chunk([REHEARSAL_ID]) == 0.0
+    assert faults.slow_last_chunk([REHEARSAL_ID, "user-1"]) == 0.5
+
+
+def test_a_sequence_queued_without_block_keys_publishes_nothing():
+    """Queued while the prefix cache was off (the rehearsal), finished after it is back on."""
+    cache = PrefixCache(BlockAllocator(16), 4)
+    seq = type("Seq", (), {})()
+    seq.num_computed, seq.num_registered, seq.block_keys = 12, 0, []
+    seq.block_table, seq.prompt = [1, 2, 3], list(range(12))
+    register_full_blocks(cache, seq, 4)
+    assert cache.num_cached_blocks == 0 and seq.num_registered == 0
