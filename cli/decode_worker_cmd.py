@@ -20,6 +20,7 @@ _OVERRIDES = {
     "cuda_graph_sizes": "cuda_graph_sizes",
     "prefill_graph_sizes": "prefill_graph_sizes",
     "prefill_chunk_tokens": "prefill_chunk_tokens",
+    "rehearsal": "rehearsal",
     "kv_failure_policy": "kv_transfer.failure_policy",
     "kv_data_timeout_s": "kv_transfer.data_timeout_s",
     "kv_connect_timeout_s": "kv_transfer.connect_timeout_s",
@@ -53,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         const=False,
         default=None,
         help="run every decode step eagerly (no CUDA graph capture)",
+    )
+    p.add_argument(
+        "--rehearsal",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="after warm-up, run one colocated request per local-prefill token bucket before "
+        "serving (default: on CUDA only)",
     )
     p.add_argument(
         "--cuda-graph-sizes",

@@ -92,6 +92,12 @@ class DecodeWorkerConfig(BaseModel):
         "sequences keep decoding (chunked prefill); 0: each admitted prompt whole in one step",
     )
     overlap: bool = Field(True, description="enqueue step N+1 before reading step N's tokens")
+    rehearsal: bool | None = Field(
+        None,
+        description="after warm-up, run one colocated request per token bucket of the local "
+        "prefill through the engine before serving (no trace left: decode_worker/rehearsal.py); "
+        "None: on CUDA only",
+    )
     warmup_steps: int = Field(
         2, ge=1, le=16, description="eager runs of each graph size before capture"
     )

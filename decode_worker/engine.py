@@ -113,9 +113,9 @@ class DecodeEngine(StepReads):
         )
 
     # ---- start-up --------------------------------------------------------------------------------
-    def warm_up(self) -> list[int]:
+    def warm_up(self, zero: bool = True) -> list[int]:
         """Graphs and every shape, before SERVING (startup.py); the captured decode sizes."""
-        return warm_up(self)
+        return warm_up(self, zero)
 
     # ---- requests --------------------------------------------------------------------------------
     def _new_sequence(

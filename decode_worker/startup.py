@@ -20,8 +20,9 @@ from splitserve.engine.prefill_graphs import capture_prefill_graphs
 from splitserve.engine.prefill_warmup import warm_up_prefill
 
 
-def warm_up(engine) -> list[int]:
-    """Everything above for a DecodeEngine; returns the captured decode batch sizes."""
+def warm_up(engine, zero: bool = True) -> list[int]:
+    """Everything above for a DecodeEngine; returns the captured decode batch sizes. `zero`
+    False leaves the zeroing of the pool to the start-up rehearsal (decode_worker/rehearsal.py)."""
     cfg, runner, graphs = engine.cfg, engine.runner, engine.graphs
     budget = cfg.engine.scheduler.max_num_batched_tokens
     if cfg.prefill_chunk_tokens:  # chunked prefill: no local prefill call is longer than a chunk
@@ -36,7 +37,8 @@ def warm_up(engine) -> list[int]:
             engine.sampler.capture_graphs(vocab, runner.device, graphs.pool)  # the one pool
     warm_up_prefill(runner, engine.sampler, budget, engine.max_batch_size)
     warm_eager_steps(graphs)
-    runner.zero_kv()
+    if zero:
+        runner.zero_kv()
     return graphs.captured_sizes
 
 

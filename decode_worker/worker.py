@@ -20,6 +20,7 @@ from splitserve.decode_worker.engine_loop import EngineLoop
 from splitserve.decode_worker.kv_pull import KvPuller
 from splitserve.decode_worker.kv_stream_pull import StreamPuller
 from splitserve.decode_worker.metrics import DecodeMetrics
+from splitserve.decode_worker.rehearsal import rehearsal_sizes, rehearse
 from splitserve.decode_worker.servicer import DecodeWorkerServicer
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.kvtransfer.client import KvTransferClient
@@ -64,6 +65,7 @@ class DecodeWorker(WorkerSkeleton):
         self._runner = runner
         self.engine: DecodeEngine | None = None
         self.loop: EngineLoop | None = None
+        self.rehearsal_sizes: list[int] = []  # the start-up rehearsal's prompt lengths
 
     def _build(self) -> DecodeEngine:
         from splitserve.decode_worker.tp_follower import decode_follower_main
@@ -72,7 +74,8 @@ class DecodeWorker(WorkerSkeleton):
         engine = DecodeEngine(
             self.cfg, runner, _load_tokenizer(self.cfg.engine.model_path), self.metrics
         )
-        engine.warm_up()
+        self.rehearsal_sizes = rehearsal_sizes(engine)  # the pool is zeroed after it, if any
+        engine.warm_up(zero=not self.rehearsal_sizes)
         return engine
 
     async def start_engine(self) -> None:
@@ -86,6 +89,7 @@ class DecodeWorker(WorkerSkeleton):
             ),
         )
         self.loop.start()
+        await rehearse(self.loop, self.engine, self.rehearsal_sizes)  # before any user request
         self.servicer.loop = self.loop
         runner = self.engine.runner
         kv_metrics = KvTransferMetrics(self.metrics.registry)

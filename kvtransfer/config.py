@@ -111,9 +111,14 @@ class KvTransferConfig(BaseModel):
         return self.model_copy(update={"listen_port": self.listen_port + rank})
 
 
+# the workers' start-up rehearsal requests (prefill_worker/rehearsal.py,
+# decode_worker/rehearsal.py): no test fault ever hits them
+REHEARSAL_ID = "splitserve-start-up-rehearsal"
+
+
 class RequestFaults(BaseModel):
     """Base of the test-only fault seams (TransferFaults, PrefillFaults, DecodeFaults): which
-    requests a seam's faults hit, by request id prefix."""
+    requests a seam's faults hit, by request id prefix (never the start-up rehearsal)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -122,7 +127,7 @@ class RequestFaults(BaseModel):
     )
 
     def hits(self, request_id: str) -> bool:
-        return request_id.startswith(self.request_id_prefix)
+        return request_id.startswith(self.request_id_prefix) and request_id != REHEARSAL_ID
 
 
 class TransferFaults(RequestFaults):

@@ -22,9 +22,6 @@ from splitserve.config.files import load_config
 from splitserve.kvtransfer.config import KvTransferConfig, RequestFaults, TransferFaults
 from splitserve.service.grpc_service import ServerConfig
 
-# the start-up rehearsal's request id (rehearsal.py); no test fault delays it
-REHEARSAL_ID = "splitserve-start-up-rehearsal"
-
 
 class PrefillFaults(RequestFaults):
     """For tests only (tests/faults): slow steps and broken transfers on purpose, so a test can
@@ -44,8 +41,7 @@ class PrefillFaults(RequestFaults):
     transfer: TransferFaults = TransferFaults()
 
     def slow_last_chunk(self, request_ids) -> float:
-        hit = any(self.hits(r) for r in request_ids if r != REHEARSAL_ID)
-        return self.last_chunk_delay_s if hit else 0.0
+        return self.last_chunk_delay_s if any(map(self.hits, request_ids)) else 0.0
 
     def reply_delay(self, request_id: str) -> float:
         return self.reply_delay_s if self.hits(request_id) else 0.0

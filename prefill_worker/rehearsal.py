@@ -26,7 +26,7 @@ import logging
 import time
 
 from splitserve.engine.prefill_warmup import token_buckets
-from splitserve.prefill_worker.config import REHEARSAL_ID
+from splitserve.kvtransfer.config import REHEARSAL_ID
 from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.request.sampling_params import SamplingParams
 

@@ -88,6 +88,8 @@ def mutated_generate(draw) -> tuple[generate_pb2.GenerateRequest, str | None, li
         names = [n for n in names if n not in ("odd_text", "vocab_edges", "past_vocab")]
     ids = [n for n in names if n.endswith(("request_id", "request_id_len", "_id"))]
     names = [n for n in names if n not in ids[1:]]  # one request id
+    stops = [n for n in names if n in ("stop", "stop_count", "stop_len")]
+    names = [n for n in names if n not in stops[1:]]  # one stop list: a later one overwrites it
     order = ["odd_text", "vocab_edges", "past_vocab"]
     names.sort(key=lambda n: order.index(n) if n in order else len(order))
     for name in names:  # "room" and "min_tokens" last: they depend on the prompt and max_tokens
