@@ -9,9 +9,11 @@ finish. So a colocated worker meets its first user as warm as a prefill worker d
 disaggregated vs colocated comparison (benchmarks/serving_compare.py) stays even.
 
 No trace: the engine counts into a private DecodeMetrics while it runs (the engine thread reads
-`engine.metrics` at each use; a command through the loop after the last finish makes sure the
-step that finished it is over before the real one is back), every block is free again, and the
-KV pool is zeroed after it (warm-up leaves its zeroing to this then: one `zero_kv`, so
+`engine.metrics` at each use, but for the grammar-compile and mask-fill callbacks bound at
+construction, which an unconstrained rehearsal never calls; a command through the loop after
+the last finish makes sure the step that finished it is over before the real one is back, and
+the real gauges are then refreshed), every block is free again, and the KV pool is zeroed after
+it (warm-up leaves its zeroing to this then: one `zero_kv`, so
 tensor-parallel followers freeze their heap once).
 """
 
@@ -37,7 +39,8 @@ def rehearsal_sizes(engine) -> list[int]:
     budget = cfg.engine.scheduler.max_num_batched_tokens
     if cfg.prefill_chunk_tokens:  # no local prefill call is longer than a chunk
         budget = min(budget, cfg.prefill_chunk_tokens)
-    fits = (engine.allocator.num_free - 1) * runner.block_size  # one block for the decode token
+    # the prompt and its two tokens in the free pool (the scheduler's check_fits), any block size
+    fits = engine.allocator.num_free * runner.block_size - 2
     n = max(0, min(runner.max_model_len - 2, budget, fits))
     return sorted(token_buckets(n, smallest=min(16, n)), reverse=True) if n and on else []
 
@@ -69,6 +72,7 @@ async def rehearse(loop, engine, sizes: list[int]) -> None:
         await asyncio.wrap_future(loop.call(lambda: None))  # its last step is over
     finally:
         engine.metrics = metrics
+    await asyncio.wrap_future(loop.call(engine._snapshot))  # the real gauges: free blocks etc.
     await asyncio.wrap_future(loop.call(engine.runner.zero_kv))
     log.info(
         "rehearsed %d requests of %d-%d tokens in %.1f ms",

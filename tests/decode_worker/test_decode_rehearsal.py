@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
 from decode_helpers import assert_all_free, collect_stream, serving
 
 from splitserve.decode_worker.config import DecodeFaults
@@ -50,13 +51,61 @@ def test_rehearsal_leaves_no_trace_and_users_get_isolated_tokens(tiny_llama, ora
     asyncio.run(main())
 
 
-def test_rehearsal_is_off_by_default_on_cpu_and_sized_by_the_chunk(tiny_llama):
+def test_rehearsal_is_off_by_default_on_cpu_and_sized_by_the_chunk_and_pool(tiny_llama):
     async def main():
         async with serving(tiny_llama) as (worker, _stub, _):
-            assert worker.rehearsal_sizes == []
+            cuda = worker.engine.runner.device.type == "cuda"
+            assert (worker.rehearsal_sizes != []) == cuda  # default: CUDA only
         async with serving(tiny_llama, rehearsal=True, prefill_chunk_tokens=40) as (worker, _s, _):
             assert worker.rehearsal_sizes == [40, 32, 16]
             assert_all_free(worker.engine)
+        # one-token blocks, a pool smaller than the chunk: the prompt and its two tokens fit
+        kw = dict(rehearsal=True, block_size=1, num_blocks=64)
+        async with serving(tiny_llama, **kw) as (worker, _s, _):
+            assert worker.rehearsal_sizes == [61, 32, 16]  # 63 usable blocks - 2
+            assert_all_free(worker.engine)
+
+    asyncio.run(main())
+
+
+def test_the_pool_is_zeroed_once_per_start_up(tiny_llama, monkeypatch):
+    """Once, after the rehearsal (tensor-parallel followers freeze their heap on it)."""
+    from splitserve.engine.model_runner import ModelRunner
+
+    calls = []
+    real = ModelRunner.zero_kv
+    monkeypatch.setattr(ModelRunner, "zero_kv", lambda self: calls.append(1) or real(self))
+
+    async def main():
+        for rehearsal in (True, False):
+            calls.clear()
+            async with serving(tiny_llama, rehearsal=rehearsal) as (worker, _s, _):
+                assert len(calls) == 1, rehearsal
+                assert float(worker.engine.runner.kv_cache.abs().sum()) == 0.0
+
+    asyncio.run(main())
+
+
+def test_a_failed_rehearsal_fails_the_start_and_restores_the_metrics(tiny_llama, monkeypatch):
+    from decode_helpers import worker_config
+
+    from splitserve.decode_worker.engine import DecodeEngine
+    from splitserve.decode_worker.worker import DecodeWorker
+    from splitserve.request.errors import RequestError
+
+    def refuse(self, inp, sink):
+        raise RequestError.invalid("refused on purpose")
+
+    monkeypatch.setattr(DecodeEngine, "submit", refuse)
+
+    async def main():
+        worker = DecodeWorker(worker_config(tiny_llama, rehearsal=True))
+        with pytest.raises(RuntimeError, match="rehearsal failed: .*refused on purpose"):
+            await worker.start()
+        assert worker.engine.metrics is worker.metrics
+        await worker.stop(grace_s=1.0)
+        assert not worker.loop.alive
+        assert_all_free(worker.engine)
 
     asyncio.run(main())
 

@@ -115,3 +115,24 @@ def test_a_sequence_queued_without_block_keys_publishes_nothing():
     seq.block_table, seq.prompt = [1, 2, 3], list(range(12))
     register_full_blocks(cache, seq, 4)
     assert cache.num_cached_blocks == 0 and seq.num_registered == 0
+
+
+def test_the_pool_is_zeroed_once_per_start_up(tiny_llama, monkeypatch):
+    """Once, after the rehearsal when one runs (tensor-parallel followers freeze their heap on
+    it)."""
+    from splitserve.engine.model_runner import ModelRunner
+
+    calls = []
+    real = ModelRunner.zero_kv
+    monkeypatch.setattr(ModelRunner, "zero_kv", lambda self: calls.append(1) or real(self))
+
+    async def body():
+        for rehearsal in (True, False):
+            calls.clear()
+            cfg = worker_config(tiny_llama, max_model_len=64, warmup=True, rehearsal=rehearsal)
+            async with serving(cfg) as (worker, _stub):
+                assert len(calls) == 1, rehearsal
+                assert bool(worker.engine.rehearsal_sizes) == rehearsal
+                assert float(worker.engine.runner.kv_cache.abs().sum()) == 0.0
+
+    asyncio.run(body())
