@@ -25,9 +25,8 @@ import time
 
 from splitserve.decode_worker.metrics import DecodeMetrics
 from splitserve.decode_worker.sequence import DecodeInput
-from splitserve.engine.prefill_warmup import token_buckets
 from splitserve.kvtransfer.config import REHEARSAL_ID
-from splitserve.request.sampling_params import SamplingParams
+from splitserve.worker import rehearsal as common
 
 log = logging.getLogger("splitserve.decode_worker")
 
@@ -35,14 +34,13 @@ log = logging.getLogger("splitserve.decode_worker")
 def rehearsal_sizes(engine) -> list[int]:
     """The rehearsal's prompt lengths, largest first ([]: off, or none fits the pool)."""
     cfg, runner = engine.cfg, engine.runner
-    on = cfg.rehearsal if cfg.rehearsal is not None else runner.device.type == "cuda"
     budget = cfg.engine.scheduler.max_num_batched_tokens
     if cfg.prefill_chunk_tokens:  # no local prefill call is longer than a chunk
         budget = min(budget, cfg.prefill_chunk_tokens)
     # the prompt and its two tokens in the free pool (the scheduler's check_fits), any block size
     fits = engine.allocator.num_free * runner.block_size - 2
     n = max(0, min(runner.max_model_len - 2, budget, fits))
-    return sorted(token_buckets(n, smallest=min(16, n)), reverse=True) if n and on else []
+    return common.sizes_up_to(n) if common.wanted(cfg.rehearsal, runner.device.type) else []
 
 
 async def rehearse(loop, engine, sizes: list[int]) -> None:
@@ -51,7 +49,6 @@ async def rehearse(loop, engine, sizes: list[int]) -> None:
     if not sizes:
         return
     aio = asyncio.get_running_loop()
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     vocab = engine.runner.model_config.vocab_size
     metrics = engine.metrics
     engine.metrics = DecodeMetrics()
@@ -64,8 +61,8 @@ async def rehearse(loop, engine, sizes: list[int]) -> None:
                 if out.finish_reason is not None:
                     aio.call_soon_threadsafe(_settle, done, out)
 
-            prompt = [(7919 * j + 104729 * n) % vocab for j in range(n)]
-            loop.submit(DecodeInput(REHEARSAL_ID, prompt, None, params), sink)
+            inp = DecodeInput(REHEARSAL_ID, common.prompt(n, vocab), None, common.PARAMS)
+            loop.submit(inp, sink)
             out = await done
             if out.finish_reason == "error":
                 raise RuntimeError(f"the start-up rehearsal failed: {out.error}")
@@ -74,13 +71,7 @@ async def rehearse(loop, engine, sizes: list[int]) -> None:
         engine.metrics = metrics
     await asyncio.wrap_future(loop.call(engine._snapshot))  # the real gauges: free blocks etc.
     await asyncio.wrap_future(loop.call(engine.runner.zero_kv))
-    log.info(
-        "rehearsed %d requests of %d-%d tokens in %.1f ms",
-        len(sizes),
-        sizes[-1],
-        sizes[0],
-        (time.perf_counter() - start) * 1e3,
-    )
+    common.log_done(log, sizes, start)
 
 
 def _settle(fut: asyncio.Future, out) -> None:

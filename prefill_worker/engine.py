@@ -35,7 +35,7 @@ from splitserve.prefill_worker.prefill_step import (
     step_inputs,
 )
 from splitserve.prefill_worker.prefix_cache import PrefixCache
-from splitserve.prefill_worker.rehearsal import rehearsal_sizes, rehearse, wanted
+from splitserve.prefill_worker.rehearsal import rehearsal_sizes, rehearse
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import PrefillScheduler, ScheduledChunk
 from splitserve.prefill_worker.startup import release_graphs, warm_up
@@ -95,13 +95,13 @@ class PrefillEngine:
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        rehearsing = self.cfg.warmup and wanted(self) and bool(rehearsal_sizes(self))
-        if self.cfg.warmup:  # the pool is zeroed after the rehearsal when one runs
-            args = (self.cfg, self.runner, self.sampler, not rehearsing)
+        self.rehearsal_sizes = rehearsal_sizes(self)  # the pool is zeroed after it, if any
+        if self.cfg.warmup:
+            args = (self.cfg, self.runner, self.sampler, not self.rehearsal_sizes)
             await loop.run_in_executor(self._executor, warm_up, *args)
         self._task = asyncio.create_task(self._loop(), name="prefill-engine")
-        if rehearsing:  # the request path at every step size (rehearsal.py), then the zeroing
-            self.rehearsal_sizes = await rehearse(self)
+        if self.rehearsal_sizes:  # the request path at every step size (rehearsal.py)
+            await rehearse(self, self.rehearsal_sizes)
             await loop.run_in_executor(self._executor, self.runner.zero_kv)
         self._update_gauges()
 

@@ -25,14 +25,13 @@ from __future__ import annotations
 import logging
 import time
 
-from splitserve.engine.prefill_warmup import token_buckets
 from splitserve.kvtransfer.config import REHEARSAL_ID
 from splitserve.prefill_worker.metrics import PrefillMetrics
-from splitserve.request.sampling_params import SamplingParams
+from splitserve.worker import rehearsal as common
 
 log = logging.getLogger(__name__)
 
-__all__ = ["REHEARSAL_ID", "rehearsal_sizes", "rehearsal_tokens", "rehearse", "wanted"]
+__all__ = ["REHEARSAL_ID", "rehearsal_sizes", "rehearsal_tokens", "rehearse"]
 
 
 def rehearsal_tokens(engine) -> int:
@@ -43,41 +42,26 @@ def rehearsal_tokens(engine) -> int:
     return max(0, min(engine.max_model_len - 2, sc.max_num_batched_tokens, fits))
 
 
-def wanted(engine) -> bool:
-    """The config's `rehearsal`; None means on CUDA only (CPU start-ups stay quick in tests)."""
-    on = engine.cfg.rehearsal
-    return engine.runner.device.type == "cuda" if on is None else on
-
-
 def rehearsal_sizes(engine) -> list[int]:
-    """The rehearsal's prompt lengths, largest first ([]: none fits)."""
-    n = rehearsal_tokens(engine)
-    return sorted(token_buckets(n, smallest=min(16, n)), reverse=True) if n else []
+    """The rehearsal's prompt lengths, largest first ([]: off, or none fits)."""
+    on = engine.cfg.warmup and common.wanted(engine.cfg.rehearsal, engine.runner.device.type)
+    return common.sizes_up_to(rehearsal_tokens(engine)) if on else []
 
 
-async def rehearse(engine) -> list[int]:
-    """Runs the rehearsal on a started engine; returns its prompt lengths ([]: skipped)."""
-    sizes = rehearsal_sizes(engine) if wanted(engine) else []
+async def rehearse(engine, sizes: list[int]) -> None:
+    """Runs the rehearsal on a started engine (the caller zeroes the pool after it)."""
     if not sizes:
-        return []
-    vocab = engine.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        return
     metrics, cache_on = engine.metrics, engine.cache.enabled
     engine.metrics, engine.cache.enabled = PrefillMetrics(), False
     start = time.perf_counter()
     try:
         for n in sizes:
-            prompt = [(7919 * j + 104729 * n) % vocab for j in range(n)]
-            result = await engine.prefill(REHEARSAL_ID, prompt, params, engine.cfg.lease_ttl_s)
+            prompt = common.prompt(n, engine.vocab_size)
+            ttl = engine.cfg.lease_ttl_s
+            result = await engine.prefill(REHEARSAL_ID, prompt, common.PARAMS, ttl)
             if result.lease is not None:
                 engine.release_lease(result.lease.lease_id)
     finally:
         engine.metrics, engine.cache.enabled = metrics, cache_on
-    log.info(
-        "rehearsed %d requests of %d-%d tokens in %.1f ms",
-        len(sizes),
-        sizes[-1],
-        sizes[0],
-        (time.perf_counter() - start) * 1e3,
-    )
-    return sizes
+    common.log_done(log, sizes, start)
