@@ -104,16 +104,10 @@ class PrefixCache:
         tokens[i * block_size : (i + 1) * block_size] under keys[i], after keys[i - 1]."""
         if not self.enabled:
             return
-        by_key, entries, recent, bs = self._by_key, self._entries, self._recent, self.block_size
+        bs = self.block_size
         for i in range(start, stop):
-            key, block = keys[i], block_ids[i]
-            if key in by_key or block in entries:
-                continue
-            by_key[key] = block
-            entries[block] = _Entry(
-                key, keys[i - 1] if i else ROOT_KEY, tuple(tokens[i * bs : (i + 1) * bs])
-            )
-            recent[key] = None
+            parent = keys[i - 1] if i else ROOT_KEY
+            self.register(block_ids[i], keys[i], parent, tokens[i * bs : (i + 1) * bs])
 
     def free(self, block_table: Sequence[int]) -> None:
         """Drops one owner's references, tail first, so that a prompt's tail blocks (the least
