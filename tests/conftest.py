@@ -35,3 +35,15 @@ def tiny_qwen2(tmp_path_factory):
     from splitserve.cli.make_model import make_model
 
     return make_model("tiny-qwen2", tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture
+def zero_kv_calls(monkeypatch) -> list[int]:
+    """A list that grows by one each time any ModelRunner zeroes its KV pool (the workers'
+    start-up rehearsal tests: once per start-up)."""
+    from splitserve.engine.model_runner import ModelRunner
+
+    calls: list[int] = []
+    real = ModelRunner.zero_kv
+    monkeypatch.setattr(ModelRunner, "zero_kv", lambda self: calls.append(1) or real(self))
+    return calls

@@ -68,13 +68,9 @@ def test_rehearsal_is_off_by_default_on_cpu_and_sized_by_the_chunk_and_pool(tiny
     asyncio.run(main())
 
 
-def test_the_pool_is_zeroed_once_per_start_up(tiny_llama, monkeypatch):
+def test_the_pool_is_zeroed_once_per_start_up(tiny_llama, zero_kv_calls):
     """Once, after the rehearsal (tensor-parallel followers freeze their heap on it)."""
-    from splitserve.engine.model_runner import ModelRunner
-
-    calls = []
-    real = ModelRunner.zero_kv
-    monkeypatch.setattr(ModelRunner, "zero_kv", lambda self: calls.append(1) or real(self))
+    calls = zero_kv_calls
 
     async def main():
         for rehearsal in (True, False):

@@ -117,14 +117,10 @@ def test_a_sequence_queued_without_block_keys_publishes_nothing():
     assert cache.num_cached_blocks == 0 and seq.num_registered == 0
 
 
-def test_the_pool_is_zeroed_once_per_start_up(tiny_llama, monkeypatch):
+def test_the_pool_is_zeroed_once_per_start_up(tiny_llama, zero_kv_calls):
     """Once, after the rehearsal when one runs (tensor-parallel followers freeze their heap on
     it)."""
-    from splitserve.engine.model_runner import ModelRunner
-
-    calls = []
-    real = ModelRunner.zero_kv
-    monkeypatch.setattr(ModelRunner, "zero_kv", lambda self: calls.append(1) or real(self))
+    calls = zero_kv_calls
 
     async def body():
         for rehearsal in (True, False):
