@@ -45,7 +45,8 @@ def test_rehearsal_leaves_no_trace_and_users_get_isolated_tokens(tiny_llama, ora
             tokens, _ = await collect_stream(stub.Decode(req))
             assert tokens == oracle(prompt, SamplingParams(**sp)).token_ids
             assert _value(worker, "splitserve_decode_prompt_tokens_total") == len(prompt)
-            await asyncio.sleep(0.05)  # the stream's end reaches the client before the free
+            # the stream's end reaches the client before the step that frees it is over
+            await asyncio.wrap_future(worker.loop.call(lambda: None))
             assert_all_free(engine)
 
     asyncio.run(main())
