@@ -4,7 +4,8 @@ the router's API keys, admin keys or the cluster secret (docs/security.md).
     splitserve keygen secrets/api-keys secrets/admin-keys secrets/cluster-secret
     splitserve router ... --api-keys-file secrets/api-keys --admin-keys-file secrets/admin-keys
 
-Each new file gets one `secrets.token_urlsafe(32)` key (256 random bits) and mode 0600; missing
+Each new file gets one key, `ss-` + `secrets.token_urlsafe(32)` (256 random bits; the prefix keeps
+a key from starting with `-`, which `--api-key KEY` would read as a flag), and mode 0600; missing
 folders on its path are made (mode 0700). A FILE that exists is left as it is, so running it again
 (compose's `keys` service at every `up`) keeps the keys clients already hold. One line per FILE;
 the key itself is never printed: read it from the file. Exit 1 when a FILE cannot be written.
@@ -21,6 +22,11 @@ import sys
 from pathlib import Path
 
 KEY_BYTES = 32  # token_urlsafe(32): 43 characters, well above credentials.MIN_SECRET_LEN
+KEY_PREFIX = "ss-"  # a letter first: a urlsafe key starts with '-' one time in 64
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
 
 
 def register(sub) -> None:
@@ -47,7 +53,7 @@ def write_new_key(path: Path) -> bool:
         return False
     try:
         os.fchmod(fd, 0o600)  # exactly 0600, whatever the umask
-        os.write(fd, (secrets.token_urlsafe(KEY_BYTES) + "\n").encode())
+        os.write(fd, (new_key() + "\n").encode())
     except OSError:
         os.close(fd)
         path.unlink(missing_ok=True)  # no empty key file left behind for a router to read

@@ -4,10 +4,12 @@ ever printed; a FILE that cannot be written is one line and exit 1."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import stat
 
+from splitserve.cli.keygen_cmd import new_key
 from splitserve.cli.main import main
 from splitserve.service.credentials import cluster_secret, load_keys
 
@@ -26,7 +28,7 @@ def test_writes_new_keys_and_keeps_existing_ones(tmp_path, capsys):
     first = capsys.readouterr()
     keys = [p.read_text() for p in (api, cluster)]
     for path, text in zip((api, cluster), keys):
-        assert re.fullmatch(r"[A-Za-z0-9_-]{43}\n", text), text
+        assert re.fullmatch(r"ss-[A-Za-z0-9_-]{43}\n", text), text
         assert _mode(path) == 0o600
         assert text.strip() not in first.out + first.err
     assert keys[0] != keys[1]
@@ -48,6 +50,16 @@ def test_writes_new_keys_and_keeps_existing_ones(tmp_path, capsys):
         f"{api}: exists, kept",
         f"{third}: new key written (mode 0600)",
     ]
+
+
+def test_no_key_starts_with_a_dash_so_api_key_flag_takes_it():
+    # a bare token_urlsafe key starts with '-' one time in 64: `--api-key KEY` then fails
+    # with "expected one argument" (a flaky CI run found it)
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api-key")
+    for _ in range(2000):
+        key = new_key()
+        assert parser.parse_args(["--api-key", key]).api_key == key
 
 
 def test_existing_file_readable_by_others_is_kept_with_a_hint(tmp_path, capsys):
