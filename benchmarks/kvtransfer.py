@@ -165,6 +165,7 @@ def main(argv=None) -> int:
     from splitserve.kvtransfer.buffers import ucx_view
     from splitserve.kvtransfer.client import KvTransferClient
     from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
+    from splitserve.kvtransfer.pull_stats import PHASES
 
     device = torch.device(
         "cuda"
@@ -224,10 +225,10 @@ def main(argv=None) -> int:
             dest = block_list(n, args.scattered)
             raw_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
             src = torch.empty_like(raw_buf)
-            t_path, t_raw, t_copy = [], [], []
+            t_path, t_raw, t_copy, phases = [], [], [], []
             for i in range(args.iters + 1):
                 t0 = time.perf_counter()
-                await client.pull(handle, dest)
+                stats = await client.pull(handle, dest)
                 t1 = time.perf_counter()
                 await ep.send(go)
                 await ep.recv(ucx_view(raw_buf))
@@ -240,6 +241,7 @@ def main(argv=None) -> int:
                 t3 = time.perf_counter()
                 if i:  # first round warms endpoints, kernels and allocators
                     t_path.append(t1 - t0), t_raw.append(t2 - t1), t_copy.append(t3 - t2)
+                    phases.append(stats.phases)
             med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
             row = dict(
                 case=name,
@@ -253,12 +255,15 @@ def main(argv=None) -> int:
                 raw_GBps=nbytes / med(t_raw) / 1e9,
                 copy_GBps=2 * nbytes / med(t_copy) / 1e9,
                 path_vs_raw=med(t_raw) / med(t_path),
+                # where the path's time goes (medians of each phase, kvtransfer/pull_stats.py)
+                path_phases_ms={k: round(med([p[k] for p in phases]) * 1e3, 4) for k in PHASES},
             )
             rows.append(row)
             tqdm.write(
                 f"{name:>16}  path {row['path_ms']:8.3f} ms {row['path_GBps']:7.1f} GB/s | raw ucxx "
                 f"{row['raw_ms']:8.3f} ms {row['raw_GBps']:7.1f} GB/s | d2d copy {row['copy_ms']:7.3f} ms"
-                f" | path/raw bandwidth {row['path_vs_raw']:.2f}"
+                f" | path/raw bandwidth {row['path_vs_raw']:.2f}\n{'':>16}  path phases ms: "
+                + ", ".join(f"{k} {v:.3f}" for k, v in row["path_phases_ms"].items())
             )
             await ep.close()
             client.close()

@@ -19,7 +19,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -50,6 +49,7 @@ from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.lease_request import request_lease
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.progress_wait import BOOST
+from splitserve.kvtransfer.pull_stats import PullStats, lap
 from splitserve.kvtransfer.shards import ShardSource, shard_sources
 from splitserve.protos import kv_pb2
 
@@ -62,16 +62,6 @@ Installer = Callable[[torch.Tensor, list[int], int, int], Awaitable[None]]
 def _retrieved(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
-
-
-@dataclass(frozen=True)
-class PullStats:
-    num_bytes: int
-    seconds: float
-
-    @property
-    def gbps(self) -> float:
-        return self.num_bytes / max(self.seconds, 1e-9) / 1e9
 
 
 class KvTransferClient:
@@ -132,20 +122,25 @@ class KvTransferClient:
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise failed[0]
-        nbytes = sum(results) + await self._pull_source(handle, sources[-1], dest_blocks)
-        stats = PullStats(nbytes, time.perf_counter() - start)
+        last, phases = await self._pull_source(handle, sources[-1], dest_blocks)
+        nbytes = last + sum(r[0] for r in results)
+        stats = PullStats(nbytes, time.perf_counter() - start, phases)
         self.metrics.seconds.observe(stats.seconds)
+        for name, seconds in phases.items():
+            self.metrics.pull_phase.labels(name).observe(seconds)
         self.metrics.bytes.labels("received").inc(nbytes)
         self.metrics.gbps.set(stats.gbps)
         return stats
 
     async def _pull_source(
         self, handle: kv_pb2.KvHandle, src: ShardSource, dest_blocks: list[int]
-    ) -> int:
+    ) -> tuple[int, dict[str, float]]:
         host, port = src.host, src.port
+        t0 = time.perf_counter()
         ep, reused = await self.pool.acquire(host, port)
+        phases = {"connect": time.perf_counter() - t0}
         try:
-            nbytes, tail = await self._exchange(ep, handle, src, dest_blocks)
+            nbytes, tail = await self._exchange(ep, handle, src, dest_blocks, phases)
         except KvTransferError as exc:
             retry = reused and exc.reason == "peer_failed" and not exc.payload_started
             # a half-used endpoint may hold stray messages: never reuse it
@@ -153,9 +148,11 @@ class KvTransferClient:
             if not retry:
                 raise
             # a cached endpoint whose peer restarted: one retry on a fresh connection
+            t0 = time.perf_counter()
             ep, _ = await self.pool.acquire(host, port, fresh=True)
+            phases["connect"] += time.perf_counter() - t0
             try:
-                nbytes, tail = await self._exchange(ep, handle, src, dest_blocks)
+                nbytes, tail = await self._exchange(ep, handle, src, dest_blocks, phases)
             except BaseException:
                 self.pool.discard(host, port, ep)
                 raise
@@ -167,7 +164,7 @@ class KvTransferClient:
         task = asyncio.ensure_future(self._finish(host, port, ep, *tail))
         self._tails.add(task)
         task.add_done_callback(self._tails.discard)
-        return nbytes
+        return nbytes, phases
 
     async def _finish(
         self, host: str, port: int, ep, trailer: asyncio.Future, done: kv_pb2.KvPullDone
@@ -193,11 +190,20 @@ class KvTransferClient:
             )
 
     async def _exchange(
-        self, ep, handle: kv_pb2.KvHandle, src: ShardSource, dest_blocks: list[int]
+        self,
+        ep,
+        handle: kv_pb2.KvHandle,
+        src: ShardSource,
+        dest_blocks: list[int],
+        phases: dict[str, float],
     ) -> tuple[int, tuple[asyncio.Future, kv_pb2.KvPullDone]]:
+        """One shard's pull on `ep`; adds the seconds of each phase after the connect to
+        `phases` (a retry on a fresh endpoint adds to the first try's)."""
         cfg = self.config
         buf = frames.new_buffer()
+        t = time.perf_counter()
         reply = await request_lease(ep, handle, self.spec, cfg, buf)
+        t = lap(phases, "request", t)
         if self.install is None and not (
             self.head_range[0] <= src.head_start and src.head_end <= self.head_range[1]
         ):
@@ -237,6 +243,7 @@ class KvTransferClient:
                 payload = staging = self.staging.take(shape)
             buffers = piece_views(staging, reply.num_messages)
         await self.stream.wait()
+        t = lap(phases, "ready", t)
         trailer = asyncio.ensure_future(frames.recv(ep, kv_pb2.KvPullReply, buf))
         trailer.add_done_callback(_retrieved)  # a failed or cancelled trailer is not an error
         try:
@@ -251,8 +258,10 @@ class KvTransferClient:
             raise KvTransferError(
                 "peer_failed", f"prefill worker failed mid-transfer: {exc}", payload_started=True
             ) from exc
+        t = lap(phases, "payload", t)
         try:
             await self._land(payload, staging, dest_blocks, src, trailer if verify else None)
+            lap(phases, "land", t)
         except BaseException:
             trailer.cancel()
             raise

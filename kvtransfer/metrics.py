@@ -23,6 +23,15 @@ class KvTransferMetrics:
             registry=registry,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30),
         )
+        self.pull_phase = Histogram(
+            "splitserve_kv_pull_phase_seconds",
+            "Pull time by phase (decode side; rank 0's shard): connect, request (the control "
+            "round trip), ready (engine work queued before it), payload (the wire), land "
+            "(checksum + unpack)",
+            ["phase"],
+            registry=registry,
+            buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2),
+        )
         self.failures = Counter(
             "splitserve_kv_transfer_failures_total", "Failed pulls", ["reason"], registry=registry
         )

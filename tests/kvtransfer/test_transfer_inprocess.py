@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from splitserve.kvtransfer.client import KvTransferClient
+from splitserve.kvtransfer.pull_stats import PHASES
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
 from splitserve.kvtransfer.errors import KvTransferError
@@ -95,6 +96,9 @@ def test_pull_moves_every_layer_k_and_v_in_few_messages():
     untouched = [b for b in range(SHAPE[2]) if b not in dest]
     assert torch.count_nonzero(dst[:, :, untouched]) == 0
     assert leases.pulled == [("L1", True)] and stats.num_bytes == 64 * 32 * 1024
+    # the pull's time by phase: every phase timed, together within the whole pull's time
+    assert tuple(stats.phases) == PHASES and min(stats.phases.values()) >= 0
+    assert stats.phases["payload"] > 0 and sum(stats.phases.values()) <= stats.seconds + 1e-4
 
 
 def test_payload_that_is_not_a_multiple_of_the_message_limit():
