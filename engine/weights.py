@@ -14,7 +14,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from splitserve.engine.model import CausalLM
 
@@ -23,25 +23,38 @@ class CheckpointError(ValueError):
     """The checkpoint folder is missing files or tensors, or holds tensors of the wrong shape."""
 
 
+def _open(stack: ExitStack, f: Path):
+    """safe_open, with a damaged or missing file as a CheckpointError naming it."""
+    try:
+        return stack.enter_context(safe_open(str(f), framework="pt"))
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"cannot read {f}: {exc}") from None
+
+
 def _shard_map(model_dir: Path) -> dict[str, Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index: {exc!r}") from None
         return {name: model_dir / shard for name, shard in weight_map.items()}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {model_dir}")
     names: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            names.update(dict.fromkeys(handle.keys(), f))
+        with ExitStack() as stack:
+            names.update(dict.fromkeys(_open(stack, f).keys(), f))
     return names
 
 
-# A target: (destination parameter, row offset inside a fused parameter, dim split over the
-# tensor-parallel ranks or None for a replicated tensor, or VOCAB: rows split as CausalLM pads them).
+# A target: (destination parameter, row offset inside a fused parameter, this rank's rows of it,
+# dim split over the tensor-parallel ranks or None for a replicated tensor, or VOCAB: rows split
+# as CausalLM pads them). The rows are checked exactly: a tensor shorter than config.json
+# implies would leave the rest of the parameter uninitialised (NaN logits), not fail.
 VOCAB = "vocab"
-Target = tuple[torch.Tensor, int, int | str | None]
+Target = tuple[torch.Tensor, int, int, int | str | None]
 
 
 def _targets(model: CausalLM) -> dict[str, Target]:
@@ -53,50 +66,54 @@ def _targets(model: CausalLM) -> dict[str, Target]:
         layer0.kv_size,
         layer0.gate_up_weight.shape[0] // 2,
     )  # this rank's sizes
+    vocab_rows = min(max(cfg.vocab_size - model.vocab_start, 0), model.embed.shape[0])
+
+    def whole(param: torch.Tensor, split: int | None) -> Target:
+        return (param, 0, param.shape[0], split)
+
     out: dict[str, Target] = {
-        "model.embed_tokens.weight": (model.embed, 0, VOCAB),  # tied: also the lm_head's slice
-        "model.norm.weight": (model.final_norm, 0, None),
+        # tied: also the lm_head's slice
+        "model.embed_tokens.weight": (model.embed, 0, vocab_rows, VOCAB),
+        "model.norm.weight": whole(model.final_norm, None),
     }
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = (model.lm_head, 0, VOCAB)
+        out["lm_head.weight"] = (model.lm_head, 0, vocab_rows, VOCAB)
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        out[p + "input_layernorm.weight"] = (layer.input_norm, 0, None)
-        out[p + "post_attention_layernorm.weight"] = (layer.post_attention_norm, 0, None)
+        out[p + "input_layernorm.weight"] = whole(layer.input_norm, None)
+        out[p + "post_attention_layernorm.weight"] = whole(layer.post_attention_norm, None)
         for suffix, param in (("weight", layer.qkv_weight), ("bias", layer.qkv_bias)):
             if param is not None:  # column-parallel: this rank's heads of q, k and v
-                out[p + f"self_attn.q_proj.{suffix}"] = (param, 0, 0)
-                out[p + f"self_attn.k_proj.{suffix}"] = (param, q, 0)
-                out[p + f"self_attn.v_proj.{suffix}"] = (param, q + kv, 0)
+                out[p + f"self_attn.q_proj.{suffix}"] = (param, 0, q, 0)
+                out[p + f"self_attn.k_proj.{suffix}"] = (param, q, kv, 0)
+                out[p + f"self_attn.v_proj.{suffix}"] = (param, q + kv, kv, 0)
         if layer.o_weight is not None:  # row-parallel: this rank's input columns; bias whole
-            out[p + "self_attn.o_proj.weight"] = (layer.o_weight, 0, 1)
+            out[p + "self_attn.o_proj.weight"] = whole(layer.o_weight, 1)
         if layer.o_bias is not None:
-            out[p + "self_attn.o_proj.bias"] = (layer.o_bias, 0, None)
+            out[p + "self_attn.o_proj.bias"] = whole(layer.o_bias, None)
         for suffix, param in (("weight", layer.gate_up_weight), ("bias", layer.gate_up_bias)):
             if param is not None:
-                out[p + f"mlp.gate_proj.{suffix}"] = (param, 0, 0)
-                out[p + f"mlp.up_proj.{suffix}"] = (param, inter, 0)
-        out[p + "mlp.down_proj.weight"] = (layer.down_weight, 0, 1)
+                out[p + f"mlp.gate_proj.{suffix}"] = (param, 0, inter, 0)
+                out[p + f"mlp.up_proj.{suffix}"] = (param, inter, inter, 0)
+        out[p + "mlp.down_proj.weight"] = whole(layer.down_weight, 1)
         if layer.down_bias is not None:
-            out[p + "mlp.down_proj.bias"] = (layer.down_bias, 0, None)
+            out[p + "mlp.down_proj.bias"] = whole(layer.down_bias, None)
     return out
 
 
 def _read(handle, name: str, split: int | str | None, model: CausalLM) -> torch.Tensor:
     """The whole tensor, or this rank's 1/size of it along `split` (read lazily: only the slice)."""
     rank, size = model.tp.rank, model.tp.size
-    if split is None or size == 1:
-        return handle.get_tensor(name)
     sl = handle.get_slice(name)
     shape = sl.get_shape()
-    if (
-        split == VOCAB
-    ):  # rows [start, start + rows) clipped to the vocab (the last rank may get fewer)
-        if shape[0] != model.cfg.vocab_size:
-            raise CheckpointError(
-                f"tensor {name} has {shape[0]} rows, config.json's vocab_size is "
-                f"{model.cfg.vocab_size}"
-            )
+    if split == VOCAB and (not shape or shape[0] != model.cfg.vocab_size):
+        raise CheckpointError(
+            f"tensor {name} has {shape[0] if shape else 0} rows, config.json's vocab_size is "
+            f"{model.cfg.vocab_size}"
+        )
+    if split is None or size == 1:
+        return sl[:]
+    if split == VOCAB:  # rows [start, start + rows) clipped to the vocab (the last rank: fewer)
         start, rows = model.vocab_start, model.embed.shape[0]
         return sl[min(start, shape[0]) : min(start + rows, shape[0])]
     if shape[split] % size:
@@ -121,17 +138,39 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
         )
     rank, size = model.tp.rank, model.tp.size
     with ExitStack() as stack, torch.no_grad():
-        handles = {
-            f: stack.enter_context(safe_open(str(f), framework="pt"))
-            for f in sorted(set(shards[n] for n in targets))
-        }
-        for name, (param, offset, split) in targets.items():
-            tensor = _read(handles[shards[name]], name, split, model)
-            rows = tensor.shape[0]
+        handles = {f: _open(stack, f) for f in sorted(set(shards[n] for n in targets))}
+        for name, (param, offset, rows, split) in targets.items():
+            try:
+                tensor = _read(handles[shards[name]], name, split, model)
+            except SafetensorError as exc:  # e.g. the index names a tensor its shard lacks
+                raise CheckpointError(
+                    f"cannot read tensor {name} from {shards[name]}: {exc}"
+                ) from None
             dest = param.data[offset : offset + rows]
             if dest.shape != tensor.shape:
                 what = f" (rank {rank} of {size})" if size > 1 else ""
                 raise CheckpointError(
-                    f"tensor {name}{what} has shape {tuple(tensor.shape)}, config.json implies {tuple(dest.shape)}"
+                    f"tensor {name}{what} has shape {tuple(tensor.shape)}, config.json implies "
+                    f"{tuple(dest.shape)}"
                 )
             dest.copy_(tensor.to(dest.dtype))
+        if model.cfg.tie_word_embeddings and "lm_head.weight" in shards:
+            _check_tied_head(handles, shards, model_dir)
+
+
+def _check_tied_head(handles: dict, shards: dict[str, Path], model_dir: Path) -> None:
+    """config.json ties the output head to the embedding, yet the checkpoint has its own
+    lm_head.weight: the same tensor is fine; a different one is refused, since loaders disagree
+    on which wins (transformers 5 unties and uses it, vLLM ignores it)."""
+    with ExitStack() as stack:
+        head_file = shards["lm_head.weight"]
+        opened = handles[head_file] if head_file in handles else _open(stack, head_file)
+        head = opened.get_tensor("lm_head.weight")
+        embed_file = shards["model.embed_tokens.weight"]
+        embed = handles[embed_file].get_tensor("model.embed_tokens.weight")
+    if head.shape != embed.shape or not torch.equal(head, embed):
+        raise CheckpointError(
+            f"checkpoint {model_dir}: config.json sets tie_word_embeddings, but its "
+            "lm_head.weight differs from model.embed_tokens.weight; set tie_word_embeddings "
+            "to false to serve the separate head, or remove lm_head.weight to tie them"
+        )

@@ -44,3 +44,57 @@ def test_make_model_is_deterministic(tmp_path):
     b = make_model("tiny-qwen2", tmp_path / "b", seed=3)
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "lm_head.weight",
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.mlp.gate_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.norm.weight",
+    ],
+)
+def test_a_tensor_shorter_than_config_json_implies_is_refused(tmp_path, name):
+    # one row short: the rest of the parameter would keep uninitialised memory (NaN logits)
+    folder = make_model("tiny", tmp_path / "short")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors[name] = tensors[name][:-1].clone()
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=f"{name.replace('.', '[.]')} has (shape|511 rows)"):
+        _logits(folder)
+
+
+def _tie(folder, head):
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["lm_head.weight"] = head(tensors["model.embed_tokens.weight"]).clone()
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def test_tied_config_with_a_different_lm_head_is_refused_and_an_equal_one_loads(tmp_path):
+    same = make_model("tiny", tmp_path / "same")
+    _tie(same, lambda embed: embed)
+    assert torch.isfinite(_logits(same)).all()
+    other = make_model("tiny", tmp_path / "other")
+    _tie(other, lambda embed: embed + 1)
+    with pytest.raises(CheckpointError, match="tie_word_embeddings.*lm_head.weight differs"):
+        _logits(other)
+
+
+def test_damaged_files_are_a_checkpoint_error_naming_them(tmp_path):
+    folder = make_model("tiny", tmp_path / "damaged", max_shard_bytes=64 * 1024)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"]["model.norm.weight"]
+    # the index names a tensor its shard does not hold
+    index["weight_map"]["model.layers.0.mlp.up_proj.weight"] = shard.name
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="model.layers.0.mlp.up_proj.weight"):
+        _logits(folder)
+    shard.write_bytes(b"\x00not a safetensors file")
+    with pytest.raises(CheckpointError, match=f"cannot read .*{shard.name}"):
+        _logits(folder)
