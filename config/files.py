@@ -42,6 +42,9 @@ def format_validation_error(exc: ValidationError, source: str = "config") -> str
             continue
         got = repr(err.get("input"))
         msg = err["msg"].removeprefix("Value error, ")
+        if not err["loc"]:  # a rule across fields: its message names them; the input is all
+            parts.append(msg)
+            continue
         parts.append(f"{field}: {msg} (got {got if len(got) <= 60 else got[:57] + '...'})")
     return f"invalid {source}: " + "; ".join(parts)
 

@@ -32,11 +32,17 @@ def test_unsupported_fields_refused(change, message):
         parse_hf_config({**BASE, **change})
 
 
-def test_invalid_geometry_names_the_field():
-    with pytest.raises(ValidationError, match="num_key_value_heads"):
-        parse_hf_config({**BASE, "num_key_value_heads": 3})
-    with pytest.raises(ValidationError, match="low_freq_factor"):
-        parse_hf_config({**BASE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+def test_invalid_geometry_names_the_field_in_one_line():
+    for change, field in (
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "low_freq_factor"),
+        ({"intermediate_size": None}, "lacks intermediate_size"),
+        ({"sliding_window": "4096", "architectures": ["MistralForCausalLM"]}, "sliding_window"),
+        ({"rms_norm_eps": "tiny"}, "rms_norm_eps"),
+    ):
+        with pytest.raises(UnsupportedModelError, match=field) as info:
+            parse_hf_config({**BASE, **change})
+        assert "\n" not in str(info.value) and "http" not in str(info.value), str(info.value)
     with pytest.raises(ValidationError, match="block_size"):
         CacheConfig(block_size=12)
     with pytest.raises(ValidationError, match="extra"):
@@ -75,3 +81,16 @@ def test_missing_config_is_clear(tmp_path):
         load_model_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(BASE))
     assert load_model_config(tmp_path).architecture == "LlamaForCausalLM"
+
+
+def test_generation_config_eos_ids_join_the_stop_ids(tmp_path):
+    # Llama 3 Instruct style: <|eot_id|> named only in generation_config.json
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    assert load_model_config(tmp_path).eos_token_ids == (2, 7, 9)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
+    assert load_model_config(tmp_path).eos_token_ids == (2, 5)
+    for bad, message in (('{"eos_token_id": "x"}', "token ids"), ("{not json", "not valid JSON")):
+        (tmp_path / "generation_config.json").write_text(bad)
+        with pytest.raises(UnsupportedModelError, match=message):
+            load_model_config(tmp_path)
