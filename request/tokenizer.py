@@ -5,8 +5,14 @@ exists, transformers drops `add_bos_token`/`add_eos_token` from tokenizer_config
 the post-processor in tokenizer.json alone decides what `add_special_tokens=True` adds.
 So we never prepend bos ourselves: Llama-3's post-processor already adds
 `<|begin_of_text|>`, Llama-2's adds `<s>`, Qwen2's adds nothing, and none is doubled.
-tokenizer_config.json only names the bos/eos tokens (and carries the chat template).
+tokenizer_config.json only names the special tokens (and may carry the chat template).
 `clean_up_tokenization_spaces` is not applied, as in vLLM's streaming path.
+
+The chat template is found where transformers' AutoTokenizer finds it (v5 `_from_pretrained`):
+chat_template.jinja (the default) plus additional_chat_templates/NAME.jinja; only when neither
+exists, the `chat_template` entry of tokenizer_config.json (a string, or a list of
+{"name", "template"}). chat_template.json ({"chat_template": ...}, the processor's legacy file)
+is a last resort, as in vLLM, which asks the processor when the tokenizer has no template.
 """
 
 from __future__ import annotations
@@ -22,6 +28,15 @@ import tokenizers
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: what apply_chat_template passes to the template.
+_TEMPLATE_TOKENS = (*_NAMED_TOKENS, "sep_token", "cls_token", "mask_token")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+LEGACY_TEMPLATE_FILE = "chat_template.json"
+TEMPLATE_PLACES = (
+    f"{CHAT_TEMPLATE_FILE}, {CHAT_TEMPLATE_DIR}/*.jinja, the chat_template entry of "
+    f"{CONFIG_FILE}, and {LEGACY_TEMPLATE_FILE}"
+)
 
 
 def _token_text(value: Any) -> str | None:
@@ -33,11 +48,62 @@ def _token_text(value: Any) -> str | None:
     raise ValueError(f"unsupported special token entry {value!r} in {CONFIG_FILE}")
 
 
-def _default_template(value: Any) -> str | None:
-    """chat_template is a string, or a list of {"name", "template"} entries (older configs)."""
+def _named_templates(value: Any) -> str | dict[str, str] | None:
+    """One template, or {name: template} (transformers turns the config's list into a dict)."""
     if isinstance(value, list):
-        value = next((t.get("template") for t in value if t.get("name") == "default"), None)
+        value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    if isinstance(value, dict):
+        value = {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str)}
+        return value or None
     return value if isinstance(value, str) else None
+
+
+def _find_chat_template(folder: Path, config: dict[str, Any]) -> str | dict[str, str] | None:
+    """transformers' order: the template files replace the config's entry when any exists."""
+    files = {}
+    if (default := folder / CHAT_TEMPLATE_FILE).is_file():
+        files["default"] = default.read_text(encoding="utf-8")
+    if (extra := folder / CHAT_TEMPLATE_DIR).is_dir():
+        for file in sorted(extra.glob("*.jinja")):
+            files[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+    if files:
+        return files["default"] if list(files) == ["default"] else files
+    if (found := _named_templates(config.get("chat_template"))) is not None:
+        return found
+    legacy = folder / LEGACY_TEMPLATE_FILE
+    if not legacy.is_file():
+        return None
+    try:
+        return _named_templates(json.loads(legacy.read_text(encoding="utf-8"))["chat_template"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{legacy} is not a JSON object with a chat_template entry ({exc!r}); "
+            f"fix it or replace it with a {CHAT_TEMPLATE_FILE} file"
+        ) from None
+
+
+def _template_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """transformers' special_tokens_map: the named tokens, then model-specific ones (a string or
+    AddedToken `*_token` entry, or a dict of named extra_special_tokens), e.g. Gemma's image_token."""
+    named = {k: config.get(k) for k in _TEMPLATE_TOKENS}
+    extra = {
+        k: v
+        for k, v in config.items()
+        if k.endswith("_token")
+        and k not in named
+        and (isinstance(v, str) or (isinstance(v, dict) and v.get("__type") == "AddedToken"))
+    }
+    for key in (
+        "extra_special_tokens",
+        "additional_special_tokens",
+        "model_specific_special_tokens",
+    ):
+        if isinstance(config.get(key), dict):
+            extra.update(config[key])
+    named.update(extra)
+    # lenient: an entry that is no token (transformers refuses to load) just gives no variable
+    tokens = {k: v.get("content") if isinstance(v, dict) else v for k, v in named.items()}
+    return {k: v for k, v in tokens.items() if isinstance(v, str)}
 
 
 @functools.cache
@@ -63,7 +129,11 @@ class Tokenizer:
         self.eos_token: str | None = _token_text(config.get("eos_token"))
         self.bos_token_id: int | None = self._id_or_none(self.bos_token)
         self.eos_token_id: int | None = self._id_or_none(self.eos_token)
-        self.chat_template: str | None = _default_template(config.get("chat_template"))
+        # One template or {name: template}, as transformers' tokenizer.chat_template.
+        self.chat_template: str | dict[str, str] | None = _named_templates(
+            config.get("chat_template")
+        )
+        self.template_tokens: dict[str, str] = _template_tokens(config)
         max_len = config.get("model_max_length")
         # transformers writes a huge sentinel (1e30) when the length is unknown.
         known = isinstance(max_len, (int, float)) and max_len < 1e9
@@ -80,7 +150,8 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load tokenizer.json (required) and tokenizer_config.json (optional) from a folder."""
+        """Load tokenizer.json (required), tokenizer_config.json and the chat template (optional)
+        from a folder."""
         folder = Path(path)
         file = folder / TOKENIZER_FILE
         if not file.is_file():
@@ -93,7 +164,27 @@ class Tokenizer:
         config = (
             json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
         )
+        config["chat_template"] = _find_chat_template(folder, config)
         return cls(backend, config)
+
+    def get_chat_template(
+        self, name: str | None = None, tools: list[Any] | None = None
+    ) -> str | None:
+        """The template to render, as transformers' get_chat_template picks it: `name` if given,
+        else `tool_use` when tools are passed and the model has one, else `default`. None: the
+        model has no template; ValueError: none of its named templates fits."""
+        templates = self.chat_template
+        if templates is None:
+            return None
+        if isinstance(templates, str):
+            templates = {"default": templates}
+        if name is None:
+            name = "tool_use" if tools is not None and "tool_use" in templates else "default"
+        if name not in templates:
+            raise ValueError(
+                f"the model has no chat template named {name!r}; its templates are {sorted(templates)}"
+            )
+        return templates[name]
 
     def _id_or_none(self, token: str | None) -> int | None:
         return None if token is None else self._backend.token_to_id(token)
