@@ -177,7 +177,7 @@ class OpenAIRoutes:
         model = self.ctx.model
         messages = [m.as_template_input() for m in req.messages]
         limit = self.ctx.cfg.max_prompt_bytes
-        if (size := prompt_too_big([m["content"] for m in messages], limit)) is not None:
+        if (size := prompt_too_big([m["content"] or "" for m in messages], limit)) is not None:
             raise OpenAIError.bad(
                 "messages",
                 f"messages hold {size} bytes of content, over this server's limit of {limit} "

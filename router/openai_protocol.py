@@ -139,7 +139,9 @@ class ChatMessage(StrictModel):
 
     def as_template_input(self) -> dict[str, Any]:
         if self.content is None or isinstance(self.content, str):
-            content = self.content or ""
+            # None stays None: the renderer drops None-valued keys as transformers does, so a
+            # template's `content is defined` reads a tool-call turn as transformers renders it
+            content = self.content
         else:
             content = "\n".join(p.text for p in self.content)
         msg: dict[str, Any] = {"role": self.role, "content": content}

@@ -204,7 +204,7 @@ def test_tool_turns_reach_the_template_with_object_arguments():
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     msg = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]})
     got = msg.as_template_input()
-    assert got["content"] == "" and got["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert got["content"] is None and got["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     tool = ChatMessage.model_validate({"role": "tool", "tool_call_id": "c1", "content": "ok"})
     assert tool.as_template_input() == {"role": "tool", "content": "ok", "tool_call_id": "c1"}
 
