@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from splitserve.kvtransfer.client import KvTransferClient
-from splitserve.kvtransfer.pull_stats import PHASES
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import PoolSpec, make_handle
 from splitserve.kvtransfer.errors import KvTransferError
+from splitserve.kvtransfer.pull_stats import PHASES
 from splitserve.kvtransfer.server import KvTransferServer, LeaseLookupError, TransferFaults
 from splitserve.protos import kv_pb2
 
