@@ -69,15 +69,32 @@ class CommonParams(StrictModel):
     # structured output (openai_structured.py): OpenAI's, and vLLM's extension
     response_format: dict[str, Any] | None = None
     structured_outputs: Any = None
+    # OpenAI platform fields SDK users set that change no token: taken where they ask for
+    # nothing this server would have to do (no stored completions, one service tier)
+    store: bool | None = None
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    service_tier: str | None = None
+
+    @field_validator("store")
+    @classmethod
+    def _not_stored(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError("store = true is not supported: this server keeps no completions")
+        return v
+
+    @field_validator("service_tier")
+    @classmethod
+    def _one_tier(cls, v: str | None) -> str | None:
+        if v not in (None, "auto", "default"):
+            raise ValueError(f"service_tier {v!r} is not offered; use auto or default")
+        return v
 
     @field_validator("n")
     @classmethod
     def _one_choice(cls, v: int | None) -> int | None:
         if v is not None and v != 1:
-            raise ValueError(
-                f"n = {v} is not supported: one choice per request; send {v} requests "
-                "(with different seeds) instead"
-            )
+            more = f"; send {v} requests (with different seeds) instead" if v > 1 else ""
+            raise ValueError(f"n = {v} is not supported: one choice per request{more}")
         return v
 
     @field_validator("stop")

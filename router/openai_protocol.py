@@ -103,6 +103,19 @@ class ToolCall(StrictModel):
     id: str
     type: Literal["function"]
     function: CalledFunction
+    index: int | None = None  # a streamed call as clients rebuild it: the position, unused
+
+
+def _only_null(name: str, instead: str):
+    """Response fields the openai SDK echoes back when a reply goes into the next request:
+    taken when null (as our replies send them), refused with a hint otherwise."""
+
+    def check(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError(f"{name} is not supported by this server; {instead}")
+        return v
+
+    return field_validator(name)(classmethod(check))
 
 
 class ChatMessage(StrictModel):
@@ -111,6 +124,17 @@ class ChatMessage(StrictModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns
     tool_call_id: str | None = None  # tool turns: the call this is the result of
+    # what our replies carry and the SDK sends back with the next turn (msgs.append(message)):
+    # a refusal's text and citations are the model's output, not instructions: not rendered
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
+
+    _no_audio = _only_null("audio", "send the transcript as text content")
+    _no_function_call = _only_null(
+        "function_call", "the deprecated functions API is not supported: use tool_calls"
+    )
 
     @field_validator("content")
     @classmethod
@@ -204,6 +228,14 @@ class ChatCompletionRequest(CommonParams):
                 raise OpenAIError.bad(
                     "tool_choice", "a forced tool call cannot take response_format too"
                 )
+            for name, given in (
+                ("stop", sampling.stop),
+                ("stop_token_ids", sampling.stop_token_ids),
+            ):
+                if given:  # a stop would cut the call's JSON short: arguments no client can parse
+                    raise OpenAIError.bad(
+                        name, f"a forced tool call (tool_choice) cannot take {name}; drop it"
+                    )
             sampling.MergeFrom(self._tool_sampling)
         return generate_pb2.GenerateRequest(
             request_id=request_id,

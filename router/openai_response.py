@@ -118,9 +118,9 @@ class ResponseBuilder:
             text = self._piece(lp.token_id)[0]
             out["tokens"].append(text)
             out["token_logprobs"].append(_lp(lp.logprob))
-            out["top_logprobs"].append(
-                {self._piece(t.token_id)[0]: _lp(t.logprob) for t in lp.top_logprobs}
-            )
+            top = {self._piece(t.token_id)[0]: _lp(t.logprob) for t in lp.top_logprobs}
+            top.setdefault(text, _lp(lp.logprob))  # OpenAI: the sampled token always, up to N+1
+            out["top_logprobs"].append(top)
             out["text_offset"].append(self._offset)
             self._offset += len(text)
         return out

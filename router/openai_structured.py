@@ -63,8 +63,14 @@ def _schema_text(schema: Any, param: str) -> str:
 
 
 def response_format_constraint(rf: dict[str, Any] | None, sp: generate_pb2.SamplingParams) -> None:
-    kind = None if rf is None else rf.get("type")
-    if kind in (None, "text"):
+    if rf is None:
+        return
+    kind = rf.get("type")
+    if kind is None:
+        raise OpenAIError.bad(
+            "response_format", "response_format needs a type: text, json_object or json_schema"
+        )
+    if kind == "text":
         return
     if kind == "json_object":
         sp.json_object = True
@@ -119,7 +125,7 @@ def _functions(tools: list[Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type") != "function" or not isinstance(fn, dict):
+        if not isinstance(fn, dict) or tool.get("type") != "function":
             raise OpenAIError.bad(f"tools[{i}]", f"tools[{i}] must be a function tool")
         name = fn.get("name")
         if not isinstance(name, str) or not name:
@@ -167,7 +173,14 @@ def tool_constraint(
             }
         )
         return ""
-    name = (choice.get("function") or {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(fn, dict) or choice.get("type") != "function":
+        raise OpenAIError.bad(
+            "tool_choice",
+            'tool_choice must be "none", "required" or {"type": "function", "function": '
+            '{"name": ...}}',
+        )
+    name = fn.get("name")
     if name not in fns:
         raise OpenAIError.bad(
             "tool_choice",
@@ -177,13 +190,18 @@ def tool_constraint(
     return name
 
 
-def tool_call(text: str, forced: str) -> dict[str, Any]:
-    """One entry of OpenAI's `tool_calls` from a forced call's constrained text."""
-    if forced:
-        name, arguments = forced, text
-    else:
+def tool_call(text: str, forced: str) -> dict[str, Any] | None:
+    """One entry of OpenAI's `tool_calls` from a forced call's constrained text; None when the
+    text is not a whole call (the reply then keeps it as content, never a 500 or a broken
+    stream)."""
+    try:
         call = json.loads(text)
-        name, arguments = call["name"], json.dumps(call["arguments"])
+        if forced:
+            name, arguments = forced, text
+        else:
+            name, arguments = call["name"], json.dumps(call["arguments"])
+    except (ValueError, TypeError, KeyError):
+        return None
     return {
         "id": f"call_{secrets.token_hex(12)}",
         "type": "function",
@@ -195,9 +213,9 @@ def as_tool_call(body: dict[str, Any], forced: str) -> dict[str, Any]:
     """A chat completion whose text is a forced call's JSON -> OpenAI's tool_calls shape (the
     text as is when it was cut short by max_tokens: finish_reason "length")."""
     choice = body["choices"][0]
-    if choice["finish_reason"] != "stop":
-        return body
     call = tool_call(choice["message"]["content"], forced)
+    if choice["finish_reason"] != "stop" or call is None:
+        return body
     choice["message"] = {
         "role": "assistant",
         "content": None,
@@ -211,9 +229,9 @@ def as_tool_call(body: dict[str, Any], forced: str) -> dict[str, Any]:
 def as_tool_call_delta(body: dict[str, Any], forced: str) -> dict[str, Any]:
     """The same for the last chunk of a stream that held the whole text back."""
     choice = body["choices"][0]
-    if choice["finish_reason"] != "stop":
-        return body
     call = tool_call(choice["delta"].get("content", ""), forced)
+    if choice["finish_reason"] != "stop" or call is None:
+        return body
     choice["delta"] = {"tool_calls": [{"index": 0, **call}]}
     choice["finish_reason"] = "tool_calls"
     return body
