@@ -277,9 +277,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 f"{-(-kv.num_tokens // kv.block_size)} blocks of {kv.block_size}; "
                 "pass the handle the prefill worker returned, unchanged"
             )
-        if not kv.address.host or not kv.address.port:
+        if not kv.address.host or not 1 <= kv.address.port <= 65535:
             raise RequestError.invalid(
-                "kv.address needs the prefill worker's UCX host and port; "
+                "kv.address needs the prefill worker's UCX host and a port in 1..65535; "
                 "pass the handle the prefill worker returned, unchanged"
             )
         try:

@@ -42,9 +42,10 @@ def shard_sources(handle: kv_pb2.KvHandle) -> list[ShardSource]:
                 f"kv.shards do not cover the KV heads 0..{handle.num_kv_heads} once each (shard of "
                 f"rank {s.tp_rank}: [{s.kv_head_start}, {s.kv_head_end})); pass the handle unchanged"
             )
-        if not s.address.host or not s.address.port:
+        if not s.address.host or not 1 <= s.address.port <= 65535:
             raise ValueError(
-                f"kv.shards[rank {s.tp_rank}].address needs a host and a port; pass the handle unchanged"
+                f"kv.shards[rank {s.tp_rank}].address needs a host and a port in 1..65535; "
+                "pass the handle unchanged"
             )
         edge = s.kv_head_end
     if edge != handle.num_kv_heads:

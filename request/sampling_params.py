@@ -155,6 +155,6 @@ def validate_against_vocab(params: SamplingParams, vocab_size: int) -> None:
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(
-            f"stop_token_ids {bad} are outside the model's vocabulary (size {vocab_size}); "
+            f"stop_token_ids {bad[:8]} are outside the model's vocabulary (size {vocab_size}); "
             f"use ids below {vocab_size}"
         )

@@ -147,8 +147,9 @@ class WorkerRegistry:
 
     def _validate(self, role: int, address: str) -> None:
         if role not in ROLE_NAME:
+            what = "unset" if role == 0 else f"{role}, which is no worker role"
             raise RequestError.invalid(
-                "role is unset; register as WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE"
+                f"role is {what}; register as WORKER_ROLE_PREFILL or WORKER_ROLE_DECODE"
             )
         try:
             check_address(address)

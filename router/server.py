@@ -39,13 +39,23 @@ SERVICE_NAME = service_name(generate_pb2.DESCRIPTOR, "GenerateService")
 CONTROL_NAME = service_name(router_pb2.DESCRIPTOR, "RouterControl")
 
 
+# over max_request_bytes by up to this much: refused by intake.py with its own message (the
+# limit, how to fix it); beyond it, by gRPC before the message is read whole
+RECEIVE_SLACK_BYTES = 2**20
+
+
 class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(cfg, self.metrics, on_change=self._health_changed)
         self.ctx = RouterContext(cfg, ModelInfo.load(cfg), self.registry, self.metrics)
-        self.server = GrpcServer(cfg.server, self.metrics.registry)
+        # strangers reach this port: gRPC reads a whole message before the key check runs, so
+        # it takes no more than a request may be (intake.py says why a bigger one is refused)
+        receive = min(
+            cfg.max_request_bytes + RECEIVE_SLACK_BYTES, cfg.server.max_message_mb * 2**20
+        )
+        self.server = GrpcServer(cfg.server, self.metrics.registry, max_receive_bytes=receive)
         self.frontend = Frontend(self.ctx)  # the one request path, shared by gRPC and HTTP
         self.generate = GenerateServicer(self.ctx, self.frontend)
         self.server.add(
@@ -66,7 +76,7 @@ class Router:
                     "drain_announce_s": 0.0,
                 }
             )
-            self.control = control_on = GrpcServer(control_cfg)
+            self.control = control_on = GrpcServer(control_cfg, max_receive_bytes=receive)
         control_on.add(
             router_pb2_grpc.add_RouterControlServicer_to_server,
             RouterControlServicer(self.ctx, self.frontend.auth, private=self.control is not None),

@@ -34,7 +34,14 @@ def _refuse(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         yield  # pragma: no cover - an async generator that never yields
 
     kind = "unary_stream" if handler.response_streaming else "unary_unary"
-    return handler._replace(**{kind: stream if handler.response_streaming else unary})
+    # the stranger's bytes are never parsed: malformed or not, the answer is UNAUTHENTICATED
+    return handler._replace(
+        request_deserializer=_ignore, **{kind: stream if handler.response_streaming else unary}
+    )
+
+
+def _ignore(data: bytes) -> None:
+    return None
 
 
 class RequireClusterSecret(grpc.aio.ServerInterceptor):

@@ -136,13 +136,21 @@ def _common_options(cfg: ServerConfig) -> list[tuple[str, int]]:
     ]
 
 
-def server_options(cfg: ServerConfig) -> list[tuple[str, int]]:
-    return _common_options(cfg) + [
+def server_options(
+    cfg: ServerConfig, max_receive_bytes: int | None = None
+) -> list[tuple[str, int]]:
+    """`max_receive_bytes`: a smaller cap on what a caller may send (a public listener: gRPC
+    reads a whole message before any handler, or the key check in it, runs)."""
+    options = _common_options(cfg) + [
         # accept the client pings that channel_options() sends
         ("grpc.http2.min_recv_ping_interval_without_data_ms", int(cfg.keepalive_time_s * 500)),
         # a second process on the same port must fail to bind, not share it silently
         ("grpc.so_reuseport", 0),
     ]
+    if max_receive_bytes is not None:
+        options = [o for o in options if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    return options
 
 
 def channel_options(cfg: ServerConfig | None = None) -> list[tuple[str, int]]:
@@ -165,11 +173,14 @@ class GrpcServer:
         cfg: ServerConfig,
         registry: CollectorRegistry | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        max_receive_bytes: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.registry = registry
         self.health = health.aio.HealthServicer()
-        self._server = grpc.aio.server(options=server_options(cfg), interceptors=list(interceptors))
+        self._server = grpc.aio.server(
+            options=server_options(cfg, max_receive_bytes), interceptors=list(interceptors)
+        )
         self._names: list[str] = []
         self._metrics_http = None
         self._draining = False

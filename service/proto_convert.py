@@ -88,6 +88,13 @@ def validate_prompt(
         )
 
 
+def _shown(value: object, limit: int = 80) -> str:
+    """A refused value as the error repeats it: a 100k-id list would make the status too big
+    to deliver (gRPC's metadata limit)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def sampling_params_from_proto(
     msg: generate_pb2.SamplingParams | None,
     *,
@@ -108,7 +115,7 @@ def sampling_params_from_proto(
         raise RequestError.invalid(
             f"{field}.max_tokens = {values['max_tokens']} does not fit: the prompt has {prompt_len} "
             f"tokens and max_model_len is {max_model_len}, which leaves {room} to generate; ask for "
-            f"at most {room}, or leave max_tokens unset to generate up to max_model_len"
+            f"at most {room}, or leave it unset to generate up to max_model_len"
         )
     check_stop_strings(msg.stop, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, field)
     values["stop"] = tuple(msg.stop)
@@ -145,7 +152,9 @@ def sampling_params_from_proto(
         name = str(err["loc"][0])
         where = ".".join(str(p) for p in (field, *err["loc"]))
         hint = f"; {_HINTS[name]}" if name in _HINTS else ""
-        raise RequestError.invalid(f"{where} = {err.get('input')!r}: {err['msg']}{hint}") from None
+        raise RequestError.invalid(
+            f"{where} = {_shown(err.get('input'))}: {err['msg']}{hint}"
+        ) from None
     try:
         validate_against_vocab(params, vocab_size)
     except ValueError as exc:

@@ -129,6 +129,25 @@ def test_invalid_requests_are_refused_with_fix_hints(tiny_llama):
                 await collect_stream(stub.Decode(mismatched))
             assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "block_size" in exc.value.details()
+            runner = worker.engine.runner
+            spec = PoolSpec.of(runner.kv_cache, runner.compat_hash)
+            for port in (0, 70000):  # the proto says 1..65535: no connect attempt, no recompute
+                handle = make_handle(
+                    spec,
+                    host="127.0.0.1",
+                    port=port,
+                    lease_id="l2",
+                    request_id="p",
+                    num_blocks=1,
+                    num_tokens=2,
+                    ttl_s=30,
+                )
+                req = decode_request("port", [1, 2], 3, temperature=0)
+                req.kv.CopyFrom(handle)
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await collect_stream(stub.Decode(req))
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, port
+                assert "1..65535" in exc.value.details()
             too_long = decode_request("big", [1] * 10, 3, temperature=0, max_tokens=200)
             with pytest.raises(grpc.aio.AioRpcError) as exc:  # 4-token blocks, pool of 15
                 await collect_stream(stub.Decode(too_long))

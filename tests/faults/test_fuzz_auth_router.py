@@ -175,3 +175,18 @@ def test_fuzzed_credentials_cannot_abort_another_callers_request(g, ended):
         rest = list(call)
     assert first.request_id == rid and found.found
     assert rest[-1].finish_reason == generate_pb2.FINISH_REASON_ABORT, rest[-1:]
+
+
+def test_a_message_far_over_the_request_limit_is_refused_before_it_is_read(g, ended):
+    """The public port takes at most max_request_bytes (8 MiB) + 1 MiB: a stranger's 10 MiB is
+    RESOURCE_EXHAUSTED from gRPC itself, with or without a key, before any handler parses it;
+    just over the limit, a keyed request gets the router's own message (the limit, the fix)."""
+    method = f"{RPC}Generate"
+    keyed = [("authorization", f"Bearer {g.key}")]
+    with grpc.insecure_channel(g.router.address) as ch:
+        for md in (None, keyed):
+            out = _call(ch, method, b"\x0a" + b"\xff" * (10 * 2**20), True, md)
+            assert out.code == C.RESOURCE_EXHAUSTED and "larger than max" in out.details, out
+        over = generate_pb2.GenerateRequest(request_id="big", text="a" * (8 * 2**20 + 4096))
+        out = _call(ch, method, over.SerializeToString(), True, keyed)
+        assert out.code == C.INVALID_ARGUMENT and "max_request_bytes" in out.details, out

@@ -192,3 +192,15 @@ def test_min_tokens_and_logit_bias_conversion():
             sampling_params_from_proto(msg, prompt_len=10, max_model_len=100, vocab_size=512)
         assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert needle in err.value.message, err.value.message
+
+
+def test_a_huge_refused_value_is_not_echoed_whole():
+    # 100k stop ids: the status must stay deliverable (gRPC caps its metadata) and say the limit
+    for ids, limit in (
+        ([1] * 100_000, "at most 64"),
+        ([10**6 + i for i in range(50)], "below 512"),
+    ):
+        msg = generate_pb2.SamplingParams(stop_token_ids=ids)
+        with pytest.raises(RequestError) as info:
+            sampling_params_from_proto(msg, prompt_len=10, max_model_len=100, vocab_size=512)
+        assert limit in str(info.value) and len(str(info.value)) < 400, str(info.value)[:500]
