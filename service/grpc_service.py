@@ -30,10 +30,11 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from splitserve.service.grpc_guard import RejectMalformed
+from splitserve.service.metrics_http import start_metrics_server
 from splitserve.service.net import advertised_host, is_wildcard
 from splitserve.service.service_process import EXIT_DEADLINE
 from splitserve.service.tls import TlsServerConfig, server_credentials
@@ -233,8 +234,8 @@ class GrpcServer:
             log.info("gRPC on %s over TLS (%s)", self.address, mutual)
         if self.cfg.metrics_port is not None:
             try:
-                self._metrics_http, _ = start_http_server(
-                    self.cfg.metrics_port, addr=self.cfg.host, registry=self.registry or REGISTRY
+                self._metrics_http, _ = start_metrics_server(
+                    self.cfg.metrics_port, self.cfg.host, self.registry or REGISTRY
                 )
             except OSError as exc:
                 await self._server.stop(None)
