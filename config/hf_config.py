@@ -7,6 +7,7 @@ unsupported architecture, activation, RoPE scaling type or sliding window never 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from pydantic import ValidationError
 
 from splitserve.config.engine_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from splitserve.config.files import format_validation_error
+
+log = logging.getLogger("splitserve.config")
 
 
 class UnsupportedModelError(ValueError):
@@ -35,6 +38,8 @@ _DEFAULT_MAX_POSITIONS = {
     "Qwen2ForCausalLM": 32768,
 }
 _MISTRAL_DEFAULT_WINDOW = 4096
+# num_key_value_heads when config.json leaves it out (None: num_attention_heads)
+_DEFAULT_KV_HEADS = {"LlamaForCausalLM": None, "MistralForCausalLM": 8, "Qwen2ForCausalLM": 32}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
 
 
@@ -56,6 +61,8 @@ def _rope(raw: dict[str, Any], max_positions: int) -> tuple[float, RopeScaling]:
         raise UnsupportedModelError(
             f"rope scaling type {rope_type!r} is not supported (supported: default, linear, llama3)"
         )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:  # transformers applies it in there too
+        raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported")
     if rope_type == "default":
         return theta, RopeScaling()
     if params.get("factor") is None:
@@ -151,7 +158,7 @@ def _parse(raw: dict[str, Any]) -> ModelConfig:
         intermediate_size=raw["intermediate_size"],
         num_hidden_layers=raw["num_hidden_layers"],
         num_attention_heads=heads,
-        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or _DEFAULT_KV_HEADS[arch] or heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
@@ -196,7 +203,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     cfg = parse_hf_config(_read_json(path))
     gen = Path(model_dir) / "generation_config.json"
     if gen.is_file():
-        extra = _ids(_read_json(gen).get("eos_token_id"), str(gen))
+        try:  # as transformers: a broken one is reported and left out, not fatal
+            extra = _ids(_read_json(gen).get("eos_token_id"), str(gen))
+        except UnsupportedModelError as exc:
+            log.warning("%s; its eos ids are not used", exc)
+            return cfg
         eos = cfg.eos_token_ids + tuple(i for i in extra if i not in cfg.eos_token_ids)
         cfg = cfg.model_copy(update={"eos_token_ids": eos})
     return cfg

@@ -130,7 +130,11 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
     model_dir = Path(model_dir)
     shards = _shard_map(model_dir)
     targets = _targets(model)
-    missing = sorted(set(targets) - set(shards))
+    source = {name: name for name in targets}
+    tied = model.cfg.tie_word_embeddings
+    if tied and "model.embed_tokens.weight" not in shards and "lm_head.weight" in shards:
+        source["model.embed_tokens.weight"] = "lm_head.weight"  # tied, saved as the head only
+    missing = sorted(name for name in targets if source[name] not in shards)
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
         raise CheckpointError(
@@ -138,13 +142,14 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
         )
     rank, size = model.tp.rank, model.tp.size
     with ExitStack() as stack, torch.no_grad():
-        handles = {f: _open(stack, f) for f in sorted(set(shards[n] for n in targets))}
+        handles = {f: _open(stack, f) for f in sorted(set(shards[source[n]] for n in targets))}
         for name, (param, offset, rows, split) in targets.items():
+            src = source[name]
             try:
-                tensor = _read(handles[shards[name]], name, split, model)
+                tensor = _read(handles[shards[src]], src, split, model)
             except SafetensorError as exc:  # e.g. the index names a tensor its shard lacks
                 raise CheckpointError(
-                    f"cannot read tensor {name} from {shards[name]}: {exc}"
+                    f"cannot read tensor {src} from {shards[src]}: {exc}"
                 ) from None
             dest = param.data[offset : offset + rows]
             if dest.shape != tensor.shape:
@@ -154,21 +159,36 @@ def load_weights(model: CausalLM, model_dir: str | Path) -> None:
                     f"{tuple(dest.shape)}"
                 )
             dest.copy_(tensor.to(dest.dtype))
-        if model.cfg.tie_word_embeddings and "lm_head.weight" in shards:
-            _check_tied_head(handles, shards, model_dir)
+        if (
+            tied
+            and source["model.embed_tokens.weight"] != "lm_head.weight"
+            and "lm_head.weight" in shards
+        ):
+            head_file = shards["lm_head.weight"]
+            head = handles[head_file] if head_file in handles else _open(stack, head_file)
+            _check_tied_head(head, model, model_dir)
 
 
-def _check_tied_head(handles: dict, shards: dict[str, Path], model_dir: Path) -> None:
+TIED_CHECK_ROWS = 4096  # rows compared at a time: host memory stays near one such chunk
+
+
+def _check_tied_head(handle, model: CausalLM, model_dir: Path) -> None:
     """config.json ties the output head to the embedding, yet the checkpoint has its own
     lm_head.weight: the same tensor is fine; a different one is refused, since loaders disagree
-    on which wins (transformers 5 unties and uses it, vLLM ignores it)."""
-    with ExitStack() as stack:
-        head_file = shards["lm_head.weight"]
-        opened = handles[head_file] if head_file in handles else _open(stack, head_file)
-        head = opened.get_tensor("lm_head.weight")
-        embed_file = shards["model.embed_tokens.weight"]
-        embed = handles[embed_file].get_tensor("model.embed_tokens.weight")
-    if head.shape != embed.shape or not torch.equal(head, embed):
+    on which wins (transformers 5 unties and uses it, vLLM ignores it). Compares this rank's
+    vocab rows (already loaded into the embedding) a chunk at a time."""
+    sl = handle.get_slice("lm_head.weight")
+    shape = sl.get_shape()
+    start, rows = model.vocab_start, model.embed.shape[0]
+    end = min(start + rows, model.cfg.vocab_size)
+    same = list(shape) == [model.cfg.vocab_size, model.embed.shape[1]]
+    for lo in range(start, end, TIED_CHECK_ROWS):
+        if not same:
+            break
+        hi = min(lo + TIED_CHECK_ROWS, end)
+        loaded = model.embed.data[lo - start : hi - start]
+        same = torch.equal(sl[lo:hi].to(device=loaded.device, dtype=loaded.dtype), loaded)
+    if not same:
         raise CheckpointError(
             f"checkpoint {model_dir}: config.json sets tie_word_embeddings, but its "
             "lm_head.weight differs from model.embed_tokens.weight; set tie_word_embeddings "

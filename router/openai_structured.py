@@ -181,7 +181,7 @@ def tool_constraint(
             '{"name": ...}}',
         )
     name = fn.get("name")
-    if name not in fns:
+    if not isinstance(name, str) or name not in fns:
         raise OpenAIError.bad(
             "tool_choice",
             f"tool_choice names function {name!r}, which is not among the tools {sorted(fns)}",

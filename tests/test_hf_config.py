@@ -83,7 +83,7 @@ def test_missing_config_is_clear(tmp_path):
     assert load_model_config(tmp_path).architecture == "LlamaForCausalLM"
 
 
-def test_generation_config_eos_ids_join_the_stop_ids(tmp_path):
+def test_generation_config_eos_ids_join_the_stop_ids(tmp_path, caplog):
     # Llama 3 Instruct style: <|eot_id|> named only in generation_config.json
     (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": 2}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
@@ -92,5 +92,6 @@ def test_generation_config_eos_ids_join_the_stop_ids(tmp_path):
     assert load_model_config(tmp_path).eos_token_ids == (2, 5)
     for bad, message in (('{"eos_token_id": "x"}', "token ids"), ("{not json", "not valid JSON")):
         (tmp_path / "generation_config.json").write_text(bad)
-        with pytest.raises(UnsupportedModelError, match=message):
-            load_model_config(tmp_path)
+        with caplog.at_level("WARNING", logger="splitserve.config"):
+            assert load_model_config(tmp_path).eos_token_ids == (2,)  # left out, as transformers
+        assert message in caplog.text

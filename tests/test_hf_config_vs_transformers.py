@@ -53,6 +53,29 @@ def test_rope_frequencies_match_transformers(change):
     torch.testing.assert_close(inverse_frequencies(parse_hf_config(raw)), _hf_inv_freq(raw))
 
 
+def test_partial_rotary_inside_the_rope_dict_is_refused():
+    rope = {"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}
+    with pytest.raises(UnsupportedModelError, match="partial_rotary_factor"):
+        parse_hf_config({**BASE, "rope_parameters": rope})
+
+
+def test_missing_kv_heads_default_per_architecture():
+    raw = {k: v for k, v in BASE.items() if k != "num_key_value_heads"}
+    for arch, cls in (("MistralForCausalLM", "MistralConfig"), ("Qwen2ForCausalLM", "Qwen2Config")):
+        want = getattr(transformers, cls)().num_key_value_heads
+        got = parse_hf_config(
+            {
+                **raw,
+                "num_attention_heads": 32,
+                "hidden_size": 2048,
+                "architectures": [arch],
+                "sliding_window": None,
+            }
+        )
+        assert got.num_key_value_heads == want
+    assert parse_hf_config(raw).num_key_value_heads == raw["num_attention_heads"]
+
+
 @pytest.mark.parametrize("kind", ["llama3", "linear"])
 def test_scaled_rope_without_a_factor_is_refused(kind):
     params = {k: v for k, v in LLAMA3.items() if k != "factor"} | {"rope_type": kind}

@@ -98,3 +98,15 @@ def test_damaged_files_are_a_checkpoint_error_naming_them(tmp_path):
     shard.write_bytes(b"\x00not a safetensors file")
     with pytest.raises(CheckpointError, match=f"cannot read .*{shard.name}"):
         _logits(folder)
+
+
+def test_a_tied_checkpoint_saved_as_its_head_only_loads(tmp_path):
+    # transformers ties to whichever of the two a checkpoint holds
+    embed_only = make_model("tiny", tmp_path / "embed")
+    _tie(embed_only, lambda embed: embed)
+    head_only = make_model("tiny", tmp_path / "head")
+    _tie(head_only, lambda embed: embed)
+    tensors = load_file(str(head_only / "model.safetensors"))
+    del tensors["model.embed_tokens.weight"]
+    save_file(tensors, str(head_only / "model.safetensors"))
+    torch.testing.assert_close(_logits(head_only), _logits(embed_only), atol=0, rtol=0)

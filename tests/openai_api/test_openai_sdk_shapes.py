@@ -69,6 +69,8 @@ def test_an_assistant_reply_goes_back_as_the_sdk_dumps_it():
         ([TOOL], {"function": {"name": "get_weather"}}),
         ([TOOL], "get_weather"),
         ([TOOL], 3),
+        ([TOOL], {"type": "function", "function": {"name": ["get_weather"]}}),
+        ([TOOL], {"type": "function", "function": {"name": {"n": 1}}}),
     ],
 )
 def test_malformed_tools_and_tool_choice_are_400s(tools, choice):
