@@ -1,6 +1,6 @@
 """The /metrics endpoint against strangers (service/metrics_http.py): a client that never sends
-its whole request is cut off after the read timeout, connections beyond the cap are closed at
-accept (no thread held), and scrapes keep working throughout."""
+its whole request, or dribbles it, is cut off at the read deadline, connections beyond a
+client's cap are closed at accept (no thread held), and scrapes keep working throughout."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def _closed_by_server(s: socket.socket, wait_s: float) -> bool:
 def serve(monkeypatch):
     started = []
 
-    def start(cap: int, read_timeout_s: float) -> int:
-        monkeypatch.setattr(metrics_http, "MAX_CONNECTIONS", cap)
-        monkeypatch.setattr(metrics_http._Handler, "timeout", read_timeout_s)
+    def start(per_client: int, deadline_s: float) -> int:
+        monkeypatch.setattr(metrics_http, "PER_CLIENT", per_client)
+        monkeypatch.setattr(metrics_http, "READ_DEADLINE_S", deadline_s)
         registry = CollectorRegistry()
         Counter("probe_total", "a counter", registry=registry).inc()
         httpd, _ = metrics_http.start_metrics_server(0, "127.0.0.1", registry)
@@ -56,7 +56,7 @@ def serve(monkeypatch):
         httpd.server_close()
 
 
-def test_connections_beyond_the_cap_are_closed_at_accept(serve):
+def test_connections_beyond_a_clients_cap_are_closed_at_accept(serve):
     port = serve(4, 600.0)
     clients = _slow_clients(port, 10)
     try:
@@ -69,12 +69,28 @@ def test_connections_beyond_the_cap_are_closed_at_accept(serve):
             s.close()
 
 
-def test_a_request_that_never_completes_is_cut_off(serve):
-    port = serve(32, 0.5)
+def test_a_request_that_never_completes_is_cut_off_even_when_dribbled(serve):
+    port = serve(8, 1.0)
     clients = _slow_clients(port, 3)
+    dribbler = socket.create_connection(("127.0.0.1", port), timeout=30)
     try:
         assert [_closed_by_server(s, 30) for s in clients] == [True] * 3
+        # a byte every 0.2 s: each read succeeds, the deadline still ends it
+        dribbler.settimeout(0.2)
+        cut = False
+        for byte in b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"a" * 300:
+            try:
+                dribbler.sendall(bytes([byte]))
+                if dribbler.recv(4096) == b"":
+                    cut = True
+                    break
+            except TimeoutError:
+                continue
+            except OSError:  # reset by the server's shutdown
+                cut = True
+                break
+        assert cut
         assert "probe_total 1.0" in _scrape(port)
     finally:
-        for s in clients:
+        for s in (*clients, dribbler):
             s.close()
