@@ -21,23 +21,24 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
 def _refuse(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """A handler that answers UNAUTHENTICATED without reading the caller's message: registered
+    as request-streaming, it aborts before taking the first message, so a stranger's bytes are
+    neither parsed nor buffered whole (only what HTTP/2 flow control lets in)."""
     message = (
         "this worker takes calls only from its cluster (authorization: Bearer <cluster secret>); "
         "set SPLITSERVE_CLUSTER_SECRET to the same value on the router and the workers"
     )
 
-    async def unary(request, context):
+    async def unary(requests, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    async def stream(request, context):
+    async def stream(requests, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - an async generator that never yields
 
-    kind = "unary_stream" if handler.response_streaming else "unary_unary"
-    # the stranger's bytes are never parsed: malformed or not, the answer is UNAUTHENTICATED
-    return handler._replace(
-        request_deserializer=_ignore, **{kind: stream if handler.response_streaming else unary}
-    )
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(stream, _ignore, handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(unary, _ignore, handler.response_serializer)
 
 
 def _ignore(data: bytes) -> None:

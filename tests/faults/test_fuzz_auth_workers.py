@@ -92,3 +92,13 @@ def test_health_check_and_watch_take_random_service_names(g, ended):
         assert first.status == (H.SERVING if known else H.SERVICE_UNKNOWN), (address, name[:40])
 
     check()
+
+
+def test_a_strangers_big_message_is_refused_without_being_read(g, ended):
+    """The refusal takes no message (service/cluster_auth.py): 20 MiB of garbage without the
+    secret is UNAUTHENTICATED, not INVALID_ARGUMENT from a parse or RESOURCE_EXHAUSTED."""
+    raw = b"\x0a" + b"\xff" * (20 * 2**20)
+    for role, method, _ in (WORKER_CALLS[0], WORKER_CALLS[-1]):
+        with grpc.insecure_channel(getattr(g, role).address) as ch:
+            out = _call(ch, method, raw, method.endswith("/Decode"))
+        assert out.code == C.UNAUTHENTICATED and "cluster secret" in out.details, (method, out)
