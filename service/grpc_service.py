@@ -34,7 +34,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from splitserve.service.grpc_guard import RejectMalformed
-from splitserve.service.metrics_http import start_metrics_server
+from splitserve.service.metrics_http import serve_metrics
 from splitserve.service.net import advertised_host, is_wildcard
 from splitserve.service.service_process import EXIT_DEADLINE
 from splitserve.service.tls import TlsServerConfig, server_credentials
@@ -234,15 +234,12 @@ class GrpcServer:
             log.info("gRPC on %s over TLS (%s)", self.address, mutual)
         if self.cfg.metrics_port is not None:
             try:
-                self._metrics_http, _ = start_metrics_server(
-                    self.cfg.metrics_port, self.cfg.host, self.registry or REGISTRY
+                self._metrics_http = serve_metrics(
+                    self.cfg.host, self.cfg.metrics_port, self.registry or REGISTRY
                 )
-            except OSError as exc:
+            except RuntimeError:
                 await self._server.stop(None)
-                raise RuntimeError(
-                    f"cannot serve metrics on {self.cfg.host}:{self.cfg.metrics_port} ({exc}); "
-                    "pick another --metrics-port"
-                ) from None
+                raise
             self.metrics_port = self._metrics_http.server_port
 
     async def set_serving(self, serving: bool) -> None:

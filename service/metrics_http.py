@@ -116,3 +116,13 @@ def start_metrics_server(
     thread = threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True)
     thread.start()
     return httpd, thread
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
+    """start_metrics_server, with a port that cannot be bound as one RuntimeError line."""
+    try:
+        return start_metrics_server(port, host, registry)[0]
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot serve metrics on {host}:{port} ({exc}); pick another --metrics-port"
+        ) from None
