@@ -7,6 +7,11 @@ with the GIL released; from `beside_min_rows` rows the rest of the bookkeeping r
 a helper thread (engine/side_thread.py), otherwise the other rows are read after the sampling is
 enqueued (`_rest`). `DecodeEngine` (engine.py) is the only user: these methods read and write
 its scheduler, metrics and sequences.
+
+A constrained row whose matcher hits one of the grammar engine's limits (request/constraint.py
+`LIMITS`: a state reached late, past the compile's probe) ends alone with INVALID_ARGUMENT
+naming the output token, whether its mask fill failed (token_masks.py `failed`: ended before its
+token is read) or its token's consume did; the batch's other rows go on.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import grpc
 from splitserve.decode_worker.graph_runner import StepHandle
 from splitserve.decode_worker.sequence import DecodeSequence, StepOutput
 from splitserve.engine.sampler import TokenLogprobs
+from splitserve.request.constraint import is_limit_error, limits_exceeded
 from splitserve.request.errors import RequestError
 
 log = logging.getLogger("splitserve.decode_worker.engine")
@@ -38,6 +44,7 @@ class StepReads:
         `beside_min_rows` or more reads every row beside the fill, a smaller one reads its
         constrained rows before it and leaves the others for the call after the launch, so
         their host work overlaps the masked sampling instead of delaying its launch."""
+        self._end_failed_masks()  # a fill done at the launch (no previous step to read)
         if self._rest is not None:  # (before `prev`: older rows, left by a masked launch)
             rows, self._rest = self._rest, None
             self._accept_rows(rows, time.monotonic())
@@ -60,9 +67,11 @@ class StepReads:
             # bookkeeping runs on a helper thread while llguidance fills (engine/side_thread.py)
             self._advance_matchers([r for r in rows if r[0].matcher is not None])
             constrained_read(lambda: self._accept_rows(rows, now, advanced=True))
+            self._end_failed_masks()
         else:  # few rows: the constrained first, the others after the sampling is enqueued
             self._accept_rows([r for r in rows if r[0].matcher is not None], now)
             constrained_read()
+            self._end_failed_masks()
             self._rest = [r for r in rows if r[0].matcher is None]
 
     def _advance_matchers(self, rows: list[tuple]) -> None:
@@ -73,14 +82,45 @@ class StepReads:
             if seq.finished:
                 continue
             seq.output_token_ids.append(tok)
-            if not seq.advance_matcher(tok):
-                self._refused(seq, tok)
+            self._advance(seq, tok)
+
+    def _advance(self, seq: DecodeSequence, token: int) -> bool:
+        """The matcher consumes out[-1]; False (the request ended) when it refuses it. (A
+        matcher whose mask failed allowed only EOS, and consumes it: an error all the same.)"""
+        if seq.advance_matcher(token) and not seq.matcher.is_error():
+            return True
+        self._refused(seq, token)
+        return False
 
     def _refused(self, seq: DecodeSequence, token: int) -> None:
-        why = seq.matcher.get_error()  # e.g. a grammar over the engine's per-step limits
+        why = seq.matcher.get_error()
+        if is_limit_error(why):
+            self._over_limits(seq, len(seq.output_token_ids), why)
+            return
         log.error("%s: token %d broke its constraint: %s", seq.request_id, token, why)
         err = RequestError(grpc.StatusCode.INTERNAL, f"the constraint failed: {why}")
         self.abort(seq.request_id, "error", err)
+
+    def _over_limits(self, seq: DecodeSequence, n: int, why: str) -> None:
+        """Output token n's mask or consume hit a grammar engine limit: INVALID_ARGUMENT (the
+        same request fails the same way again), blocks freed now. The grammar's compiles are
+        dropped: a lexer that hit a limit is broken for every copy sharing it (copies of it in
+        other rows fail at their next mask, with the same message)."""
+        log.warning(
+            "%s: its constraint hit a grammar engine limit at output token %d: %s",
+            seq.request_id,
+            n,
+            why,
+        )
+        self.grammars.discard(seq.params.constraint)
+        self.abort(seq.request_id, "error", RequestError.invalid(limits_exceeded(n, why)))
+
+    def _end_failed_masks(self) -> None:
+        """Rows whose mask fill failed (token_masks.py): their token is in flight, masked to EOS
+        at most; they end now, before it is read."""
+        for seq, why in self.graphs.masks.take_failed():
+            if not seq.finished:
+                self._over_limits(seq, len(seq.output_token_ids) + 1, why)
 
     def _accept_rows(self, rows: list[tuple], now: float, advanced: bool = False) -> None:
         for seq, tok, lp in rows:
@@ -100,8 +140,7 @@ class StepReads:
         (`_advance_matchers`)."""
         if not (advanced and seq.matcher is not None):
             seq.output_token_ids.append(token)
-            if seq.matcher is not None and not seq.advance_matcher(token):
-                self._refused(seq, token)
+            if seq.matcher is not None and not self._advance(seq, token):
                 return
         result = seq.stop.update(token, "")  # no text: stop strings are the servicer's
         if len(seq.output_token_ids) > 1:  # a first token sampled here ends no inter-token gap

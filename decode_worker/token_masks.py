@@ -16,6 +16,10 @@ The pinned buffer is rewritten only after the previous step was read, i.e. after
 
 Rows whose matchers stand in one state (same constraint, same tokens so far: the forced
 opening of a schema, `n` choices, identical prompts) are filled once (`same_state`).
+
+A row whose fill hits a grammar engine limit (llguidance then allows it only EOS) is kept in
+`failed`, with the engine's message, for the engine to end (step_reads.py); so is a row that
+copied its mask. The other rows' masks are theirs.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class TokenMasks:
         self._filled: int | None = None  # shared rows of the fill `start` did, until `finish`
         self._fill_s = 0.0  # the fill's host time, for `finish` to report
         self.side = SideThread("mask-side")  # reads rows beside the fill (`start`)
+        self.failed: list[tuple[DecodeSequence, str]] = []  # rows whose fill failed, and why
 
     @staticmethod
     def constrained(seqs: Sequence[DecodeSequence]) -> bool:
@@ -65,6 +70,16 @@ class TokenMasks:
         took = fill_masks(matchers, self.host.numpy(), same, beside, self.side)
         self._filled = len(same) - same.count(None)
         self._fill_s = t1 - t0 + took  # not the rows read beside the fill
+        errors = [None if m is None or not m.is_error() else m.get_error() for m in matchers]
+        for i, seq in enumerate(seqs):  # (a copied row shares its lead's fate: same state)
+            why = errors[i] if same[i] is None else errors[same[i]]
+            if why is not None:
+                self.failed.append((seq, why))
+
+    def take_failed(self) -> list[tuple[DecodeSequence, str]]:
+        """The rows whose fills failed since the last call (and the engine's messages)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def close(self) -> None:
         self.side.close()

@@ -29,6 +29,7 @@ from splitserve.prefill_worker.config import PrefillWorkerConfig
 from splitserve.prefill_worker.leases import Lease, LeaseTable
 from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.prefill_worker.prefill_step import (
+    constraint_failed,
     finish_prefill,
     register_full_blocks,
     run_step,
@@ -268,6 +269,9 @@ class PrefillEngine:
             register_full_blocks(self.cache, seq, self.runner.block_size)
             if first is not None:  # the prompt is done: a lease (or its blocks freed), the result
                 self.scheduler.remove(seq)
+                if constraint_failed(seq, self.grammars, self.cache, self.stream_hub):
+                    self._freed()
+                    continue
                 finish_prefill(
                     seq, *first, self.eos, self.max_model_len, self.cache, self.leases, self.metrics
                 )

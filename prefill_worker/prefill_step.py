@@ -5,6 +5,7 @@ run_step(...)           step thread: the model, then the first tokens of finishe
 register_full_blocks    loop thread, after the step: newly full blocks into the prefix cache
 finish_prefill          loop thread: a finished prompt's lease (or freed blocks), metrics,
                         its future resolved with the PrefillResult
+constraint_failed       loop thread: instead, when token 0's mask hit a grammar engine limit
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from splitserve.prefill_worker.metrics import PrefillMetrics
 from splitserve.prefill_worker.prefix_cache import PrefixCache
 from splitserve.prefill_worker.request import PrefillResult, PrefillSeq
 from splitserve.prefill_worker.scheduler import ScheduledChunk
+from splitserve.request.constraint import limits_exceeded
+from splitserve.request.errors import RequestError
+from splitserve.request.grammar_cache import GrammarCache
 from splitserve.request.stop_checker import StopChecker
 
 
@@ -139,3 +143,20 @@ def finish_prefill(
             handover_start_s=0.0 if lease is None else time.perf_counter() - seq.arrival,
         )
     )
+
+
+def constraint_failed(seq: PrefillSeq, grammars: GrammarCache, cache: PrefixCache, hub) -> bool:
+    """True when `seq`'s token-0 mask hit a grammar engine limit (llguidance then allows only EOS,
+    which must not pass for a finished answer; the compile's probe computed that mask, so this
+    is rare): its future gets INVALID_ARGUMENT (the servicer counts the outcome), its blocks are
+    freed (`seq` already left the scheduler), the grammar's broken compiles dropped."""
+    if seq.matcher is None or not seq.matcher.is_error():
+        return False
+    err = RequestError.invalid(limits_exceeded(1, seq.matcher.get_error()))
+    grammars.discard(seq.params.constraint)  # a lexer past a limit stays broken for its copies
+    if hub is not None:  # (a KV stream of it ends)
+        hub.aborted(seq.request_id, err.message)
+    cache.free(seq.block_table)
+    seq.block_table = []
+    seq.future.set_exception(err)
+    return True

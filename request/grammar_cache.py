@@ -13,7 +13,12 @@ them in turn, and a batch's rows of one schema spread over that many locks.
 
 Compiling runs in a thread, never on the event loop or the engine thread, within
 `compile_timeout_s`; what the grammar engine refuses, or what takes longer, is INVALID_ARGUMENT
-before anything is allocated.
+before anything is allocated. Each compile is probed there too (constraint.py `probe`: its first
+mask and a few tokens), which refuses a grammar that blows the engine's limits at its start and
+spends the compile's lexer fuel off the engine thread.
+
+A lexer that hits a limit later stays broken for every copy that shares it: the engine
+`discard`s the grammar's compiles, so the next request of it compiles afresh.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 
 import llguidance
 
-from splitserve.request.constraint import Constraint, parser_limits
+from splitserve.request.constraint import Constraint, engine_message, parser_limits, probe
 from splitserve.request.errors import RequestError
 from splitserve.request.tokenizer import TOKENIZER_FILE
 
@@ -88,11 +93,15 @@ class GrammarCache:
             raise RequestError.invalid(f"sampling.{c.kind}: {exc}") from None
         t0 = time.perf_counter()
         matcher = llguidance.LLMatcher(self.tokenizer(), grammar, limits=parser_limits())
-        if self.on_compile is not None:
+        bad = engine_message(matcher.get_error()) if matcher.is_error() else ""
+        over = "" if bad else probe(matcher, self.tokenizer().eos_tokens)
+        if self.on_compile is not None:  # (the probe's masks included: the lexer's build)
             self.on_compile(time.perf_counter() - t0)
-        if matcher.is_error():
+        if bad:
+            raise RequestError.invalid(f"sampling.{c.kind}: the {c.kind} does not compile: {bad}")
+        if over:
             raise RequestError.invalid(
-                f"sampling.{c.kind}: the {c.kind} does not compile: {matcher.get_error().strip()}"
+                f"sampling.{c.kind}: the {c.kind} exceeds the grammar engine's limits: {over}"
             )
         with self._lock:
             compiled = self._compiled.setdefault(key, [])
@@ -108,6 +117,12 @@ class GrammarCache:
                 old, _ = self._compiled.popitem(last=False)
                 self._handed.pop(old, None)
         return matcher.deep_copy()
+
+    def discard(self, c: Constraint) -> None:
+        """Forgets `c`'s compiles (one of their lexers hit a limit: broken for every copy)."""
+        with self._lock:
+            self._compiled.pop(c.key, None)
+            self._handed.pop(c.key, None)
 
     def compiled_count(self, c: Constraint) -> int:
         """How many independent compiles of `c` the cache holds (0: not cached)."""
