@@ -41,7 +41,7 @@ CONTROL_NAME = service_name(router_pb2.DESCRIPTOR, "RouterControl")
 
 # over max_request_bytes by up to this much: refused by intake.py with its own message (the
 # limit, how to fix it); beyond it, by gRPC before the message is read whole
-RECEIVE_SLACK_BYTES = 2**20
+RECEIVE_SLACK_BYTES = 2 * 2**20
 
 
 class Router:

@@ -178,7 +178,7 @@ def test_fuzzed_credentials_cannot_abort_another_callers_request(g, ended):
 
 
 def test_a_message_far_over_the_request_limit_is_refused_before_it_is_read(g, ended):
-    """The public port takes at most max_request_bytes (8 MiB) + 1 MiB: a stranger's 10 MiB is
+    """The public port takes at most max_request_bytes (8 MiB) + 2 MiB: a stranger's 10 MiB is
     RESOURCE_EXHAUSTED from gRPC itself, with or without a key, before any handler parses it;
     just over the limit, a keyed request gets the router's own message (the limit, the fix)."""
     method = f"{RPC}Generate"
