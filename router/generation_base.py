@@ -54,6 +54,13 @@ def worker_error(
     stage: str, w: Worker, err: grpc.aio.AioRpcError, tokens_sent: int = 0
 ) -> RequestError:
     code, details = err.code(), err.details()
+    if tokens_sent and code == grpc.StatusCode.INVALID_ARGUMENT:
+        # the request itself, found mid-stream (a constraint past the grammar engine's limits):
+        # sending it again fails the same way, so not UNAVAILABLE
+        return RequestError.invalid(
+            f"{stage} worker {w.address} refused the request after {tokens_sent} tokens were "
+            f"streamed: {details}"
+        )
     if tokens_sent:
         return RequestError.unavailable(
             f"{stage} worker {w.address} failed after {tokens_sent} tokens were streamed ({code.name}: {details}); "

@@ -123,11 +123,6 @@ def test_a_later_state_past_the_limits_ends_with_invalid_argument_at_the_decode_
     stack.assert_free()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="router/generation_base.py worker_error makes any worker error after a streamed "
-    "token UNAVAILABLE ('send the request again'); the decode worker says INVALID_ARGUMENT",
-)
 def test_through_the_router_the_late_failure_stays_invalid_argument(stack):
     y = _token(stack, "y")
     sp = generate_pb2.SamplingParams(max_tokens=8, regex=LATE, logit_bias={y: 100.0})
