@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+MIN_MESSAGE_BYTES = 2**20
+
 
 class KvTransferConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -19,7 +21,7 @@ class KvTransferConfig(BaseModel):
     # fail: the request ends with UNAVAILABLE.
     failure_policy: Literal["recompute", "fail"] = "recompute"
     max_message_bytes: int = Field(
-        256 * 2**20, ge=2**20, description="payload split above this size"
+        256 * 2**20, ge=MIN_MESSAGE_BYTES, description="payload split above this size"
     )
 
     @model_validator(mode="before")
@@ -81,7 +83,28 @@ class KvTransferConfig(BaseModel):
         "second after), then waits again: a CUDA copy's completion is otherwise found only when "
         "the wait ends. None: on for CUDA, off on CPU (TCP and shared memory wake the thread)",
     )
-    # ucxx listeners bind every interface; peers dial the worker's advertised host.
+    listen_host: str | None = Field(
+        None,
+        min_length=1,
+        description="address the UCX KV listener binds; None: the worker's own host "
+        "(`server.host`: 127.0.0.1 keeps the KV port on loopback); 0.0.0.0: every interface. "
+        "Where ucxx cannot bind one address (kvtransfer/bound_listener.py) it binds every "
+        "interface and logs a warning",
+    )
+    max_connections: int = Field(
+        512,
+        ge=1,
+        description="UCX KV connections one listener keeps (a decode worker opens up to 32 "
+        "per prefill rank: 16 for pulls, 16 for streams); beyond it a new connection replaces "
+        "the one idle the longest, or is refused while every one is mid-pull",
+    )
+    idle_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a UCX KV connection idle this long is closed by the listener (the decode "
+        "side connects anew for its next pull)",
+    )
+    # peers dial the worker's advertised host
     listen_port: int = Field(
         0,
         ge=0,
@@ -100,8 +123,10 @@ class KvTransferConfig(BaseModel):
         return v
 
     def message_limit(self, requested: int) -> int:
-        """Bytes per payload message of one pull: ours, or the puller's if lower (0: none)."""
-        return max(1, min(self.max_message_bytes, requested or 2**62))
+        """Bytes per payload message of one pull: ours, or the puller's if lower (0: none),
+        never below the least a worker may configure (a peer asking for 1 byte would make a
+        payload millions of messages)."""
+        return max(MIN_MESSAGE_BYTES, min(self.max_message_bytes, requested or 2**62))
 
     def for_rank(self, rank: int) -> KvTransferConfig:
         """The settings of tensor-parallel rank `rank`'s listener: a fixed port moves up by the rank

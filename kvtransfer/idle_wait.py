@@ -53,12 +53,16 @@ class PullWake:
         self._event.set()
         self._event = asyncio.Event()
 
-    async def wait(self, timeout: float) -> None:
-        waiter = asyncio.ensure_future(self._event.wait())
+    async def wait(self, timeout: float, also: asyncio.Event | None = None) -> None:
+        """Until a grant, `also` is set, or `timeout`."""
+        waiters = [asyncio.ensure_future(self._event.wait())]
+        if also is not None:
+            waiters.append(asyncio.ensure_future(also.wait()))
         try:
-            await asyncio.wait((waiter,), timeout=timeout)
+            await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            waiter.cancel()
+            for waiter in waiters:
+                waiter.cancel()
 
 
 def _prober(ep):

@@ -38,13 +38,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import time
 from typing import Protocol
 
 import torch
 
 from splitserve.kernels import ops
-from splitserve.kvtransfer import frames
+from splitserve.kvtransfer.bound_listener import create_listener
 from splitserve.kvtransfer.buffers import (
     StagingCache,
     TransferStream,
@@ -57,15 +56,21 @@ from splitserve.kvtransfer.buffers import (
 )
 from splitserve.kvtransfer.checksum import payload_checksum_async, readback, to_u64
 from splitserve.kvtransfer.config import KvTransferConfig, TransferFaults
+from splitserve.kvtransfer.connections import Connections
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
 from splitserve.kvtransfer.frames import PAYLOAD_TAG
-from splitserve.kvtransfer.idle_wait import PullWake, until_message
+from splitserve.kvtransfer.idle_wait import PullWake
+from splitserve.kvtransfer.idle_watch import IdleWatch
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.progress_wait import BOOST, set_up_progress
+from splitserve.kvtransfer.quiet_wait import recv_frame, send_all, send_frame
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
 HANDLER_EXIT_S = 2.0
+# a pull's payload goes in at most this many messages, whatever message size the puller asks
+# for: each is a posted send the listener tracks until it completes
+MAX_MESSAGES = 1024
 
 
 class LeaseLookupError(LookupError):
@@ -105,8 +110,16 @@ class KvTransferServer:
         config: KvTransferConfig,
         faults: TransferFaults | None = None,
         metrics: KvTransferMetrics | None = None,
+        host: str | None = None,
+        drain_strays: bool = False,
     ) -> None:
+        """`host`: the worker's own (the listener binds config.listen_host, else it; None:
+        every interface); `drain_strays`: this process's UCX serves this listener only, so
+        messages on no endpoint's tag are dropped (idle_watch.py)."""
         self.kv_cache = kv_cache
+        self.host = config.listen_host or host
+        self.drain_strays = drain_strays
+        self.connections: Connections | None = None
         self.wake: PullWake | None = None
         self.spec = spec
         self.leases = leases
@@ -117,43 +130,28 @@ class KvTransferServer:
         self.staging = StagingCache(kv_cache.device, kv_cache.dtype)
         self._listener = None
         self.stream_sender = None  # a LayerStreamSender: serves KvPullRequest.stream (issue 32)
-        self._handlers: dict[asyncio.Task, object] = {}  # handler task -> its accepted endpoint
 
     @property
     def port(self) -> int:
         return self._listener.port
 
+    @property
+    def _handlers(self) -> dict:  # handler task -> its connection
+        return self.connections.handlers if self.connections is not None else {}
+
     async def start(self) -> int:
-        import ucxx
-
         self.wake = PullWake()  # expect_pull() wakes idle endpoints (idle_wait.py)
-
-        self._listener = ucxx.create_listener(self._on_connect, self.config.listen_port)
-        log.info("UCX listener on port %d", self.port)
+        watch = IdleWatch(self.wake, self._expecting, self.drain_strays)
+        self.connections = Connections(self.config, watch)
+        self._listener = create_listener(self._on_connect, self.config.listen_port, self.host)
+        log.info("UCX listener on %s:%d", self._listener.ip, self.port)
         self.metrics.log_transports()
         # before any pull: an idle listener must not wake ucxx's thread every millisecond
         set_up_progress(self.config, self.kv_cache.device.type)
         return self.port
 
     async def _on_connect(self, ep) -> None:
-        task = asyncio.current_task()
-        self._handlers[task] = ep
-        buf = frames.new_buffer()
-        try:
-            last = time.monotonic()
-            while not ep.closed:
-                # no polling receive while idle (idle_wait.py)
-                await until_message(ep, last, self._expecting, self.wake)
-                req = await frames.recv(ep, kv_pb2.KvPullRequest, buf)
-                with BOOST.busy():  # its payload's completions found at once (progress_wait.py)
-                    await self._serve(ep, req, buf)
-                last = time.monotonic()  # hot from the pull's last message (KvPullDone) on
-        except Exception as exc:  # the peer closed or died: nothing to clean but the endpoint
-            log.debug("KV endpoint closed: %s", exc)
-        finally:
-            self._handlers.pop(task, None)
-            if not ep.closed:
-                ep.abort()
+        await self.connections.run(ep, self._serve)
 
     def expect_pull(self) -> None:
         """A lease was granted (any thread): idle endpoints start probing for its pull."""
@@ -164,34 +162,38 @@ class KvTransferServer:
         pending = getattr(self.leases, "pulls_expected", None)
         return True if pending is None else pending()
 
-    async def _serve(self, ep, req: kv_pb2.KvPullRequest, buf) -> None:
-        if req.stream:  # streamed pull: layer_stream_server.py
-            if self.stream_sender is None:
-                msg = "this prefill worker does not stream KV (kv_transfer.streaming off)"
-                await frames.send(ep, _error(kv_pb2.KV_PULL_STATUS_ABORTED, msg))  # falls back
-            else:
+    async def _serve(self, ep, req: kv_pb2.KvPullRequest, buf) -> bool:
+        """One pull; False when it was refused (the peer then drops the endpoint)."""
+        with BOOST.busy():  # its payload's completions found at once (progress_wait.py)
+            if req.stream:  # streamed pull: layer_stream_server.py
+                if self.stream_sender is None:
+                    msg = "this prefill worker does not stream KV (kv_transfer.streaming off)"
+                    await self._refuse(ep, kv_pb2.KV_PULL_STATUS_ABORTED, msg)  # falls back
+                    return False
                 await self.stream_sender.serve_stream(ep, req, LeaseLookupError)
-            return
-        try:
-            check_compatible(req, self.spec)
-            blocks = self.leases.begin_pull(req.lease_id, req.request_id)
-            if inspect.isawaitable(
-                blocks
-            ):  # a tensor-parallel follower may wait for rank 0's grant
-                blocks = await blocks
-        except KvIncompatibleError as exc:
-            await frames.send(ep, _error(kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, str(exc)))
-            return
-        except LeaseLookupError as exc:
-            await frames.send(ep, _error(exc.status, str(exc)))
-            return
-        # any failure below (timeout, dead peer) propagates to _on_connect, which aborts the
-        # endpoint; end_pull has already unpinned the blocks
-        delivered = False
-        try:
-            delivered = await self._send_blocks(ep, req, blocks, buf)
-        finally:
-            self.leases.end_pull(req.lease_id, delivered)
+                return True
+            try:
+                check_compatible(req, self.spec)
+                blocks = self.leases.begin_pull(req.lease_id, req.request_id)
+                if inspect.isawaitable(blocks):  # a TP follower may wait for rank 0's grant
+                    blocks = await blocks
+            except KvIncompatibleError as exc:
+                await self._refuse(ep, kv_pb2.KV_PULL_STATUS_INCOMPATIBLE, str(exc))
+                return False
+            except LeaseLookupError as exc:
+                await self._refuse(ep, exc.status, str(exc))
+                return False
+            # any failure below (timeout, dead peer) propagates to the connection, which aborts
+            # the endpoint; end_pull has already unpinned the blocks
+            delivered = False
+            try:
+                delivered = await self._send_blocks(ep, req, blocks, buf)
+            finally:
+                self.leases.end_pull(req.lease_id, delivered)
+            return True
+
+    async def _refuse(self, ep, status: int, message: str) -> None:
+        await send_frame(ep, _error(status, message), self.config.lease_request_timeout_s)
 
     async def _send_blocks(self, ep, req: kv_pb2.KvPullRequest, blocks: list[int], buf) -> bool:
         n = len(blocks)
@@ -201,7 +203,7 @@ class KvTransferServer:
         hit = self.faults.hits(req.request_id)
         if hit and self.faults.message_bytes:
             limit = self.faults.message_bytes
-        num_messages = plan_messages(nbytes, layers, limit)
+        num_messages = min(plan_messages(nbytes, layers, limit), MAX_MESSAGES)
         run = contiguous_start(blocks)
         zero_copy = run is not None and slab_framed(num_messages, nbytes, layers)
         # the header goes at once: it depends on the geometry only, not on the packed bytes
@@ -214,7 +216,7 @@ class KvTransferServer:
         if hit and self.faults.misstate_payload_bytes:
             reply.payload_bytes -= 1
         timeout = self.config.data_timeout_s  # a hung peer must not pin the blocks past this
-        header = asyncio.ensure_future(frames.send(ep, reply))
+        header = asyncio.ensure_future(send_frame(ep, reply, timeout))
         self.stream.after_engine()  # the prefill's writes of these blocks come first
         with self.stream.context():
             if zero_copy:
@@ -239,8 +241,8 @@ class KvTransferServer:
             trailer = kv_pb2.KvPullReply(  # the bytes really sent: a receiver that verifies
                 status=kv_pb2.KV_PULL_STATUS_OK, checksum=await checksum, payload_bytes=sent
             )  # checks them too (a short message leaves stale bytes the checksum could match)
-            await asyncio.wait_for(frames.send(ep, trailer), timeout)
-            done = await asyncio.wait_for(frames.recv(ep, kv_pb2.KvPullDone, buf), timeout)
+            await send_frame(ep, trailer, timeout)
+            done = await recv_frame(ep, kv_pb2.KvPullDone, buf, timeout)
         finally:
             header.cancel()
             if checksum is not None:
@@ -266,13 +268,10 @@ class KvTransferServer:
             if self.faults.stall_before_payload_s:  # (no loop turn lost when there is none)
                 await asyncio.sleep(self.faults.stall_before_payload_s)
             if self.faults.stall_after_first_message_s:  # the peer holds part of the payload
-                await asyncio.wait_for(ep.send(pieces[0], tag=PAYLOAD_TAG), timeout)
+                await send_all(ep, pieces[:1], timeout, PAYLOAD_TAG)
                 await asyncio.sleep(self.faults.stall_after_first_message_s)
                 sent, pieces = _nbytes(pieces[0]), pieces[1:]
-        # pipelined, tag-ordered
-        await asyncio.wait_for(
-            asyncio.gather(*(ep.send(piece, tag=PAYLOAD_TAG) for piece in pieces)), timeout
-        )
+        await send_all(ep, pieces, timeout, PAYLOAD_TAG)  # pipelined, tag-ordered
         return sent + sum(_nbytes(p) for p in pieces)
 
     def _apply_faults(self, pieces: list) -> list:
@@ -285,19 +284,14 @@ class KvTransferServer:
 
     async def close_connections(self) -> None:
         """Drops every accepted endpoint (their peers see a dead connection); keeps listening."""
-        for task, ep in list(self._handlers.items()):
-            if not ep.closed:
-                ep.abort()  # the peer's endpoint errors out: it must reconnect
-            task.cancel()
+        if self.connections is not None:
+            self.connections.close_all()
 
     async def close(self) -> None:
         """Endpoints aborted, their handlers ended (awaited: a listener closed under a live
         handler is what hung processes at exit), then the listener; idempotent."""
-        tasks = list(self._handlers)
-        await self.close_connections()
-        if (
-            tasks
-        ):  # bounded: a handler stuck in ucxx must not hold the stop (the exit deadline's job)
+        tasks = self.connections.close_all() if self.connections is not None else []
+        if tasks:  # bounded: a handler stuck in ucxx must not hold the stop (the exit deadline's)
             _, stuck = await asyncio.wait(tasks, timeout=HANDLER_EXIT_S)
             if stuck:
                 log.warning(
@@ -305,6 +299,8 @@ class KvTransferServer:
                     len(stuck),
                     HANDLER_EXIT_S,
                 )
+        if self.connections is not None:
+            self.connections.watch.stop()
         if self._listener is not None:
             self._listener.close()
             self._listener = None

@@ -84,6 +84,8 @@ class PrefillWorker(WorkerSkeleton):
             self.cfg.kv_transfer,
             faults=self.cfg.faults.transfer,
             metrics=KvTransferMetrics(self.metrics.registry),
+            host=self.cfg.server.host,  # a loopback worker's KV port stays on loopback too
+            drain_strays=True,  # this process's UCX serves the listener only
         )
         if self.cfg.kv_transfer.streaming:  # TP: every rank streams its heads (kv_stream_tp.py)
             extra = (
