@@ -89,6 +89,7 @@ class Connections:
             if got != "message":
                 return _WHY.get(got, got) if got != "timeout" or conn.state != NEW else "no request"
             conn.enter(BUSY)
+            self.watch.sweep()  # strays are dropped while it is busy too
             try:
                 req = await quiet_wait.recv_frame(
                     ep, kv_pb2.KvPullRequest, buf, cfg.lease_request_timeout_s

@@ -161,7 +161,8 @@ class IdleWatch:
                 del self._idle[tag]
 
     def sweep(self) -> None:
-        """A connection closed: its strays (sent up to its end) are looked for a while."""
+        """A connection closed or went busy: strays are looked for while any connection lives,
+        and SWEEP_S after the last (a closed one's, sent up to its end)."""
         if self.drain_strays:
             self._sweep_until = time.monotonic() + SWEEP_S
             self._start()
@@ -177,7 +178,9 @@ class IdleWatch:
             self._task.cancel()
 
     def _running(self) -> bool:
-        return bool(self._idle) or time.monotonic() < self._sweep_until
+        if self._idle or time.monotonic() < self._sweep_until:
+            return True
+        return self.drain_strays and bool(self.live)  # a busy peer may send strays meanwhile
 
     def cancel(self, tag: int, why: str) -> None:
         waiter = self._idle.pop(tag, None)
