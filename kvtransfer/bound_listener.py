@@ -17,6 +17,9 @@ what ucxx's own `_listener_callback` does. Anything unexpected (another ucxx, an
 platform, a host that is not a short address) falls back to ucxx's own listener on every
 interface, with a warning. A C++ exception cannot cross ctypes (it would abort the process), so
 the address and port are first checked by binding them from Python, as UCX will.
+
+A listener on loopback also keeps UCX's own TCP data ports on loopback (`UCX_NET_DEVICES=lo`,
+unless set), which UCX otherwise opens on every network interface.
 """
 
 from __future__ import annotations
@@ -135,6 +138,7 @@ def create_listener(callback, port: int, host: str | None):
         return ucxx.create_listener(callback, port)
     addr = bind_address(host)
     check_bindable(addr, port)
+    _loopback_devices(addr)
     fns = _entry_points()
     if isinstance(fns, str) or len(addr.encode()) > 15:
         why = fns if isinstance(fns, str) else f"address {addr} is too long"
@@ -147,6 +151,21 @@ def create_listener(callback, port: int, host: str | None):
         )
         return ucxx.create_listener(callback, port)
     return _bound(fns, callback, port, addr)
+
+
+def _loopback_devices(addr: str) -> None:
+    """A listener on loopback: UCX's own TCP data ports (one per network device, on every NIC
+    by default) go on loopback too, where the user did not pick devices and UCX has not started
+    (`UCX_NET_DEVICES` is read once); shared memory and cuda_ipc are no network devices."""
+    import ipaddress
+
+    import ucxx
+
+    if not ipaddress.ip_address(addr).is_loopback or "UCX_NET_DEVICES" in os.environ:
+        return
+    if getattr(ucxx.core, "_ctx", True) is None:
+        os.environ["UCX_NET_DEVICES"] = "lo"
+        log.info("UCX_NET_DEVICES=lo: the KV listener is on loopback, so is UCX's TCP")
 
 
 def _bound(fns, callback, port: int, addr: str):

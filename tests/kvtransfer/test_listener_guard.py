@@ -65,6 +65,56 @@ def test_the_listener_binds_the_workers_host_only(host, listen_host, bound):
     run(main())
 
 
+LOOPBACK_PROCESS = """
+import asyncio, os, torch
+from splitserve.kvtransfer.config import KvTransferConfig
+from splitserve.kvtransfer.descriptor import PoolSpec
+from splitserve.kvtransfer.server import KvTransferServer
+
+def listening():  # this process's listening TCP sockets: (address, port)
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            mine.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # (the listing's own)
+            pass
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).readlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f"socket:[{f[9]}]" in mine:
+                found.append(tuple(f[1].split(":")))
+    return found
+
+async def main():
+    pool = torch.zeros(2, 2, 4, 16, 2, 64)
+    server = KvTransferServer(pool, PoolSpec.of(pool, "h"), None, KvTransferConfig(),
+                              host="127.0.0.1")
+    await server.start()
+    print(listening())
+    await server.close()
+
+asyncio.run(main())
+"""
+
+
+def test_a_loopback_listener_keeps_all_of_ucx_on_loopback():
+    """The KV port and UCX's own TCP data ports (one per network device) of a process whose
+    listener is on loopback: none on another interface."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+    out = subprocess.run(
+        [sys.executable, "-c", LOOPBACK_PROCESS], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    found = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own child's repr
+    assert len(found) >= 2  # the KV listener and at least one data port
+    assert {addr for addr, _ in found} == {"0100007F"}, found
+
+
 def test_connections_without_a_valid_request_or_refused_are_closed():
     import ucxx
 
