@@ -213,8 +213,10 @@ class IdleWatch:
                 sleep = 0.0
                 await asyncio.sleep(0)
                 continue
-            # asleep until a grant, a new idle endpoint, or the next scan is due
-            sleep = min(WARM_SLEEP_S, sleep * 2 or 1e-3) if self.expecting() else COLD_SLEEP_S
+            # asleep until a grant, a new idle endpoint, or the next scan is due; with no idle
+            # endpoint (strays only) cold, whatever leases are out
+            warm = self._idle and self.expecting()
+            sleep = min(WARM_SLEEP_S, sleep * 2 or 1e-3) if warm else COLD_SLEEP_S
             await self.wake.wait(min(sleep, max(next_scan - now, 1e-3)), also=self._kick)
 
     def _dispatch(self, worker) -> bool:
