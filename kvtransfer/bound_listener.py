@@ -18,8 +18,8 @@ platform, a host that is not a short address) falls back to ucxx's own listener 
 interface, with a warning. A C++ exception cannot cross ctypes (it would abort the process), so
 the address and port are first checked by binding them from Python, as UCX will.
 
-A listener on loopback also keeps UCX's own TCP data ports on loopback (`UCX_NET_DEVICES=lo`,
-unless set), which UCX otherwise opens on every network interface.
+A listener on loopback also keeps UCX's own TCP data ports on loopback (NET_DEVICES=lo, unless
+UCX_NET_DEVICES is set), which UCX otherwise opens on every network interface.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def create_listener(callback, port: int, host: str | None):
 
     if host is None or host.strip("[]") in WILDCARDS:
         return ucxx.create_listener(callback, port)
-    addr = bind_address(host)
+    addr = bind_address(host.strip("[]"))
     check_bindable(addr, port)
     _loopback_devices(addr)
     fns = _entry_points()
@@ -156,7 +156,8 @@ def create_listener(callback, port: int, host: str | None):
 def _loopback_devices(addr: str) -> None:
     """A listener on loopback: UCX's own TCP data ports (one per network device, on every NIC
     by default) go on loopback too, where the user did not pick devices and UCX has not started
-    (`UCX_NET_DEVICES` is read once); shared memory and cuda_ipc are no network devices."""
+    (it reads its settings once). Given to UCX's context, not the environment, which child
+    processes would inherit; shared memory and cuda_ipc are no network devices."""
     import ipaddress
 
     import ucxx
@@ -164,8 +165,8 @@ def _loopback_devices(addr: str) -> None:
     if not ipaddress.ip_address(addr).is_loopback or "UCX_NET_DEVICES" in os.environ:
         return
     if getattr(ucxx.core, "_ctx", True) is None:
-        os.environ["UCX_NET_DEVICES"] = "lo"
-        log.info("UCX_NET_DEVICES=lo: the KV listener is on loopback, so is UCX's TCP")
+        ucxx.init(options={"NET_DEVICES": "lo"})
+        log.info("UCX NET_DEVICES=lo: the KV listener is on loopback, so is UCX's TCP")
 
 
 def _bound(fns, callback, port: int, addr: str):

@@ -22,7 +22,8 @@ warm backoff's sleeps, when nothing woke a waiter on a grant; a pull after a gra
 endpoint hot.
 
 Uses ucxx's endpoint internals (`_ctx`, `_tags`); where they differ (another ucxx version) it
-falls back to the plain receive.
+falls back to the plain receive. The KV listener runs this schedule once for all of its idle
+endpoints (idle_watch.py); `until_message` waits for one endpoint (benchmarks' raw listener).
 """
 
 from __future__ import annotations

@@ -28,7 +28,10 @@ A KvPullRequest with `stream` set is a streamed pull (the KV of a request still 
 layer group by layer group): layer_stream_server.py, handed over in `_serve`.
 
 One pull owns an endpoint at a time, so messages of two pulls never interleave; an endpoint
-serves pulls one after another until the peer closes it. ucxx 0.52's Python API has no RMA
+serves pulls one after another until the peer closes it, or the listener does: what a peer may
+hold is in connections.py (first request, refusals, idle time, max_connections), the idle wait
+in idle_watch.py, the sends and receives (awaited without polling every loop turn) in
+quiet_wait.py, the bind address in bound_listener.py. ucxx 0.52's Python API has no RMA
 (memory registration, rkeys, put/get: only libucxx's C++ has them), so the payload moves as
 tagged sends into posted receives, which UCX runs as rendezvous (zero-copy get) for large ones.
 """

@@ -65,6 +65,23 @@ def test_the_listener_binds_the_workers_host_only(host, listen_host, bound):
     run(main())
 
 
+def test_where_ucxx_cannot_bind_one_address_it_binds_every_interface_and_warns(monkeypatch, caplog):
+    from splitserve.kvtransfer import bound_listener
+
+    monkeypatch.setattr(bound_listener, "_FNS", "ucxx 9.9 is not one whose ABI was checked")
+    cfg = KvTransferConfig(lease_request_timeout_s=5)
+
+    async def main():
+        server, _, _, _ = await start(cfg, host="127.0.0.1")
+        try:
+            assert listening_addresses(server.port) == {"0.0.0.0"}
+        finally:
+            await server.close()
+
+    run(main())
+    assert "binds every interface, not 127.0.0.1 (ucxx 9.9" in caplog.text
+
+
 LOOPBACK_PROCESS = """
 import asyncio, os, torch
 from splitserve.kvtransfer.config import KvTransferConfig
