@@ -178,7 +178,14 @@ async def _serve(tp, runner, cfg) -> None:
 
     leases = MirrorLeaseSource()
     spec = PoolSpec.of(runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads)
-    server = KvTransferServer(runner.kv_cache, spec, leases, cfg.kv_transfer.for_rank(tp.rank))
+    server = KvTransferServer(
+        runner.kv_cache,
+        spec,
+        leases,
+        cfg.kv_transfer.for_rank(tp.rank),
+        host=cfg.server.host,  # as rank 0's: a loopback worker's KV ports stay on loopback
+        drain_strays=True,  # this process's UCX serves this listener only
+    )
     port = await server.start()
     exchange_ports(tp, port)
 
