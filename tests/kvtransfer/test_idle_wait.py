@@ -31,6 +31,7 @@ def _waiter(monkeypatch, expecting: bool, last_message: float):
 
 def test_a_grant_wakes_a_cold_endpoint_and_keeps_it_hot(monkeypatch):
     monkeypatch.setattr(idle_wait, "COLD_SLEEP_S", 600.0)  # only the grant can wake it
+    monkeypatch.setattr(idle_wait, "GRANT_HOT_S", 600.0)  # a stalled CI runner stays in it
 
     async def main():
         task, wake, probes = _waiter(monkeypatch, False, time.monotonic() - 60)
@@ -49,12 +50,22 @@ def test_a_grant_wakes_a_cold_endpoint_and_keeps_it_hot(monkeypatch):
 
 def test_without_a_recent_grant_a_waiting_endpoint_backs_off(monkeypatch):
     monkeypatch.setattr(idle_wait, "WARM_SLEEP_S", 600.0)
+    waits = []
+    real_wait = idle_wait.PullWake.wait
+
+    async def counted_wait(self, timeout):
+        waits.append(timeout)
+        await real_wait(self, timeout)
+
+    monkeypatch.setattr(idle_wait.PullWake, "wait", counted_wait)
 
     async def main():
         task, wake, probes = _waiter(monkeypatch, True, time.monotonic() - 60)
         for _ in range(40):
             await asyncio.sleep(0)
-        assert probes["n"] <= 3  # warm: timed sleeps between probes, not every turn
+        # warm: every probe after the first follows a timed wait, never a bare loop turn
+        assert waits and 1 <= probes["n"] <= len(waits) + 1
+        assert waits == sorted(waits)  # backing off
         wake.notify()  # a grant ends the sleep at once and makes it hot
         probes["ready"] = True
         await asyncio.wait_for(task, 30)
