@@ -66,6 +66,19 @@ class PullWake:
                 waiter.cancel()
 
 
+def is_hot(now: float, last_message: float, wake: PullWake) -> bool:
+    """Hot: a message came within HOT_S or a lease was granted within GRANT_HOT_S."""
+    return now - last_message <= HOT_S or now - wake.last <= GRANT_HOT_S
+
+
+def next_sleep(sleep: float, hot: bool, warm: bool) -> float:
+    """The schedule's next wait after one of `sleep`: 0 (hot: one loop turn), the warm backoff
+    (1 ms doubling up to WARM_SLEEP_S) or COLD_SLEEP_S."""
+    if hot:
+        return 0.0
+    return min(WARM_SLEEP_S, sleep * 2 or 1e-3) if warm else COLD_SLEEP_S
+
+
 def _prober(ep):
     """A function: has a message for `ep`'s receive tag arrived? None where unsupported."""
     try:
@@ -89,13 +102,8 @@ async def until_message(
         return
     sleep = 0.0
     while not ep.closed and not probe():
-        now = time.monotonic()
-        if now - last_message <= HOT_S or now - wake.last <= GRANT_HOT_S:
-            sleep = 0.0
-            await asyncio.sleep(0)
-        elif expecting():
-            sleep = min(WARM_SLEEP_S, sleep * 2 or 1e-3)
+        sleep = next_sleep(sleep, is_hot(time.monotonic(), last_message, wake), expecting())
+        if sleep:
             await wake.wait(sleep)
         else:
-            sleep = 0.0
-            await wake.wait(COLD_SLEEP_S)
+            await asyncio.sleep(0)

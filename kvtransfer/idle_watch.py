@@ -25,13 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from splitserve.kvtransfer.idle_wait import (
-    COLD_SLEEP_S,
-    GRANT_HOT_S,
-    HOT_S,
-    WARM_SLEEP_S,
-    PullWake,
-)
+from splitserve.kvtransfer.idle_wait import PullWake, is_hot, next_sleep
 
 log = logging.getLogger("splitserve.kvtransfer")
 SCAN_S = 0.05
@@ -136,7 +130,7 @@ class IdleWatch:
         self.probes = 0  # tag probes made (tests)
         self.drained = 0  # strays dropped
         self._idle: dict[int, _Waiter] = {}
-        self._hot_until = float("-inf")
+        self._last_message = float("-inf")
         self._kick = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._draining: deque = deque()
@@ -152,7 +146,7 @@ class IdleWatch:
         (active messages came) or what `cancel` said."""
         waiter = _Waiter(ep, tag, deadline)
         self._idle[tag] = waiter
-        self._hot_until = max(self._hot_until, last_message + HOT_S)
+        self._last_message = max(self._last_message, last_message)
         self._start()
         try:
             return await waiter.future
@@ -209,14 +203,13 @@ class IdleWatch:
                 await asyncio.sleep(SCAN_S)
             if not self._running():
                 break
-            if busy or now <= self._hot_until or now - self.wake.last <= GRANT_HOT_S:
-                sleep = 0.0
+            # hot: the next turn at once; else asleep until a grant, a new idle endpoint, or the
+            # next scan is due; with no idle endpoint (strays only) cold, whatever leases are out
+            hot = busy or is_hot(now, self._last_message, self.wake)
+            sleep = next_sleep(sleep, hot, bool(self._idle) and self.expecting())
+            if not sleep:
                 await asyncio.sleep(0)
                 continue
-            # asleep until a grant, a new idle endpoint, or the next scan is due; with no idle
-            # endpoint (strays only) cold, whatever leases are out
-            warm = self._idle and self.expecting()
-            sleep = min(WARM_SLEEP_S, sleep * 2 or 1e-3) if warm else COLD_SLEEP_S
             await self.wake.wait(min(sleep, max(next_scan - now, 1e-3)), also=self._kick)
 
     def _dispatch(self, worker) -> bool:
