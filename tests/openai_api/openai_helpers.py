@@ -1,8 +1,10 @@
 """Shared pieces of the OpenAI API tests: worker flags, the running stack (addresses, plain HTTP
-and gRPC calls, the "every worker's KV is free" check) and the single-process oracle."""
+and gRPC calls, the "every worker's KV is free" check), an in-process router without workers
+and the single-process oracle."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
@@ -71,6 +73,14 @@ def _free(load: worker_pb2.WorkerLoad) -> bool:
     )
 
 
+def _metric_value(page: str, line_prefix: str) -> float:
+    """The value of the first line of a /metrics page starting with `line_prefix` (0 when absent)."""
+    for line in page.splitlines():
+        if line.startswith(line_prefix):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 @dataclass
 class Stack:
     model: Path
@@ -81,13 +91,13 @@ class Stack:
     procs: ProcessGroup
     decode_metrics_port: int | None = None
 
-    def decode_aborted(self) -> float:
-        """Requests the decode worker ended as aborted (a cancel reached it), from its /metrics."""
+    def decode_finished(self, reason: str) -> float:
+        """Requests the decode worker ended for `reason` ("abort": a cancel reached it; "error"),
+        from its /metrics."""
         page = http("GET", f"http://127.0.0.1:{self.decode_metrics_port}/metrics")[1]
-        for line in page.splitlines():
-            if line.startswith('splitserve_decode_requests_finished_total{reason="abort"}'):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return _metric_value(
+            page, f'splitserve_decode_requests_finished_total{{reason="{reason}"}}'
+        )
 
     def get(self, path: str) -> tuple[int, Any, dict[str, str]]:
         return http("GET", self.base_url + path)
@@ -134,11 +144,13 @@ class Stack:
 
     def metric(self, line_prefix: str) -> float:
         """The value of the first /metrics line starting with `line_prefix` (0 when absent)."""
-        page = self.get("/metrics")[1]
-        for line in page.splitlines():
-            if line.startswith(line_prefix):
-                return float(line.rsplit(" ", 1)[1])
-        return 0.0
+        return _metric_value(self.get("/metrics")[1], line_prefix)
+
+
+def still_serving(client) -> None:
+    """A short greedy completion through the openai `client` still gets its two tokens."""
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens == 2
 
 
 def chat_until_stop(client, messages, seed: int, max_tokens: int, **kw) -> str:
@@ -155,6 +167,29 @@ def chat_until_stop(client, messages, seed: int, max_tokens: int, **kw) -> str:
     choice = out.choices[0]
     assert choice.finish_reason == "stop", (kw, choice)
     return choice.message.content
+
+
+@contextlib.asynccontextmanager
+async def router_without_workers(model: Path):
+    """An in-process router for the checkpoint in `model` (gRPC and HTTP on free loopback ports),
+    with no worker to send requests to; stopped on exit."""
+    from splitserve.router.config import RouterConfig
+    from splitserve.router.server import Router
+
+    cfg = RouterConfig.model_validate(
+        {
+            "model_path": str(model),
+            "server": {"host": "127.0.0.1", "port": 0},
+            "http": {"port": 0},
+            "registry": {"poll_interval_s": 0.2},
+        }
+    )
+    router = Router(cfg)
+    await router.start()
+    try:
+        yield router
+    finally:
+        await router.stop(1.0)
 
 
 def make_oracle(model):

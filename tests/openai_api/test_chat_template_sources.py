@@ -4,7 +4,8 @@ save_pretrained writes) and additional_chat_templates/ replace tokenizer_config.
 chat_template.json is the last resort, a named template list picks `tool_use` when tools are
 passed; every special token (unk/pad/sep/..., image_token) reaches the template, None-valued
 message keys are dropped, reasoning is aliased, and namespace refuses _names. Through the HTTP
-router: a chat_template.jinja-only checkpoint serves chat, and raise_exception is a 400."""
+router: a chat_template.jinja-only checkpoint serves chat, and raise_exception is a 400; a model
+without any chat template is a 400 that says so, and /health is 503 without workers."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import shutil
 import grpc
 import openai
 import pytest
+from openai_helpers import http, router_without_workers
 
 from splitserve.request.errors import RequestError
 from splitserve.request.tokenizer import Tokenizer
@@ -201,27 +203,14 @@ def test_namespace_refuses_underscore_names(tiny_llama, tmp_path):
 
 
 def test_jinja_only_checkpoint_serves_chat_and_refusals_are_400s(tiny_llama, tmp_path):
-    from splitserve.router.config import RouterConfig
-    from splitserve.router.server import Router
-
     strict = (
         "{% if messages[0].role != 'system' %}{{ raise_exception('first message must be system') }}"
         "{% endif %}" + T_MAIN
     )
     folder = checkpoint(tiny_llama, tmp_path / "jinja-only", jinja=strict)
-    cfg = RouterConfig.model_validate(
-        {
-            "model_path": str(folder),
-            "server": {"host": "127.0.0.1", "port": 0},
-            "http": {"port": 0},
-            "registry": {"poll_interval_s": 0.2},
-        }
-    )
 
     async def body():
-        router = Router(cfg)
-        await router.start()
-        try:
+        async with router_without_workers(folder) as router:
             base = f"http://{router.http.address}/v1"
             async with openai.AsyncOpenAI(base_url=base, api_key="-", max_retries=0) as c:
                 with pytest.raises(openai.BadRequestError) as refused:
@@ -230,10 +219,36 @@ def test_jinja_only_checkpoint_serves_chat_and_refusals_are_400s(tiny_llama, tmp
                 with pytest.raises(openai.InternalServerError) as rendered:
                     await c.chat.completions.create(model="jinja-only", messages=MSGS)
             return refused.value, rendered.value
-        finally:
-            await router.stop(1.0)
 
     refused, rendered = asyncio.run(body())
     assert refused.status_code == 400 and refused.body["param"] == "messages"
     assert "first message must be system" in refused.body["message"]
     assert rendered.status_code == 503 and rendered.body["code"] == "unavailable"
+
+
+def test_model_without_chat_template_is_a_400_and_health_503_without_workers(tiny_llama, tmp_path):
+    folder = checkpoint(tiny_llama, tmp_path / "no-template")  # no template anywhere
+    hello = [{"role": "user", "content": "Hello"}]
+
+    async def body():
+        async with router_without_workers(folder) as router:
+            base = f"http://{router.http.address}"
+            async with openai.AsyncOpenAI(
+                base_url=base + "/v1", api_key="unused", max_retries=0
+            ) as c:
+                with pytest.raises(openai.BadRequestError) as no_template:
+                    await c.chat.completions.create(model="no-template", messages=hello)
+                with pytest.raises(openai.InternalServerError) as no_workers:
+                    await c.completions.create(model="no-template", prompt="Hi", max_tokens=2)
+            health = await asyncio.to_thread(http, "GET", base + "/health")
+            return no_template.value, no_workers.value, health, router.describe()
+
+    no_template, no_workers, (status, health, _), described = asyncio.run(body())
+    assert (
+        no_template.body["param"] == "messages"
+        and "no chat_template" in no_template.body["message"]
+    )
+    assert "/v1/completions" in no_template.body["message"]
+    assert no_workers.status_code == 503 and no_workers.body["code"] == "unavailable"
+    assert status == 503 and health["status"] == "unavailable" and health["healthy_decode"] == 0
+    assert "OpenAI HTTP API on http://127.0.0.1:" in described

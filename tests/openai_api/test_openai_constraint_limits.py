@@ -35,16 +35,6 @@ def _token(stack, text: str) -> int:
     return Tokenizer.from_file(str(stack.model / "tokenizer.json")).token_to_id(text)
 
 
-def _decode_errors(stack) -> float:
-    from openai_helpers import http
-
-    page = http("GET", f"http://127.0.0.1:{stack.decode_metrics_port}/metrics")[1]
-    for line in page.splitlines():
-        if line.startswith('splitserve_decode_requests_finished_total{reason="error"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def test_the_audits_constraints_are_refused_up_front_everywhere(stack, client):
     for kind, text in FORMS.items():
         with pytest.raises(grpc.RpcError) as info:
@@ -101,7 +91,7 @@ def test_a_later_state_past_the_limits_ends_with_invalid_argument_at_the_decode_
     forced = generate_pb2.SamplingParams()
     forced.CopyFrom(sp)
     forced.logit_bias[y] = 100.0
-    errors = _decode_errors(stack)
+    errors = stack.decode_finished("error")
     with grpc.insecure_channel(stack.decode) as ch:
         stub = worker_pb2_grpc.DecodeWorkerStub(ch)
         for rid, first, params in (("handed", y, sp), ("colocated", None, forced)):
@@ -116,7 +106,7 @@ def test_a_later_state_past_the_limits_ends_with_invalid_argument_at_the_decode_
             details = info.value.details()
             assert "exceeded the grammar engine's limits at output token 2" in details, details
             assert "too many expressions constructed" in details, details
-    assert _decode_errors(stack) == errors + 2
+    assert stack.decode_finished("error") == errors + 2
     # the same constraint on its healthy branch, then any request: served
     chunks = stack.grpc_generate("hello", generate_pb2.SamplingParams(max_tokens=4, regex=LATE))
     assert "".join(c.text for c in chunks).strip("x") == ""
@@ -140,7 +130,7 @@ def test_refused_constraints_leave_another_callers_stream_alone(stack):
     (each refused at the router: no worker compiles or masks it); the same tokens."""
     sp = generate_pb2.SamplingParams(max_tokens=60, ignore_eos=True, temperature=0)
     alone = [t for c in stack.grpc_generate("hello", sp) for t in c.token_ids]
-    errors, codes = _decode_errors(stack), []
+    errors, codes = stack.decode_finished("error"), []
 
     def attack():
         for _ in range(5):
@@ -155,5 +145,5 @@ def test_refused_constraints_leave_another_callers_stream_alone(stack):
     t.join()
     assert beside == alone and len(alone) == 60
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 5
-    assert _decode_errors(stack) == errors  # none reached the decode worker's engine
+    assert stack.decode_finished("error") == errors  # none reached the decode worker's engine
     stack.assert_free()
