@@ -18,6 +18,7 @@ from fuzz_auth_support import (
     _no_echo,
     _settings,
 )
+from fuzz_messages import random_message
 from fuzz_support import C, _call
 from grpc_health.v1 import health_pb2
 from hypothesis import given
@@ -43,7 +44,7 @@ def test_workers_refuse_fuzzed_metadata(g, ended):
         st.sampled_from([[], [("authorization-bin", f"Bearer {s}".encode())]]),
     ).map(lambda parts: [p for part in parts for p in part])
     calls = st.sampled_from(WORKER_CALLS).flatmap(
-        lambda c: st.tuples(st.just(c), fz.random_message(c[2]) | st.binary(max_size=80))
+        lambda c: st.tuples(st.just(c), random_message(c[2]) | st.binary(max_size=80))
     )
 
     @_settings(60)

@@ -19,6 +19,7 @@ import secrets
 import grpc
 import pytest
 from fuzz_control_support import CONTROL
+from fuzz_messages import mix
 from fuzz_support import (
     HEALTH_CHECK,
     PROBE_TIMEOUT_S,
@@ -28,7 +29,6 @@ from fuzz_support import (
     _check,
     _decodable,
     fuzz_settings,
-    mix,
 )
 from grpc_health.v1 import health_pb2
 from hypothesis import given

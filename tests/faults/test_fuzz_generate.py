@@ -13,8 +13,8 @@ from fault_helpers import (
     Ledger,
     router_outcomes,
 )
+from fuzz_messages import ODD_CHARS
 from fuzz_support import (
-    ODD_CHARS,
     C,
     Front,
     _end,

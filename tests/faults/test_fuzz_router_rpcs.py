@@ -11,13 +11,13 @@ import secrets
 
 import grpc
 import pytest
+from fuzz_messages import TEXT, mix
 from fuzz_support import (
     HEALTH_CHECK,
     MODEL,
     PREFILL_SERVICE,
     PROBE_TIMEOUT_S,
     ROUTER_SERVICE,
-    TEXT,
     C,
     Front,
     Outcome,
@@ -26,7 +26,6 @@ from fuzz_support import (
     _decodable,
     _end,
     fuzz_settings,
-    mix,
 )
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2

@@ -14,12 +14,12 @@ from fault_helpers import (
     SLOW_PREFILL,
     SLOW_PULL,
 )
+from fuzz_messages import TEXT, _ints, assign, field_value, mix, mutated, random_message, wire_bytes
 from fuzz_support import (
     DECODE_SERVICE,
     HEALTH_CHECK,
     PREFILL_SERVICE,
     ROUTER_SERVICE,
-    TEXT,
     C,
     Outcome,
     _call,
@@ -28,15 +28,8 @@ from fuzz_support import (
     _decodable,
     _end,
     _events,
-    _ints,
-    assign,
-    field_value,
     fresh_id,
     fuzz_settings,
-    mix,
-    mutated,
-    random_message,
-    wire_bytes,
 )
 from grpc_health.v1 import health_pb2
 from hypothesis import assume, given
