@@ -5,6 +5,7 @@ peers, and an event loop that counts its turns."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import torch
 
@@ -55,14 +56,27 @@ async def until(predicate, what: str, limit: float = 30.0) -> None:
     raise AssertionError(f"never: {what}")
 
 
-async def start(cfg: KvTransferConfig, blocks=(3, 4), **kw):
+@contextlib.asynccontextmanager
+async def listening(cfg: KvTransferConfig, blocks=(3, 4), **kw):
+    """A started listener over a random pool whose lease "L1" holds `blocks`, closed on exit:
+    (server, its pool, its PoolSpec, the lease table)."""
     src = torch.randn(SHAPE)
     spec = PoolSpec.of(src, "h")
     leases = Leases()
     leases.table["L1"] = list(blocks)
     server = KvTransferServer(src, spec, leases, cfg, **kw)
     await server.start()
-    return server, src, spec, leases
+    try:
+        yield server, src, spec, leases
+    finally:
+        await server.close()
+
+
+async def connect(server: KvTransferServer):
+    """A raw ucxx endpoint to `server`'s listener on loopback: a peer."""
+    import ucxx
+
+    return await ucxx.create_endpoint("127.0.0.1", server.port)
 
 
 def request(spec: PoolSpec, lease: str = "L1", **kw) -> kv_pb2.KvPullRequest:

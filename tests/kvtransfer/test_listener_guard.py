@@ -11,7 +11,7 @@ import asyncio
 import numpy as np
 import pytest
 import torch
-from listener_peers import SHAPE, ask, request, run, start, until
+from listener_peers import SHAPE, ask, connect, listening, request, run, until
 
 from splitserve.kvtransfer.client import KvTransferClient
 from splitserve.kvtransfer.config import KvTransferConfig
@@ -45,21 +45,20 @@ def test_the_listener_binds_the_workers_host_only(host, listen_host, bound):
     cfg = KvTransferConfig(listen_host=listen_host, data_timeout_s=5, lease_request_timeout_s=5)
 
     async def main():
-        server, src, spec, leases = await start(cfg, host=host)
-        port = server.port
-        dst = torch.zeros(SHAPE)
-        client = KvTransferClient(dst, PoolSpec.of(dst, "h"), cfg)
-        try:
-            assert listening_addresses(port) == bound
-            handle = make_handle(
-                spec, host="127.0.0.1", port=server.port, lease_id="L1", request_id="r1",
-                num_blocks=2, num_tokens=20, ttl_s=30,
-            )  # fmt: skip
-            await client.pull(handle, [7, 8])
-            assert torch.equal(dst[:, :, [7, 8]], src[:, :, [3, 4]])
-        finally:
-            client.close()
-            await server.close()
+        async with listening(cfg, host=host) as (server, src, spec, leases):
+            port = server.port
+            dst = torch.zeros(SHAPE)
+            client = KvTransferClient(dst, PoolSpec.of(dst, "h"), cfg)
+            try:
+                assert listening_addresses(port) == bound
+                handle = make_handle(
+                    spec, host="127.0.0.1", port=server.port, lease_id="L1", request_id="r1",
+                    num_blocks=2, num_tokens=20, ttl_s=30,
+                )  # fmt: skip
+                await client.pull(handle, [7, 8])
+                assert torch.equal(dst[:, :, [7, 8]], src[:, :, [3, 4]])
+            finally:
+                client.close()
         await until(lambda: not listening_addresses(port), "the port closed")
 
     run(main())
@@ -72,11 +71,8 @@ def test_where_ucxx_cannot_bind_one_address_it_binds_every_interface_and_warns(m
     cfg = KvTransferConfig(lease_request_timeout_s=5)
 
     async def main():
-        server, _, _, _ = await start(cfg, host="127.0.0.1")
-        try:
+        async with listening(cfg, host="127.0.0.1") as (server, _, _, _):
             assert listening_addresses(server.port) == {"0.0.0.0"}
-        finally:
-            await server.close()
 
     run(main())
     assert "binds every interface, not 127.0.0.1 (ucxx 9.9" in caplog.text
@@ -133,45 +129,35 @@ def test_a_loopback_listener_keeps_all_of_ucx_on_loopback():
 
 
 def test_connections_without_a_valid_request_or_refused_are_closed():
-    import ucxx
-
     cfg = KvTransferConfig(lease_request_timeout_s=0.5, data_timeout_s=5)
 
     async def main():
-        server, _, spec, _ = await start(cfg)
-        closed = server.connections.closed
-        try:
-            silent = await ucxx.create_endpoint("127.0.0.1", server.port)
-            junk = await ucxx.create_endpoint("127.0.0.1", server.port)
+        async with listening(cfg) as (server, _, spec, _):
+            closed = server.connections.closed
+            silent = await connect(server)
+            junk = await connect(server)
             await junk.send(np.full(64, 0xFF, np.uint8))  # no KvPullRequest frame
-            refused = await ucxx.create_endpoint("127.0.0.1", server.port)
+            refused = await connect(server)
             reply = await ask(refused, request(spec, lease="nobody's"))
             assert reply.status == kv_pb2.KV_PULL_STATUS_LEASE_UNKNOWN
             await until(lambda: len(server.connections) == 0, "every connection closed")
             assert closed == {"no request": 1, "malformed request": 1, "refused": 1}, closed
             # their peers see it (the refused one kept its endpoint: the listener closed it)
             await until(lambda: silent.closed and junk.closed and refused.closed, "peers closed")
-        finally:
-            await server.close()
 
     run(main())
 
 
 def test_active_messages_close_the_endpoint():
-    import ucxx
-
     cfg = KvTransferConfig(lease_request_timeout_s=30)
 
     async def main():
-        server, _, _, _ = await start(cfg)
-        try:
-            ep = await ucxx.create_endpoint("127.0.0.1", server.port)
+        async with listening(cfg) as (server, _, _, _):
+            ep = await connect(server)
             with pytest.raises(Exception, match="reset"):  # closed on the listener's next scan
                 for _ in range(100_000):
                     await ep.am_send(np.ones(1024, np.uint8))
             await until(lambda: server.connections.closed.get("active messages"), "closed")
-        finally:
-            await server.close()
 
     run(main())
 
@@ -180,42 +166,40 @@ def test_idle_endpoints_are_closed_and_the_decode_pool_connects_anew():
     cfg = KvTransferConfig(idle_timeout_s=0.3, data_timeout_s=5, lease_request_timeout_s=5)
 
     async def main():
-        server, src, spec, leases = await start(cfg)
-        dst = torch.zeros(SHAPE)
-        client = KvTransferClient(dst, PoolSpec.of(dst, "h"), cfg)
-        try:
-            for i, lease in enumerate(("A", "B", "C")):
-                leases.table[lease] = [10 + i]
-                handle = make_handle(
-                    spec, host="127.0.0.1", port=server.port, lease_id=lease, request_id="r",
-                    num_blocks=1, num_tokens=10, ttl_s=30,
-                )  # fmt: skip
-                await client.pull(handle, [20 + i])
-                assert torch.equal(dst[:, :, 20 + i], src[:, :, 10 + i])
-                # the endpoint back in the pool, then closed by the listener while idle
-                await until(lambda i=i: server.connections.closed.get("idle", 0) > i, "idle close")
-        finally:
-            client.close()
-            await server.close()
+        async with listening(cfg) as (server, src, spec, leases):
+            dst = torch.zeros(SHAPE)
+            client = KvTransferClient(dst, PoolSpec.of(dst, "h"), cfg)
+            try:
+                for i, lease in enumerate(("A", "B", "C")):
+                    leases.table[lease] = [10 + i]
+                    handle = make_handle(
+                        spec, host="127.0.0.1", port=server.port, lease_id=lease, request_id="r",
+                        num_blocks=1, num_tokens=10, ttl_s=30,
+                    )  # fmt: skip
+                    await client.pull(handle, [20 + i])
+                    assert torch.equal(dst[:, :, 20 + i], src[:, :, 10 + i])
+                    # the endpoint back in the pool, then closed by the listener while idle
+                    await until(
+                        lambda i=i: server.connections.closed.get("idle", 0) > i, "idle close"
+                    )
+            finally:
+                client.close()
 
     run(main())
 
 
 def test_at_max_connections_the_longest_idle_makes_room_and_busy_ones_stay():
-    import ucxx
-
     cfg = KvTransferConfig(max_connections=2, lease_request_timeout_s=30, data_timeout_s=30)
 
     async def main():
         faults = TransferFaults(stall_before_payload_s=1.0)  # the pull stays busy meanwhile
-        server, src, spec, leases = await start(cfg, faults=faults)
-        conns = server.connections
-        try:
-            first = await ucxx.create_endpoint("127.0.0.1", server.port)
+        async with listening(cfg, faults=faults) as (server, src, spec, leases):
+            conns = server.connections
+            first = await connect(server)
             await until(lambda: len(conns) == 1, "first accepted")
-            second = await ucxx.create_endpoint("127.0.0.1", server.port)
+            second = await connect(server)
             await until(lambda: len(conns) == 2, "second accepted")
-            third = await ucxx.create_endpoint("127.0.0.1", server.port)
+            third = await connect(server)
             await until(lambda: conns.closed.get("evicted") == 1, "the oldest replaced")
             await until(lambda: first.closed, "the oldest's peer sees it")
             assert len(conns) == 2 and not second.closed and not third.closed
@@ -231,25 +215,21 @@ def test_at_max_connections_the_longest_idle_makes_room_and_busy_ones_stay():
                 spec, host="127.0.0.1", port=server.port, lease_id="L2", request_id="r2",
                 num_blocks=1, num_tokens=10, ttl_s=30,
             )  # fmt: skip
-            other = await ucxx.create_endpoint("127.0.0.1", server.port)  # idle
+            other = await connect(server)  # idle
             await until(lambda: len(conns) == 2, "idle one accepted")
             pull = asyncio.ensure_future(client.pull(handle, [9]))  # replaces the idle one
             await until(lambda: conns.closed.get("evicted") == 2 and other.closed, "replaced")
-            late = await ucxx.create_endpoint("127.0.0.1", server.port)  # both busy: refused
+            late = await connect(server)  # both busy: refused
             await until(lambda: conns.closed.get("full") == 1 and late.closed, "refused")
             assert (await reply).status == kv_pb2.KV_PULL_STATUS_OK
             await pull
             assert torch.equal(dst[:, :, 9], src[:, :, 5])
             client.close()
-        finally:
-            await server.close()
 
     run(main())
 
 
 def test_a_request_sent_before_the_listener_knows_its_endpoint_is_no_stray(monkeypatch):
-    import ucxx
-
     from splitserve.kvtransfer.connections import Connections
 
     run_connection = Connections.run
@@ -262,16 +242,13 @@ def test_a_request_sent_before_the_listener_knows_its_endpoint_is_no_stray(monke
     cfg = KvTransferConfig(lease_request_timeout_s=30, data_timeout_s=5)
 
     async def main():
-        server, _, spec, _ = await start(cfg, drain_strays=True)
-        try:
-            idle = await ucxx.create_endpoint("127.0.0.1", server.port)  # the watch runs
+        async with listening(cfg, drain_strays=True) as (server, _, spec, _):
+            idle = await connect(server)  # the watch runs
             await until(lambda: server.connections.watch.idle == 1, "one idle endpoint")
-            ep = await ucxx.create_endpoint("127.0.0.1", server.port)
+            ep = await connect(server)
             reply = await ask(ep, request(spec))
             assert reply.status == kv_pb2.KV_PULL_STATUS_OK
             idle.abort()
             ep.abort()
-        finally:
-            await server.close()
 
     run(main())

@@ -10,7 +10,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from listener_peers import ask, request, run, start, until
+from listener_peers import ask, connect, listening, request, run, until
 
 from splitserve.kvtransfer import frames
 from splitserve.kvtransfer import server as server_mod
@@ -19,16 +19,13 @@ from splitserve.protos import kv_pb2
 
 
 def test_many_idle_endpoints_cost_one_probe_per_loop_turn():
-    import ucxx
-
     cfg = KvTransferConfig(lease_request_timeout_s=60, data_timeout_s=5)
 
     async def main():
         # (strays left by earlier tests would hide the idle endpoints' messages: dropped)
-        server, src, spec, leases = await start(cfg, drain_strays=True)
-        watch = server.connections.watch
-        try:
-            eps = [await ucxx.create_endpoint("127.0.0.1", server.port) for _ in range(40)]
+        async with listening(cfg, drain_strays=True) as (server, src, spec, leases):
+            watch = server.connections.watch
+            eps = [await connect(server) for _ in range(40)]
             await until(lambda: watch.idle == 40, "40 idle endpoints")
             loop = asyncio.get_running_loop()
             server.expect_pull()  # a grant: every idle endpoint hot (probed each loop turn)
@@ -43,8 +40,6 @@ def test_many_idle_endpoints_cost_one_probe_per_loop_turn():
             assert reply.status == kv_pb2.KV_PULL_STATUS_OK and watch.idle == 39
             for ep in eps:
                 ep.abort()
-        finally:
-            await server.close()
 
     run(main())
 
@@ -56,10 +51,9 @@ def test_stray_messages_are_dropped():
     cfg = KvTransferConfig(lease_request_timeout_s=0.5)
 
     async def main():
-        server, _, _, _ = await start(cfg, drain_strays=True)
-        worker = ucxx.core._get_ctx().worker
-        try:
-            ep = await ucxx.create_endpoint("127.0.0.1", server.port)
+        async with listening(cfg, drain_strays=True) as (server, _, _, _):
+            worker = ucxx.core._get_ctx().worker
+            ep = await connect(server)
             msg = np.full(1024, 7, np.uint8)
             for i in range(300):  # on tags nobody receives: UCX would keep them for good
                 await ep.send(msg, tag=0xDEAD)
@@ -68,45 +62,35 @@ def test_stray_messages_are_dropped():
             await until(lambda: server.connections.closed.get("no request"), "closed")
             await until(lambda: not worker.tag_probe(Tag(0), TagMask(0)).matched, "drained")
             assert server.connections.watch.drained >= 900
-        finally:
-            await server.close()
 
     run(main())
 
 
 def test_a_tiny_message_size_is_floored_and_messages_are_bounded(monkeypatch):
-    import ucxx
-
     assert KvTransferConfig().message_limit(1) == 2**20
     cfg = KvTransferConfig(max_message_bytes=2**20, data_timeout_s=5, lease_request_timeout_s=5)
 
     async def main():
-        server, src, spec, leases = await start(cfg, blocks=tuple(range(2, 66)))  # 2 MiB
-        try:
+        async with listening(cfg, blocks=tuple(range(2, 66))) as (server, _, spec, _):  # 2 MiB
             for cap, expected in ((server_mod.MAX_MESSAGES, 2), (1, 1)):
                 monkeypatch.setattr(server_mod, "MAX_MESSAGES", cap)
-                ep = await ucxx.create_endpoint("127.0.0.1", server.port)
+                ep = await connect(server)
                 reply = await ask(ep, request(spec, max_message_bytes=1))
                 assert reply.status == kv_pb2.KV_PULL_STATUS_OK
                 assert reply.num_messages == expected and reply.payload_bytes == 2 * 2**20
                 ep.abort()
-        finally:
-            await server.close()
 
     run(main())
 
 
 @pytest.mark.parametrize("reads_payload", [False, True])
 def test_a_peer_that_never_reads_or_never_confirms_leaves_the_loop_quiet(reads_payload):
-    import ucxx
-
     cfg = KvTransferConfig(data_timeout_s=2.5, lease_request_timeout_s=5)
 
     async def main():
-        server, src, spec, leases = await start(cfg, blocks=tuple(range(2, 66)))  # 2 MiB
-        loop = asyncio.get_running_loop()
-        try:
-            ep = await ucxx.create_endpoint("127.0.0.1", server.port)
+        async with listening(cfg, blocks=tuple(range(2, 66))) as (server, _, spec, leases):  # 2 MiB
+            loop = asyncio.get_running_loop()
+            ep = await connect(server)
             reply = await ask(ep, request(spec))
             if reads_payload:  # then the trailer, but never KvPullDone
                 payload = np.empty(reply.payload_bytes, np.uint8)
@@ -122,7 +106,5 @@ def test_a_peer_that_never_reads_or_never_confirms_leaves_the_loop_quiet(reads_p
             await until(lambda: leases.pulled, "the pull's end")
             assert leases.pulled == [("L1", False)]  # timed out: the blocks were unpinned
             ep.abort()
-        finally:
-            await server.close()
 
     run(main())
