@@ -26,6 +26,7 @@ FREE = SamplingParams(temperature=1.0, seed=7, max_tokens=30)
 HEALTHY = SamplingParams(
     temperature=1.0, seed=3, max_tokens=20, constraint=Constraint(kind="regex", text=RX)
 )
+LATE_ROW = SamplingParams(temperature=1.0, seed=5, max_tokens=20, constraint=LATE)
 
 
 def _token(engine, text: str) -> int:
@@ -56,19 +57,26 @@ def _break_lexer(engine, c: Constraint) -> None:
     assert is_limit_error(walker.get_error())
 
 
-def _baseline(model) -> tuple[Collected, int]:
-    """The free and the healthy constrained row alone: their tokens and the steps taken."""
-    engine = make_engine(model)
-    col = Collected()
-    steps = drive(
+def _drive_beside_others(engine, col: Collected, *more) -> int:
+    """Submits the free and the healthy constrained row at step 0, then `more` (callables, in
+    order, the same step), and drives `engine` until all have ended; the steps taken."""
+    return drive(
         engine,
         {
             0: [
                 lambda: _colocated(engine, col, "free", FREE),
                 lambda: _colocated(engine, col, "rx", HEALTHY),
+                *more,
             ]
         },
     )
+
+
+def _baseline(model) -> tuple[Collected, int]:
+    """The free and the healthy constrained row alone: their tokens and the steps taken."""
+    engine = make_engine(model)
+    col = Collected()
+    steps = _drive_beside_others(engine, col)
     assert_all_free(engine)
     return col, steps
 
@@ -95,16 +103,8 @@ def test_handed_over_row_past_the_limits_ends_alone_with_invalid_argument(tiny_l
     runs out of lexer fuel: that row ends at output token 2, the grammar's compile is dropped."""
     engine = make_engine(tiny_llama)
     col = Collected()
-    late = SamplingParams(temperature=1.0, seed=5, max_tokens=20, constraint=LATE)
-    steps = drive(
-        engine,
-        {
-            0: [
-                lambda: _colocated(engine, col, "free", FREE),
-                lambda: _colocated(engine, col, "rx", HEALTHY),
-                lambda: _handed_over(engine, col, "late", _token(engine, "y"), late),
-            ]
-        },
+    steps = _drive_beside_others(
+        engine, col, lambda: _handed_over(engine, col, "late", _token(engine, "y"), LATE_ROW)
     )
     _assert_over_limits(col, "late", 2)
     assert col.tokens["late"] == []  # the token sampled under the broken state never streams
@@ -120,22 +120,12 @@ def test_a_row_whose_mask_fill_fails_ends_before_its_eos_passes_for_a_stop(tiny_
     engine = make_engine(tiny_llama)
     engine.grammars.lineages = 1
     col = Collected()
-    late = SamplingParams(temperature=1.0, seed=5, max_tokens=20, constraint=LATE)
 
     def admit_then_break():
-        _handed_over(engine, col, "x", _token(engine, "x"), late)
+        _handed_over(engine, col, "x", _token(engine, "x"), LATE_ROW)
         _break_lexer(engine, LATE)
 
-    steps = drive(
-        engine,
-        {
-            0: [
-                lambda: _colocated(engine, col, "free", FREE),
-                lambda: _colocated(engine, col, "rx", HEALTHY),
-                admit_then_break,
-            ]
-        },
-    )
+    steps = _drive_beside_others(engine, col, admit_then_break)
     _assert_over_limits(col, "x", 2)
     assert col.tokens["x"] == []
     assert engine.grammars.compiled_count(LATE) == 0
@@ -143,7 +133,7 @@ def test_a_row_whose_mask_fill_fails_ends_before_its_eos_passes_for_a_stop(tiny_
     _assert_others_kept(tiny_llama, col, steps)
     # the next request of the grammar compiles afresh, and runs
     col2 = Collected()
-    drive(engine, {0: [lambda: _handed_over(engine, col2, "again", _token(engine, "x"), late)]})
+    drive(engine, {0: [lambda: _handed_over(engine, col2, "again", _token(engine, "x"), LATE_ROW)]})
     assert col2.final["again"].finish_reason in ("stop", "length"), col2.final["again"]
     text = Tokenizer.from_dir(tiny_llama).decode([t for t in col2.tokens["again"] if t != EOS])
     assert re.fullmatch("x*", text), text  # "x" + this: the grammar's x+ branch
@@ -157,18 +147,10 @@ def test_colocated_first_token_of_a_broken_lexer_is_invalid_argument(tiny_llama)
     engine = make_engine(tiny_llama)
     engine.grammars.lineages = 1
     col = Collected()
-    late = SamplingParams(temperature=1.0, seed=5, max_tokens=20, constraint=LATE)
     matcher = engine.grammars.compile_now(LATE)
     _break_lexer(engine, LATE)
-    steps = drive(
-        engine,
-        {
-            0: [
-                lambda: _colocated(engine, col, "free", FREE),
-                lambda: _colocated(engine, col, "rx", HEALTHY),
-                lambda: _colocated(engine, col, "late", late, matcher),
-            ]
-        },
+    steps = _drive_beside_others(
+        engine, col, lambda: _colocated(engine, col, "late", LATE_ROW, matcher)
     )
     _assert_over_limits(col, "late", 1)
     assert col.tokens["late"] == []
