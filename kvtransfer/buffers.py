@@ -26,7 +26,41 @@ _POLLS = 200
 ZERO_COPY_MIN_SLAB_BYTES = 2**20
 
 
+class DeviceBytes:
+    """`nbytes` of device memory as UCX reads it (CUDA's array interface, uint8), without a
+    tensor per piece: torch's `__cuda_array_interface__` and the views that feed it
+    cost several microseconds each, and a slab-framed pull has 32+ pieces on each side.
+    `owner` (contiguous) keeps the memory alive; the bytes start `offset` bytes into it."""
+
+    def __init__(self, owner: torch.Tensor, offset: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (owner.data_ptr() + offset, False),
+            "strides": None,
+            "version": 3,
+        }
+        self.owner, self.offset, self.nbytes = owner, offset, nbytes
+
+    def tensor(self) -> torch.Tensor:
+        """The same bytes as a uint8 tensor (fault injection edits them)."""
+        flat = self.owner.reshape(-1).view(torch.uint8)
+        return flat[self.offset : self.offset + self.nbytes]
+
+
+def byte_views(t: torch.Tensor, ranges) -> list:
+    """UCX buffers of the (byte offset, byte length) `ranges` of contiguous `t`."""
+    if not t.is_contiguous():
+        raise ValueError("byte views need a contiguous tensor")
+    if t.is_cuda:
+        return [DeviceBytes(t, off, size) for off, size in ranges]
+    flat = t.reshape(-1).view(torch.uint8).numpy()
+    return [flat[off : off + size] for off, size in ranges]
+
+
 def ucx_view(t: torch.Tensor):
+    if t.is_cuda and t.is_contiguous():
+        return DeviceBytes(t, 0, t.numel() * t.element_size())
     flat = t.reshape(-1).view(torch.uint8)
     return flat if flat.is_cuda else flat.numpy()
 
@@ -98,22 +132,19 @@ def slab_framed(num_messages: int, payload_bytes: int, num_layers: int) -> bool:
 def slab_views(kv_cache: torch.Tensor, b0: int, n: int, num_messages: int) -> list:
     """The UCX buffers of each piece of a slab-framed payload, straight in the pool: blocks
     [b0, b0 + n) of every (layer, K/V), k pieces each."""
-    layers = kv_cache.shape[0]
+    layers, _, num_blocks = kv_cache.shape[:3]
     k = num_messages // (2 * layers)
-    views = []
-    for layer in range(layers):
-        for kv in range(2):
-            slab = kv_cache[layer, kv, b0 : b0 + n].reshape(-1).view(torch.uint8)
-            step = slab.numel() // k
-            views += [ucx_view(slab[i : i + step]) for i in range(0, slab.numel(), step)]
-    return views
+    block = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+    slab, step = n * block, n * block // k
+    starts = [(i * num_blocks + b0) * block for i in range(2 * layers)]
+    return byte_views(kv_cache, [(s + o, step) for s in starts for o in range(0, slab, step)])
 
 
 def piece_views(payload: torch.Tensor, num_messages: int) -> list:
     """Even pieces of a contiguous payload (the receiver sizes its buffers the same way)."""
-    flat = payload.reshape(-1).view(torch.uint8)
-    chunk = -(-flat.numel() // num_messages)
-    return [ucx_view(flat[o : o + chunk]) for o in range(0, flat.numel(), chunk)]
+    nbytes = payload.numel() * payload.element_size()
+    chunk = -(-nbytes // num_messages)
+    return byte_views(payload, [(o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)])
 
 
 class StagingCache:

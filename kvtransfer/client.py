@@ -50,6 +50,7 @@ from splitserve.kvtransfer.lease_request import request_lease
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.progress_wait import BOOST
 from splitserve.kvtransfer.pull_stats import PullStats, lap
+from splitserve.kvtransfer.quiet_wait import recv_all
 from splitserve.kvtransfer.shards import ShardSource, shard_sources
 from splitserve.protos import kv_pb2
 
@@ -301,7 +302,7 @@ class KvTransferClient:
 
     async def _receive(self, ep, buffers: list) -> None:
         # all receives posted at once: UCX matches them in order and overlaps the messages
-        await asyncio.gather(*(ep.recv(b, tag=PAYLOAD_TAG) for b in buffers))
+        await recv_all(ep, buffers, self.config.data_timeout_s, PAYLOAD_TAG)
 
     def close(self) -> None:
         for task in list(self._tails):

@@ -1,4 +1,5 @@
-"""The listener's sends and receives, awaited without spinning the event loop.
+"""The KV transfer's sends and receives (the listener's, and a pull's payload), awaited
+without spinning the event loop.
 
 ucxx's `await ep.send(...)` / `ep.recv(...)` wait by polling their request every loop turn
 (`wait_yield`: `asyncio.sleep(0)` until completed). A pull whose peer never read its payload
@@ -78,6 +79,24 @@ async def send_all(ep, buffers: list, timeout: float, tag=None) -> None:
         await until_complete([inner.tag_send(a, wire) for a in arrays], timeout)
     except BaseException:
         frames.park(buffers, arrays)  # UCX may read them until the endpoint's abort ends
+        raise
+
+
+async def recv_all(ep, buffers: list, timeout: float, tag=None) -> None:
+    """Receives into `buffers` (posted at once: matched in order), one waiter for all of them
+    (a slab-framed payload has 32+); on a failure the buffers are parked."""
+    if not _supported(ep):
+        await asyncio.wait_for(asyncio.gather(*(ep.recv(b, tag=tag) for b in buffers)), timeout)
+        return
+    from ucxx._lib.arr import Array
+    from ucxx.types import TagMaskFull
+
+    arrays = [Array(b) for b in buffers]
+    try:
+        inner, wire = _raw(ep), _wire_tag(ep, "msg_recv", tag)
+        await until_complete([inner.tag_recv(a, wire, TagMaskFull) for a in arrays], timeout)
+    except BaseException:
+        frames.park(buffers, arrays)  # UCX may write them until the endpoint's abort ends
         raise
 
 

@@ -48,6 +48,7 @@ import torch
 from splitserve.kernels import ops
 from splitserve.kvtransfer.bound_listener import create_listener
 from splitserve.kvtransfer.buffers import (
+    DeviceBytes,
     StagingCache,
     TransferStream,
     contiguous_start,
@@ -278,6 +279,7 @@ class KvTransferServer:
         return sent + sum(_nbytes(p) for p in pieces)
 
     def _apply_faults(self, pieces: list) -> list:
+        pieces = [p.tensor() if isinstance(p, DeviceBytes) else p for p in pieces]
         if self.faults.corrupt_payload:  # copies: never the pool's own blocks
             pieces = [p.clone() if isinstance(p, torch.Tensor) else p.copy() for p in pieces]
             pieces[0][:64] ^= 0x5A
