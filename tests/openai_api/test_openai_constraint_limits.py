@@ -107,9 +107,16 @@ def test_a_later_state_past_the_limits_ends_with_invalid_argument_at_the_decode_
             assert "exceeded the grammar engine's limits at output token 2" in details, details
             assert "too many expressions constructed" in details, details
     assert stack.decode_finished("error") == errors + 2
-    # the same constraint on its healthy branch, then any request: served
-    chunks = stack.grpc_generate("hello", generate_pb2.SamplingParams(max_tokens=4, regex=LATE))
-    assert "".join(c.text for c in chunks).strip("x") == ""
+    # The same constraint on its healthy branch: served. Forced onto "x" the way the failing
+    # requests are forced onto "y", and seeded: unseeded, the prefill worker samples token 0
+    # with a seed drawn from its own generator (engine seed 0), so the branch taken depended on
+    # how many unseeded requests the session's workers had served before (one more, after
+    # test_openai_errors.py, and token 0 was "y": the late failure, not the healthy branch).
+    x = _token(stack, "x")
+    healthy = generate_pb2.SamplingParams(max_tokens=4, seed=1, regex=LATE, logit_bias={x: 100.0})
+    chunks = stack.grpc_generate("hello", healthy)
+    assert [t for c in chunks for t in c.token_ids] == [x] * 4, chunks
+    assert "".join(c.text for c in chunks) == "xxxx"
     stack.assert_free()
 
 
