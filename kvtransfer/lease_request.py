@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from splitserve.kvtransfer import frames
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.errors import KvTransferError
+from splitserve.kvtransfer.quiet_wait import post, post_frame
 from splitserve.protos import kv_pb2
 
 _STATUS_REASON = {
@@ -30,20 +29,25 @@ async def request_lease(
         max_message_bytes=cfg.max_message_bytes,
         **spec.fields(),
     )
-    try:  # the reply's receive is posted with the request: one round trip
-        _, reply = await asyncio.wait_for(
-            asyncio.gather(frames.send(ep, request), frames.recv(ep, kv_pb2.KvPullReply, buf)),
-            cfg.lease_request_timeout_s,
-        )
+    timeout = cfg.lease_request_timeout_s
+    posted = []
+    try:  # the reply's receive posted first, then the request, now: one round trip
+        posted.append(post(ep, [buf], receive=True))
+        posted.append(post_frame(ep, request))
+        await posted[1].wait(timeout)  # (local: it completes when the request left)
+        await posted[0].wait(timeout)
+        reply = frames.decode(buf, kv_pb2.KvPullReply)
     except TimeoutError as exc:
         raise KvTransferError(
-            "lease_timeout",
-            f"no answer to the lease request within {cfg.lease_request_timeout_s}s",
+            "lease_timeout", f"no answer to the lease request within {timeout}s"
         ) from exc
     except Exception as exc:
         raise KvTransferError(
             "peer_failed", f"prefill worker failed during the lease request: {exc}"
         ) from exc
+    finally:
+        for p in posted:  # a receive still posted must not write into `buf` later
+            p.abandon()
     if reply.status != kv_pb2.KV_PULL_STATUS_OK:
         reason = _STATUS_REASON.get(reply.status, "rejected")
         status = (

@@ -66,56 +66,81 @@ def _supported(ep) -> bool:
     return isinstance(getattr(ep, "_tags", None), dict) and hasattr(ep, "_ep")
 
 
-async def send_all(ep, buffers: list, timeout: float, tag=None) -> None:
-    """Sends `buffers` (posted at once: tag-ordered); on a failure they are parked."""
+class Posted:
+    """Sends or receives posted on an endpoint at once (`post`), awaited later with `wait`:
+    a reply header posted where it is built goes out before the loop's next turn, not when a
+    task created for it first runs. On a failure (or `abandon`) the buffers are parked: UCX may
+    use them until the endpoint's abort ends."""
+
+    def __init__(self, buffers: list, arrays: list, requests: list | None, task=None) -> None:
+        self.buffers, self.arrays, self.requests, self.task = buffers, arrays, requests, task
+        self.done = False
+
+    async def wait(self, timeout: float) -> None:
+        try:
+            if self.task is not None:  # another ucxx: its own awaits, run as a task
+                await asyncio.wait_for(asyncio.shield(self.task), timeout)
+            else:
+                await until_complete(self.requests, timeout)
+        except BaseException:
+            self.abandon()
+            raise
+        self.done = True
+
+    def abandon(self) -> None:
+        if not self.done:
+            if self.task is not None:
+                self.task.cancel()
+            frames.park(self.buffers, self.arrays)
+            self.done = True
+
+
+def post(ep, buffers: list, receive: bool = False, tag=None) -> Posted:
+    """Posts a send (or receive) of each of `buffers` now, in order (UCX matches them in
+    order); raises ConnectionError where the endpoint is closed."""
     if not _supported(ep):
-        await asyncio.wait_for(asyncio.gather(*(ep.send(b, tag=tag) for b in buffers)), timeout)
-        return
+        op = ep.recv if receive else ep.send
+        task = asyncio.ensure_future(asyncio.gather(*(op(b, tag=tag) for b in buffers)))
+        return Posted(buffers, [], None, task)
     from ucxx._lib.arr import Array
+    from ucxx.types import TagMaskFull
 
     arrays = [Array(b) for b in buffers]
+    inner = _raw(ep)
+    requests: list = []
     try:
-        inner, wire = _raw(ep), _wire_tag(ep, "msg_send", tag)
-        await until_complete([inner.tag_send(a, wire) for a in arrays], timeout)
+        if receive:
+            wire = _wire_tag(ep, "msg_recv", tag)
+            requests += (inner.tag_recv(a, wire, TagMaskFull) for a in arrays)
+        else:
+            wire = _wire_tag(ep, "msg_send", tag)
+            requests += (inner.tag_send(a, wire) for a in arrays)
     except BaseException:
-        frames.park(buffers, arrays)  # UCX may read them until the endpoint's abort ends
+        frames.park(buffers, arrays)  # those posted before the failure may still be in use
         raise
+    return Posted(buffers, arrays, requests)
+
+
+async def send_all(ep, buffers: list, timeout: float, tag=None) -> None:
+    """Sends `buffers` (posted at once: tag-ordered); on a failure they are parked."""
+    await post(ep, buffers, tag=tag).wait(timeout)
 
 
 async def recv_all(ep, buffers: list, timeout: float, tag=None) -> None:
     """Receives into `buffers` (posted at once: matched in order), one waiter for all of them
     (a slab-framed payload has 32+); on a failure the buffers are parked."""
-    if not _supported(ep):
-        await asyncio.wait_for(asyncio.gather(*(ep.recv(b, tag=tag) for b in buffers)), timeout)
-        return
-    from ucxx._lib.arr import Array
-    from ucxx.types import TagMaskFull
+    await post(ep, buffers, receive=True, tag=tag).wait(timeout)
 
-    arrays = [Array(b) for b in buffers]
-    try:
-        inner, wire = _raw(ep), _wire_tag(ep, "msg_recv", tag)
-        await until_complete([inner.tag_recv(a, wire, TagMaskFull) for a in arrays], timeout)
-    except BaseException:
-        frames.park(buffers, arrays)  # UCX may write them until the endpoint's abort ends
-        raise
+
+def post_frame(ep, msg) -> Posted:
+    return post(ep, [frames.encode(msg)])
 
 
 async def send_frame(ep, msg, timeout: float) -> None:
-    await send_all(ep, [frames.encode(msg)], timeout)
+    await post_frame(ep, msg).wait(timeout)
 
 
 async def recv_frame(ep, cls, buf, timeout: float):
     """The next control frame on `ep`, decoded (ValueError when malformed)."""
-    if not _supported(ep):
-        return await asyncio.wait_for(frames.recv(ep, cls, buf), timeout)
-    from ucxx._lib.arr import Array
-    from ucxx.types import TagMaskFull
-
-    array = Array(buf)
-    try:
-        request = _raw(ep).tag_recv(array, _wire_tag(ep, "msg_recv", None), TagMaskFull)
-        await until_complete([request], timeout)
-    except BaseException:
-        frames.park(buf, array)
-        raise
+    await post(ep, [buf], receive=True).wait(timeout)
     return frames.decode(buf, cls)

@@ -67,7 +67,7 @@ from splitserve.kvtransfer.idle_wait import PullWake
 from splitserve.kvtransfer.idle_watch import IdleWatch
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.progress_wait import BOOST, set_up_progress
-from splitserve.kvtransfer.quiet_wait import recv_frame, send_all, send_frame
+from splitserve.kvtransfer.quiet_wait import post_frame, recv_frame, send_all, send_frame
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
@@ -220,25 +220,17 @@ class KvTransferServer:
         if hit and self.faults.misstate_payload_bytes:
             reply.payload_bytes -= 1
         timeout = self.config.data_timeout_s  # a hung peer must not pin the blocks past this
-        header = asyncio.ensure_future(send_frame(ep, reply, timeout))
-        self.stream.after_engine()  # the prefill's writes of these blocks come first
-        with self.stream.context():
-            if zero_copy:
-                payload = self.kv_cache[:, :, run : run + n]
-                pieces = slab_views(self.kv_cache, run, n, num_messages)
-            else:
-                shape = (*self.kv_cache.shape[:2], n, *self.kv_cache.shape[3:])
-                ids = ids_tensor(blocks, self.kv_cache.device)
-                payload = ops.pack_kv_blocks(self.kv_cache, ids, out=self.staging.take(shape))
-                pieces = piece_views(payload, num_messages)
-        await self.stream.wait()
-        # the trailer's checksum: on the GPU computed while the payload is on the wire; on the
-        # CPU once it left (the host's cores move the payload first)
-        on_gpu = payload.is_cuda
-        checksum = asyncio.ensure_future(self._checksum(payload)) if on_gpu else None
+        header = post_frame(ep, reply)  # posted now, before any stream work
+        payload, checksum = None, None
         try:
+            payload, pieces = self._payload(blocks, run, n, num_messages, zero_copy)
+            await self.stream.wait()
+            # the trailer's checksum: on the GPU computed while the payload is on the wire; on
+            # the CPU once it left (the host's cores move the payload first)
+            if payload.is_cuda:
+                checksum = asyncio.ensure_future(self._checksum(payload))
             with self.metrics.sending.track_inprogress():
-                await asyncio.wait_for(header, timeout)
+                await header.wait(timeout)
                 sent = await self._send_payload(ep, pieces, hit)
             self.metrics.bytes.labels("sent").inc(nbytes)
             checksum = checksum or asyncio.ensure_future(self._checksum(payload))
@@ -248,12 +240,27 @@ class KvTransferServer:
             await send_frame(ep, trailer, timeout)
             done = await recv_frame(ep, kv_pb2.KvPullDone, buf, timeout)
         finally:
-            header.cancel()
+            header.abandon()  # (a no-op once it was sent)
             if checksum is not None:
                 checksum.cancel()
-            if not zero_copy:
+            if payload is not None and not zero_copy:
                 self.staging.give(payload)
         return done.ok
+
+    def _payload(self, blocks: list[int], run, n: int, num_messages: int, zero_copy: bool):
+        """(payload, its UCX pieces): the pool's own slabs, or the blocks packed into staging,
+        ordered on the transfer stream after the prefill's writes of these blocks."""
+        self.stream.after_engine()
+        with self.stream.context():
+            if zero_copy:
+                return (
+                    self.kv_cache[:, :, run : run + n],
+                    slab_views(self.kv_cache, run, n, num_messages),
+                )
+            shape = (*self.kv_cache.shape[:2], n, *self.kv_cache.shape[3:])
+            ids = ids_tensor(blocks, self.kv_cache.device)
+            payload = ops.pack_kv_blocks(self.kv_cache, ids, out=self.staging.take(shape))
+            return payload, piece_views(payload, num_messages)
 
     async def _checksum(self, payload: torch.Tensor) -> int:
         if not payload.is_cuda:  # the CPU sums off the loop: UCX's completions keep flowing
