@@ -57,6 +57,7 @@ from splitserve.kvtransfer.config import KvTransferConfig, TransferFaults
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
 from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.metrics import KvTransferMetrics
+from splitserve.kvtransfer.quiet_wait import post, post_frame
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
@@ -244,18 +245,27 @@ class LayerStreamSender:
             payload_bytes=payload.numel(),
             checksum=to_u64(checksum),
         )
-        await asyncio.wait_for(frames.send(ep, header), timeout)
-        # its UCX send is issued in the task's first step: tasks start in creation order, so
-        # payloads are posted (and matched by the decode side) in piece order
-        send = asyncio.ensure_future(self._send_payload(ep, payload, timeout))
+        # header and payload posted now, in piece order (the decode side matches them in
+        # order): no loop turn between them, which a prefill's step thread could take for its
+        # GIL slice (5 ms) while the decode side waits
+        sends = [post_frame(ep, header)]
+        try:
+            sends.append(post(ep, [ucx_view(payload)], tag=PAYLOAD_TAG))
+        except BaseException:
+            sends[0].abandon()
+            raise
+        send = asyncio.ensure_future(self._sent(ep, sends, payload, timeout))
         send.add_done_callback(_retrieve)  # a failure next to the stream's own is not logged
         return send
 
-    async def _send_payload(self, ep, payload: torch.Tensor, timeout: float) -> None:
+    async def _sent(self, ep, sends: list, payload: torch.Tensor, timeout: float) -> None:
         try:
-            await asyncio.wait_for(ep.send(ucx_view(payload), tag=PAYLOAD_TAG), timeout)
+            for posted in sends:
+                await posted.wait(timeout)
         except BaseException as exc:
-            frames.park(payload)  # UCX may still read it until the endpoint's abort is processed
+            for posted in sends:  # UCX may still read them until the endpoint's abort ends
+                posted.abandon()
+            frames.park(payload)
             if not isinstance(exc, asyncio.CancelledError):
                 ep.abort()  # both sides fail now, not after the headers already sent ahead
             raise
