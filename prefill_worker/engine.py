@@ -94,17 +94,24 @@ class PrefillEngine:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
     # ---- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, rehearse_now: bool = True) -> None:
+        """Warm-up, the engine's loop, then (unless `rehearse_now` is False: the worker calls
+        `rehearse` once its KV listener and stream hub are attached) the rehearsal."""
         loop = asyncio.get_running_loop()
         self.rehearsal_sizes = rehearsal_sizes(self)  # the pool is zeroed after it, if any
         if self.cfg.warmup:
             args = (self.cfg, self.runner, self.sampler, not self.rehearsal_sizes)
             await loop.run_in_executor(self._executor, warm_up, *args)
         self._task = asyncio.create_task(self._loop(), name="prefill-engine")
-        if self.rehearsal_sizes:  # the request path at every step size (rehearsal.py)
-            await rehearse(self, self.rehearsal_sizes)
-            await loop.run_in_executor(self._executor, self.runner.zero_kv)
+        if rehearse_now:
+            await self.rehearse()
         self._update_gauges()
+
+    async def rehearse(self) -> None:
+        """The request path at every step size (rehearsal.py), then the KV pool zeroed."""
+        if self.rehearsal_sizes:
+            await rehearse(self, self.rehearsal_sizes)
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.zero_kv)
 
     async def stop(self) -> None:
         """Ends the loop after its current step; queued requests get UNAVAILABLE; leases go.

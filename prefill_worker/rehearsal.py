@@ -11,7 +11,11 @@ the cost follows the size or the largest size seen so far was not settled). So t
 rehearses what a user's request meets at every token bucket of the step, largest first:
 admission, the prefix-cache lookup, one step of N tokens for each N of `token_buckets` up to
 `min(max_model_len - 2, max_num_batched_tokens)` (16, 32, ..., the largest), the first token,
-the lease, its release. On the GPU that is about twice the largest step's time. SGLang sends a
+the lease, its release; in a worker after its KV listener and the streamed hand-over's layer
+hook are attached (worker.start_engine), as a user's first prompt meets them (the worker's first
+prompt paid ~11 ms more than an in-process engine's ~3 ms: h100-2026-12-07c; the rehearsal
+before them did not remove it, h100-2026-12-07e). On the GPU that is about twice the largest
+step's time. SGLang sends a
 warm-up request through its own server before it reports ready, and vLLM runs a dummy batch of
 the largest size at start-up.
 

@@ -73,7 +73,9 @@ class PrefillWorker(WorkerSkeleton):
         if runner.tp.enabled:
             self.engine.leases = MirroredLeaseTable(runner.mirror)
             self.watch_ranks()
-        await self.engine.start()
+        # the rehearsal comes last: through the worker's own path (the layer hook of the
+        # streamed hand-over, the KV listener's lease wake-ups), as a user's first prompt
+        await self.engine.start(rehearse_now=False)
         spec = PoolSpec.of(
             runner.kv_cache, runner.compat_hash, runner.model_config.num_key_value_heads
         )
@@ -99,6 +101,7 @@ class PrefillWorker(WorkerSkeleton):
         self.engine.leases.on_grant = self.kv_server.expect_pull  # wakes idle KV endpoints
         if runner.tp.enabled:
             self.servicer.shard_ports = [self.servicer.kv_port, *self._follower_ports]
+        await self.engine.rehearse()
         self.servicer.engine = self.engine
 
     async def stop_engine(self) -> None:

@@ -132,3 +132,31 @@ def test_the_pool_is_zeroed_once_per_start_up(tiny_llama, zero_kv_calls):
                 assert float(worker.engine.runner.kv_cache.abs().sum()) == 0.0
 
     asyncio.run(body())
+
+
+def test_the_rehearsal_runs_through_the_workers_own_path(tiny_llama, monkeypatch):
+    """After the KV listener and the streamed hand-over's layer hook are attached, as a user's
+    first prompt meets them; the hub keeps nothing of it."""
+    from splitserve.prefill_worker import kv_stream
+
+    seen = []  # at each layer the hook reports: was the KV listener listening?
+    original = kv_stream.StreamHub.on_layer_kv
+
+    def on_layer_kv(hub, layer):
+        kv_server = hub.on_added.__self__  # serve_hub: the listener's expect_pull
+        seen.append(kv_server._listener is not None)
+        return original(hub, layer)
+
+    monkeypatch.setattr(kv_stream.StreamHub, "on_layer_kv", on_layer_kv)
+
+    async def body():
+        cfg = worker_config(tiny_llama, max_model_len=64, warmup=True, rehearsal=True)
+        assert cfg.kv_transfer.streaming  # the default
+        async with serving(cfg) as (worker, _stub):
+            sizes = worker.engine.rehearsal_sizes
+            assert sizes and len(seen) >= len(sizes) and all(seen)
+            hub = worker.engine.stream_hub
+            assert not hub.done and not hub.feeds  # no trace of the rehearsal's requests
+            assert float(worker.engine.runner.kv_cache.abs().sum()) == 0.0
+
+    asyncio.run(body())
