@@ -29,7 +29,6 @@ from splitserve.kvtransfer.errors import KvTransferError
 from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.progress_wait import BOOST
-from splitserve.kvtransfer.quiet_wait import recv_all
 from splitserve.protos import kv_pb2
 
 _STATUS_REASON = {
@@ -229,7 +228,7 @@ class LayerStreamClient:
         try:
             await receive_or_abort(
                 ep,
-                recv_all(ep, [ucx_view(payload)], self.config.data_timeout_s, PAYLOAD_TAG),
+                ep.recv(ucx_view(payload), tag=PAYLOAD_TAG),
                 self.config.data_timeout_s,
                 keep=(staging,),
             )
