@@ -77,6 +77,8 @@ class KvTransferClient:
     ) -> None:
         """`head_range`: the model's KV heads that `kv_cache` holds (default all: spec.num_kv_heads);
         `install`: where verified shards go instead of `kv_cache` (None: unpacked into it)."""
+        if not kv_cache.is_contiguous():  # payload buffers are addresses in it (buffers.py)
+            raise ValueError("the KV pool must be one contiguous tensor")
         self.kv_cache = kv_cache
         self.metrics = metrics or KvTransferMetrics()
         self.spec = spec

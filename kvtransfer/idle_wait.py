@@ -71,12 +71,15 @@ def is_hot(now: float, last_message: float, wake: PullWake) -> bool:
     return now - last_message <= HOT_S or now - wake.last <= GRANT_HOT_S
 
 
-def next_sleep(sleep: float, hot: bool, warm: bool) -> float:
+def next_sleep(sleep: float, hot: bool, warm: Callable[[], bool]) -> float:
     """The schedule's next wait after one of `sleep`: 0 (hot: one loop turn), the warm backoff
-    (1 ms doubling up to WARM_SLEEP_S) or COLD_SLEEP_S."""
+    (1 ms, doubling up to WARM_SLEEP_S; from 1 ms again after a cold sleep) or COLD_SLEEP_S.
+    `warm` is asked only when not hot."""
     if hot:
         return 0.0
-    return min(WARM_SLEEP_S, sleep * 2 or 1e-3) if warm else COLD_SLEEP_S
+    if not warm():
+        return COLD_SLEEP_S
+    return min(WARM_SLEEP_S, sleep * 2) if 0 < sleep <= WARM_SLEEP_S else 1e-3
 
 
 def _prober(ep):
@@ -102,7 +105,7 @@ async def until_message(
         return
     sleep = 0.0
     while not ep.closed and not probe():
-        sleep = next_sleep(sleep, is_hot(time.monotonic(), last_message, wake), expecting())
+        sleep = next_sleep(sleep, is_hot(time.monotonic(), last_message, wake), expecting)
         if sleep:
             await wake.wait(sleep)
         else:

@@ -206,7 +206,7 @@ class IdleWatch:
             # hot: the next turn at once; else asleep until a grant, a new idle endpoint, or the
             # next scan is due; with no idle endpoint (strays only) cold, whatever leases are out
             hot = busy or is_hot(now, self._last_message, self.wake)
-            sleep = next_sleep(sleep, hot, bool(self._idle) and self.expecting())
+            sleep = next_sleep(sleep, hot, lambda: bool(self._idle) and self.expecting())
             if not sleep:
                 await asyncio.sleep(0)
                 continue

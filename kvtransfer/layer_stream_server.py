@@ -57,7 +57,7 @@ from splitserve.kvtransfer.config import KvTransferConfig, TransferFaults
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
 from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.metrics import KvTransferMetrics
-from splitserve.kvtransfer.quiet_wait import post, post_frame
+from splitserve.kvtransfer.quiet_wait import post, post_frame, wait_all
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
@@ -220,8 +220,8 @@ class LayerStreamSender:
     async def _send_piece(
         self, ep, piece: StreamPiece, timeout: float, corrupt: bool
     ) -> asyncio.Future:
-        """Gathers the piece, sends its header and posts its payload (the future of the send:
-        the next piece's header need not wait for this payload's completion to be heard)."""
+        """Gathers the piece and posts its header and payload (the future of their sends: the
+        next piece's header need not wait for this payload's completion to be heard)."""
         stream = self.stream.stream
         if stream is not None and piece.event is None:
             self.stream.after_engine()  # computed by earlier steps, maybe still queued
@@ -254,22 +254,21 @@ class LayerStreamSender:
         except BaseException:
             sends[0].abandon()
             raise
-        send = asyncio.ensure_future(self._sent(ep, sends, payload, timeout))
+        send = asyncio.ensure_future(self._sent(ep, sends, timeout))
         send.add_done_callback(_retrieve)  # a failure next to the stream's own is not logged
+        # cancelled before its first step (a stream failing at once), the task never waits:
+        # its posts are parked here, as UCX may still read them until the endpoint's abort ends
+        send.add_done_callback(lambda _: [posted.abandon() for posted in sends])
         return send
 
-    async def _sent(self, ep, sends: list, payload: torch.Tensor, timeout: float) -> None:
+    async def _sent(self, ep, sends: list, timeout: float) -> None:
         try:
-            for posted in sends:
-                await posted.wait(timeout)
+            await wait_all(sends, timeout)
         except BaseException as exc:
-            for posted in sends:  # UCX may still read them until the endpoint's abort ends
-                posted.abandon()
-            frames.park(payload)
             if not isinstance(exc, asyncio.CancelledError):
                 ep.abort()  # both sides fail now, not after the headers already sent ahead
-            raise
-        self.metrics.bytes.labels("sent").inc(payload.numel())
+            raise  # (wait_all parked the buffers, the payload with them)
+        self.metrics.bytes.labels("sent").inc(sends[1].buffers[0].nbytes)
 
     async def _finish(self, ep, end: StreamEnd, timeout: float, posted: deque) -> bool:
         header = kv_pb2.KvStreamPiece(

@@ -9,7 +9,7 @@ from splitserve.kvtransfer import frames
 from splitserve.kvtransfer.config import KvTransferConfig
 from splitserve.kvtransfer.descriptor import PoolSpec
 from splitserve.kvtransfer.errors import KvTransferError
-from splitserve.kvtransfer.quiet_wait import post, post_frame
+from splitserve.kvtransfer.quiet_wait import post, post_frame, wait_all
 from splitserve.protos import kv_pb2
 
 _STATUS_REASON = {
@@ -34,8 +34,7 @@ async def request_lease(
     try:  # the reply's receive posted first, then the request, now: one round trip
         posted.append(post(ep, [buf], receive=True))
         posted.append(post_frame(ep, request))
-        await posted[1].wait(timeout)  # (local: it completes when the request left)
-        await posted[0].wait(timeout)
+        await wait_all([posted[1], posted[0]], timeout)  # the request left, the reply came
         reply = frames.decode(buf, kv_pb2.KvPullReply)
     except TimeoutError as exc:
         raise KvTransferError(

@@ -1,5 +1,5 @@
-"""The KV transfer's sends and receives (the listener's, and a pull's payload), awaited
-without spinning the event loop.
+"""The KV transfer's sends and receives (the listener's, a pull's lease request and payload, a
+streamed piece's header and payload), awaited without spinning the event loop.
 
 ucxx's `await ep.send(...)` / `ep.recv(...)` wait by polling their request every loop turn
 (`wait_yield`: `asyncio.sleep(0)` until completed). A pull whose peer never read its payload
@@ -95,18 +95,43 @@ class Posted:
             self.done = True
 
 
+def _through_ucxx(ep, buffers: list, receive: bool, tag) -> Posted:
+    """Another ucxx, or a receive on a failed endpoint: ucxx's own awaits, run as a task (not
+    posted before the loop's next turn)."""
+    op = ep.recv if receive else ep.send
+    task = asyncio.ensure_future(asyncio.gather(*(op(b, tag=tag) for b in buffers)))
+    task.add_done_callback(_retrieved)  # an abandoned one's failure is not an error
+    return Posted(buffers, [], None, task)
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def wait_all(posts: list, timeout: float) -> None:
+    """Waits for each of `posts` in turn, all within one `timeout`."""
+    deadline = time.monotonic() + timeout
+    for posted in posts:
+        await posted.wait(max(0.0, deadline - time.monotonic()))
+
+
 def post(ep, buffers: list, receive: bool = False, tag=None) -> Posted:
     """Posts a send (or receive) of each of `buffers` now, in order (UCX matches them in
     order); raises ConnectionError where the endpoint is closed."""
     if not _supported(ep):
-        op = ep.recv if receive else ep.send
-        task = asyncio.ensure_future(asyncio.gather(*(op(b, tag=tag) for b in buffers)))
-        return Posted(buffers, [], None, task)
+        return _through_ucxx(ep, buffers, receive, tag)
     from ucxx._lib.arr import Array
     from ucxx.types import TagMaskFull
 
+    try:
+        inner = _raw(ep)
+    except Exception:
+        if not receive:
+            raise
+        # ucxx's own recv still takes a message that came before the endpoint failed
+        return _through_ucxx(ep, buffers, receive, tag)
     arrays = [Array(b) for b in buffers]
-    inner = _raw(ep)
     requests: list = []
     try:
         if receive:

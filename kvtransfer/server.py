@@ -5,7 +5,7 @@
     allocate destination blocks
     connect (endpoint pool, <= 16 per peer) ───────▶ accept
     KvPullRequest(lease, geometry, hash) ──────────▶ check geometry + hash, look up lease, pin
-      (reply's receive posted with it)
+      (the reply's receive posted first)
                                      ◀────────────── KvPullReply header (status, bytes, messages):
                                                      sent at once, it needs no packed byte
                                                      zero-copy slabs straight from the pool when
@@ -120,6 +120,8 @@ class KvTransferServer:
         """`host`: the worker's own (the listener binds config.listen_host, else it; None:
         every interface); `drain_strays`: this process's UCX serves this listener only, so
         messages on no endpoint's tag are dropped (idle_watch.py)."""
+        if not kv_cache.is_contiguous():  # payload buffers are addresses in it (buffers.py)
+            raise ValueError("the KV pool must be one contiguous tensor")
         self.kv_cache = kv_cache
         self.host = config.listen_host or host
         self.drain_strays = drain_strays

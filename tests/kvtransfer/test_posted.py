@@ -78,3 +78,42 @@ def test_a_receive_that_times_out_or_is_abandoned_parks_its_buffers():
             listener.close()
 
     asyncio.run(main())
+
+
+def test_a_message_that_came_before_the_endpoint_failed_is_still_received():
+    """As ucxx's own recv: a streamed request's last piece may be in before its prefill worker
+    closed the connection."""
+    from ucxx._lib_async.utils import hash64bits
+    from ucxx.types import Tag
+
+    from splitserve.kvtransfer.frames import PAYLOAD_TAG
+    from splitserve.kvtransfer.quiet_wait import recv_all
+
+    async def main():
+        listener, client, server_ep = await _pair()
+        try:
+            msg = np.arange(256, dtype=np.uint8)
+            await client.send(msg, tag=PAYLOAD_TAG)
+            wire = Tag(hash64bits(server_ep._tags["msg_recv"], hash(PAYLOAD_TAG)))
+            worker = server_ep._ctx.worker
+            for _ in range(1000):  # (each wait ends at the event; the bound only ends a hang)
+                if worker.tag_probe(wire).matched:
+                    break
+                await asyncio.sleep(0.005)
+            client.abort()
+            for _ in range(4000):
+                try:
+                    server_ep._ep.raise_on_error()
+                except Exception:  # noqa: BLE001 - the failure is what the test waits for
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                raise AssertionError("the peer's abort never reached this endpoint")
+            buf = np.zeros(256, np.uint8)
+            await recv_all(server_ep, [buf], 10, PAYLOAD_TAG)
+            assert (buf == msg).all()
+        finally:
+            server_ep.abort()
+            listener.close()
+
+    asyncio.run(main())
