@@ -17,8 +17,10 @@ classes a prefill step can meet are, per kernel family:
 with a few batches of null-block tables; on CUDA it adds one step of every token bucket (16,
 32, ... up to max_num_batched_tokens), which also sizes the caching allocator and cuBLAS's
 choices before serving. The sampler is warmed in each variant the first token can take
-(greedy, random, + filters, + logprobs; the state tables are of fixed width: sampler.py), and
-the KV pack / unpack kernels of the hand-over on the null block. Every write lands in the null
+(greedy, random, + filters, + logprobs; the state tables are of fixed width: sampler.py), each
+also as a constrained request's (an all-allowed token mask: the masked eager path, and with
+logprobs the raw-logprob kernels), and the KV pack / unpack kernels of the hand-over on the
+null block. Every write lands in the null
 block; the caller zeroes the pool after.
 """
 
@@ -29,12 +31,14 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.grammar_masks import mask_words
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
 from splitserve.engine.prefill_graphs import FUSED_MAX_TOKENS, FUSED_SEQS
 from splitserve.engine.sampler import Sampler, SeqSamplingInfo
 from splitserve.engine.sampler_graphs import GRAPH_ROWS
 from splitserve.kernels import ops
 from splitserve.request.block_allocator import NULL_BLOCK
+from splitserve.request.constraint import Constraint
 from splitserve.request.sampling_params import SamplingParams
 
 SMALLEST_BUCKET = 16
@@ -138,8 +142,26 @@ def covered(batches: Sequence[Sequence[WarmSeq]]) -> set[tuple[str, str]]:
     return set().union(*(spec_keys(b) for b in batches))
 
 
+# a constrained request's first token: the sampler's masked eager path (sampler.py: never its
+# graphs; with logprobs, the raw logprobs of the unmasked logits: raw_logprobs_device)
+ANY_JSON = Constraint(kind="json_object")
+CONSTRAINED = (
+    SamplingParams(temperature=0.0, constraint=ANY_JSON),
+    SamplingParams(temperature=0.0, logprobs=2, constraint=ANY_JSON),
+    SamplingParams(temperature=1.0, seed=1, top_k=5, top_p=0.9, constraint=ANY_JSON),
+    SamplingParams(temperature=1.0, seed=1, top_p=0.9, logprobs=2, constraint=ANY_JSON),
+)
+
+
+# one row (a graph replay on CUDA, unless constrained), then more rows than the graphs take: the
+# eager path in both of Triton's int classes (multiple of 16 or not)
+SAMPLER_ROWS = (1, GRAPH_ROWS + 1, 2 * GRAPH_ROWS)
+
+
 def _warm_sampler(sampler: Sampler, logits: torch.Tensor) -> None:
-    """Each path the first token's sampling takes: argmax, random, + filters, + logprobs."""
+    """Each path the first token's sampling takes: argmax, random, + filters, + logprobs, and
+    each of those under a token mask (all allowed) at every row count: a constrained row takes
+    the eager path even at one row."""
     row = logits[:1].float()
     variants = (
         SamplingParams(temperature=0.0),
@@ -156,11 +178,14 @@ def _warm_sampler(sampler: Sampler, logits: torch.Tensor) -> None:
             logit_bias=((1, 1.0),),
         ),
     )
-    # one row (a graph replay on CUDA), then more rows than the graphs take: the eager path in
-    # both of Triton's int classes (multiple of 16 or not)
-    for n in (1, GRAPH_ROWS + 1, 2 * GRAPH_ROWS):
+    words = mask_words(row.shape[1])
+    for n in SAMPLER_ROWS:
+        x = row.expand(n, -1)
         for params in variants:
-            sampler.sample(row.expand(n, -1).clone(), [SeqSamplingInfo(params, [0], ())] * n)
+            sampler.sample(x.clone(), [SeqSamplingInfo(params, [0], ())] * n)
+        allowed = torch.full((n, words), -1, dtype=torch.int32, device=row.device)
+        for params in CONSTRAINED:
+            sampler.sample(x.clone(), [SeqSamplingInfo(params, [0], ())] * n, allowed)
 
 
 def _warm_kv_copy(runner: ModelRunner) -> None:

@@ -130,13 +130,22 @@ class Sampler:
         )
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: Sequence[SeqSamplingInfo]) -> SampleOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        seqs: Sequence[SeqSamplingInfo],
+        token_mask: torch.Tensor | None = None,
+    ) -> SampleOutput:
+        """`token_mask` [n, ceil(V / 32)] int32, when given, stands for the matchers' masks (the
+        warm-up's all-allowed mask: engine/prefill_warmup.py); the call takes the constrained
+        rows' path."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(
                 f"logits must be [batch, vocab] with batch={len(seqs)}, got {tuple(logits.shape)}"
             )
         n, vocab = logits.shape
-        if all(s.params.is_plain_greedy for s in seqs):  # (a constrained row is not plain)
+        plain = all(s.params.is_plain_greedy for s in seqs)  # (a constrained row is not plain)
+        if plain and token_mask is None:
             tokens = logits.argmax(dim=-1)
             return SampleOutput(tokens.tolist(), [None] * n)
         dev = logits.device
@@ -145,7 +154,7 @@ class Sampler:
         want = any(p.logprobs is not None for p in params)
         filters = any(has_filters(p) for p in params)
         matchers = [s.matcher for s in seqs]
-        constrained = any(m is not None for m in matchers)
+        constrained = token_mask is not None or any(m is not None for m in matchers)
         with self._lock:  # cached buffers (their users: one engine thread each)
             g = self.graphs
             if g is not None and not constrained and g.serves(n, vocab):
@@ -154,7 +163,9 @@ class Sampler:
             k = self._buffers(n, vocab, dev)
             k.state.write(list(range(n)), rows, self.eos_token_ids)
             x = logits.to(torch.float32, copy=True)  # the caller's logits stay as they were
-            mask = host_masks(matchers, vocab, dev) if constrained else None
+            mask = token_mask
+            if mask is None and constrained:
+                mask = host_masks(matchers, vocab, dev)
             slots = k.slots[:n]
             lp = k.logprobs if want else None
             sample_step(x, slots, torch.ones_like(slots), k.state, k.out, lp, filters, mask)

@@ -1,7 +1,7 @@
 """On CUDA, after SERVING no Triton kernel compiles: 50 prompts of random lengths (packed,
-chunked, prefix-cache hits, every sampling variant) through a prefill worker, and colocated
-prompts through a decode engine's recompute path, leave the compilation counter where
-warm-up left it (kernels/compile_counter.py)."""
+chunked, prefix-cache hits, every sampling variant, constrained with and without logprobs)
+through a prefill worker, and colocated prompts through a decode engine's recompute path, leave
+the compilation counter where warm-up left it (kernels/compile_counter.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ SAMPLING = [
     generate_pb2.SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=6, max_tokens=4),
     generate_pb2.SamplingParams(temperature=0.0, logprobs=3, max_tokens=4),
     generate_pb2.SamplingParams(temperature=1.0, repetition_penalty=1.2, seed=7, max_tokens=4),
+    # constrained: the sampler's masked eager path, even at one row (no sampler graph)
+    generate_pb2.SamplingParams(temperature=0.0, json_object=True, max_tokens=4),
+    generate_pb2.SamplingParams(
+        temperature=0.9, top_p=0.9, seed=8, regex="[a-z]{1,12}", logprobs=2, max_tokens=4
+    ),
 ]
 
 
