@@ -73,7 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=token_counts,
         metavar="N,N,...",
         help="token counts of the local prefill's piecewise graphs (default 16, 32, ... up to "
-        "--max-num-batched-tokens, at most 8192)",
+        "--max-num-batched-tokens, at most 8192; larger counts are captured at that budget)",
     )
     p.add_argument(
         "--prefill-chunk-tokens",

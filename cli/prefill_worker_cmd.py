@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=token_counts,
         metavar="N,N,...",
         help="token counts of the piecewise prefill graphs (default 16, 32, ... up to "
-        "--max-num-batched-tokens, at most 8192)",
+        "--max-num-batched-tokens, at most 8192; larger counts are captured at that budget)",
     )
 
 

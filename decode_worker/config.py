@@ -80,9 +80,10 @@ class DecodeWorkerConfig(BaseModel):
     prefill_graph_sizes: tuple[int, ...] | None = Field(
         None,
         description="token counts of the piecewise graphs of the local prefill (recompute, "
-        "colocated prompts), captured with cuda_graph into the decode graphs' pool; None: 16, "
-        "32, ... up to max_num_batched_tokens (at most 8192), or up to prefill_chunk_tokens "
-        "when that is smaller",
+        "colocated prompts), captured with cuda_graph into the decode graphs' pool (a count "
+        "above the local step budget is captured at it); None: 16, 32, ... up to "
+        "max_num_batched_tokens (at most 8192), or up to prefill_chunk_tokens when that is "
+        "smaller",
     )
     prefill_chunk_tokens: int = Field(
         512,

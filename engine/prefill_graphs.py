@@ -64,6 +64,16 @@ def default_sizes(max_tokens: int, smallest: int = 16, largest: int = 8192) -> l
     return out
 
 
+def graph_sizes(sizes: Sequence[int] | None, max_num_batched_tokens: int) -> list[int]:
+    """`sizes` (None: default_sizes) to capture: no step exceeds the budget, so a count above it
+    is captured as the budget itself (the steps it would serve keep a graph, padded less)."""
+    if not sizes:
+        return default_sizes(max_num_batched_tokens)
+    if over := sorted(s for s in sizes if s > max_num_batched_tokens):
+        log.info("prefill graph sizes %s captured at the budget %d", over, max_num_batched_tokens)
+    return sorted({min(s, max_num_batched_tokens) for s in sizes if s >= 1})
+
+
 class PrefillGraphs:
     def __init__(
         self,
@@ -282,7 +292,7 @@ def capture_prefill_graphs(
     (not CUDA, tensor parallel: followers replay commands eagerly, no sizes)."""
     if runner.device.type != "cuda" or runner.tp.enabled:
         return None
-    wanted = [s for s in (sizes or default_sizes(max_num_batched_tokens)) if s >= 1]
+    wanted = graph_sizes(sizes, max_num_batched_tokens)
     if not wanted:
         return None
     graphs = PrefillGraphs(

@@ -77,7 +77,8 @@ class PrefillWorkerConfig(BaseModel):
     )
     prefill_graph_sizes: tuple[int, ...] | None = Field(
         None,
-        description="token counts of the piecewise prefill graphs; None: 16, 32, ... up to "
+        description="token counts of the piecewise prefill graphs (a count above "
+        "max_num_batched_tokens is captured at it); None: 16, 32, ... up to "
         "max_num_batched_tokens (at most 8192); larger steps run eagerly",
     )
     faults: PrefillFaults = PrefillFaults()

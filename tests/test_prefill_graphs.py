@@ -5,14 +5,17 @@ back to the plain eager step."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from splitserve.config.engine_config import EngineConfig
+from splitserve.engine import prefill_graphs
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
-from splitserve.engine.prefill_graphs import FUSED_SEQS, PrefillGraphs, default_sizes
+from splitserve.engine.prefill_graphs import FUSED_SEQS, PrefillGraphs, default_sizes, graph_sizes
 
 BS = 4
 SIZES = [16, 32, 64]
@@ -70,6 +73,47 @@ def test_buckets():
     g = PrefillGraphs.__new__(PrefillGraphs)
     g.sizes = SIZES
     assert [g.bucket(t) for t in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, 0]
+
+
+def test_graph_sizes_above_the_step_budget_are_captured_at_the_budget():
+    assert graph_sizes(None, 100) == default_sizes(100) == [16, 32, 64]
+    assert graph_sizes([16, 64, 256, 4096], 100) == [16, 64, 100]  # 65..100 keep a graph
+    assert graph_sizes([16, 100, 200], 100) == [16, 100]
+    assert graph_sizes([4096, 512], 100) == [100]
+    assert graph_sizes([64, 16, 16, 8192], 8192) == [16, 64, 8192]  # within it: as given
+
+
+def test_capture_builds_no_graph_above_the_step_budget(monkeypatch):
+    """capture_prefill_graphs (both workers' start-up) builds and captures the capped sizes,
+    into the pool it is given (no GPU: PrefillGraphs recorded)."""
+    made = []
+
+    class Recorded:
+        def __init__(self, model, kv_cache, cos_sin, sizes, max_blocks):
+            self.sizes, self.pool = list(sizes), "none yet"
+            made.append(self)
+
+        def capture(self, pool=None):
+            self.pool = pool
+
+    monkeypatch.setattr(prefill_graphs, "PrefillGraphs", Recorded)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    runner = SimpleNamespace(
+        device=torch.device("cuda", 0),
+        tp=SimpleNamespace(enabled=False),
+        model=None,
+        kv_cache=None,
+        cos_sin=None,
+        max_blocks_per_seq=8,
+        prefill_graphs=None,
+    )
+    pool = object()
+    graphs = prefill_graphs.capture_prefill_graphs(runner, (16, 64, 512, 8192), 256, pool)
+    assert graphs is runner.prefill_graphs is made[-1]
+    assert graphs.sizes == [16, 64, 256] and graphs.pool is pool
+    assert prefill_graphs.capture_prefill_graphs(runner, None, 100).sizes == [16, 32, 64]
+    runner.tp.enabled = True  # followers replay rank 0's commands: no graphs
+    assert prefill_graphs.capture_prefill_graphs(runner, (16,), 256) is None and len(made) == 2
 
 
 def test_packed_batches_of_mixed_lengths_match_the_eager_step(pair):
