@@ -42,7 +42,7 @@ def timed_prefill_side(*args) -> None:
     send_piece = server.LayerStreamSender._send_piece
     group_ready, finished = kv_stream.StreamHub._group_ready, kv_stream.StreamHub.finished
 
-    async def piece(self, ep, p, timeout, corrupt):
+    async def piece(self, ep, p, timeout, *rest):
         _log("P", "piece", layers=[p.layer_start, p.layer_end], blocks=[p.block_start, p.block_end])
         wait = self.stream.wait
 
@@ -52,7 +52,7 @@ def timed_prefill_side(*args) -> None:
 
         self.stream.wait = gathered
         try:
-            posted = await send_piece(self, ep, p, timeout, corrupt)
+            posted = await send_piece(self, ep, p, timeout, *rest)
         finally:
             self.stream.wait = wait
         _log("P", "sent")

@@ -205,7 +205,8 @@ class KvTransferClient:
         cfg = self.config
         buf = frames.new_buffer()
         t = time.perf_counter()
-        reply = await request_lease(ep, handle, self.spec, cfg, buf)
+        verify = wants_checksum(cfg.checksum, src.host)
+        reply = await request_lease(ep, handle, self.spec, cfg, buf, verify)
         t = lap(phases, "request", t)
         if self.install is None and not (
             self.head_range[0] <= src.head_start and src.head_end <= self.head_range[1]
@@ -233,7 +234,6 @@ class KvTransferClient:
             and (src.head_start, src.head_end) == self.head_range
             and slab_framed(reply.num_messages, nbytes, layers)
         )
-        verify = wants_checksum(cfg.checksum, src.host)
         # UCX writes outside any CUDA stream: into the pool only once the engine's queued
         # kernels (a step may still write a block freed just before) are done; into staging
         # from the transfer stream's pool once that stream (an earlier pull's unpack) drained

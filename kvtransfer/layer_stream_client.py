@@ -140,6 +140,7 @@ class LayerStreamClient:
                 num_tokens=num_tokens,
                 stream_token=token,
                 max_message_bytes=self.config.max_message_bytes,
+                skip_checksum=not verify,
                 **self.spec.fields(),
             )
             landing = _Landing(self, dest, heads)

@@ -181,7 +181,8 @@ class LayerStreamSender:
                         await posted.popleft()  # a failed send ends the stream before more goes
                     if not hit:  # (fault injection counts pieces)
                         item = self._merge_queued(feed, item, limit)
-                    posted.append(await self._send_piece(ep, item, timeout, corrupt))
+                    sums = not req.skip_checksum  # (the receiver verifies: checksum.py)
+                    posted.append(await self._send_piece(ep, item, timeout, corrupt, sums))
                     sent += 1
         finally:
             for send in posted:  # a failed stream: its endpoint is aborted by the caller
@@ -218,7 +219,7 @@ class LayerStreamSender:
         return replace(a, layer_end=b.layer_end, event=b.event)
 
     async def _send_piece(
-        self, ep, piece: StreamPiece, timeout: float, corrupt: bool
+        self, ep, piece: StreamPiece, timeout: float, corrupt: bool, sums: bool = True
     ) -> asyncio.Future:
         """Gathers the piece and posts its header and payload (the future of their sends: the
         next piece's header need not wait for this payload's completion to be heard)."""
@@ -232,7 +233,7 @@ class LayerStreamSender:
             if stream is not None and piece.event is not None:
                 stream.wait_event(piece.event)  # that group's KV write on the prefill stream
             data = self.kv_cache[piece.layer_start : piece.layer_end].index_select(2, ids)
-            checksum = payload_checksum_async(data)  # the receiver decides whether to check it
+            checksum = payload_checksum_async(data) if sums else None  # 0: not verified
         await self.stream.wait()
         payload = data.reshape(-1).view(torch.uint8)
         if corrupt:  # tests only: flipped after the checksum, like the pull's corrupt_payload
@@ -243,7 +244,7 @@ class LayerStreamSender:
             block_start=piece.block_start,
             block_end=piece.block_end,
             payload_bytes=payload.numel(),
-            checksum=to_u64(checksum),
+            checksum=to_u64(checksum) if checksum is not None else 0,
         )
         # header and payload posted now, in piece order (the decode side matches them in
         # order): no loop turn between them, which a prefill's step thread could take for its

@@ -20,13 +20,15 @@ _STATUS_REASON = {
 
 
 async def request_lease(
-    ep, handle: kv_pb2.KvHandle, spec: PoolSpec, cfg: KvTransferConfig, buf
+    ep, handle: kv_pb2.KvHandle, spec: PoolSpec, cfg: KvTransferConfig, buf, verify: bool = True
 ) -> kv_pb2.KvPullReply:
-    """The reply header (status OK), or KvTransferError: the pull was refused or unanswered."""
+    """The reply header (status OK), or KvTransferError: the pull was refused or unanswered.
+    `verify`: whether this side checks the payload's checksum (else the sender may skip it)."""
     request = kv_pb2.KvPullRequest(
         lease_id=handle.lease_id,
         request_id=handle.request_id,
         max_message_bytes=cfg.max_message_bytes,
+        skip_checksum=not verify,
         **spec.fields(),
     )
     timeout = cfg.lease_request_timeout_s

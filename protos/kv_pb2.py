@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16splitserve/v1/kv.proto\x12\rsplitserve.v1\"@\n\nUcxAddress\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x16\n\x0eworker_address\x18\x03 \x01(\x0c\"\x83\x01\n\x07KvShard\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x15\n\rkv_head_start\x18\x03 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x04 \x01(\r\x12*\n\x07\x61\x64\x64ress\x18\x05 \x01(\x0b\x32\x19.splitserve.v1.UcxAddress\"\x93\x03\n\x08KvHandle\x12*\n\x07\x61\x64\x64ress\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.UcxAddress\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\'\n\x06layout\x18\x07 \x01(\x0e\x32\x17.splitserve.v1.KvLayout\x12%\n\x05\x64type\x18\x08 \x01(\x0e\x32\x16.splitserve.v1.KvDtype\x12\x12\n\nnum_layers\x18\t \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\n \x01(\r\x12\x10\n\x08head_dim\x18\x0b \x01(\r\x12\x19\n\x11model_compat_hash\x18\x0c \x01(\t\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\r \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x0e \x01(\r\x12&\n\x06shards\x18\x0f \x03(\x0b\x32\x16.splitserve.v1.KvShard\"\xc5\x02\n\rKvPullRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\'\n\x06layout\x18\x03 \x01(\x0e\x32\x17.splitserve.v1.KvLayout\x12%\n\x05\x64type\x18\x04 \x01(\x0e\x32\x16.splitserve.v1.KvDtype\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x19\n\x11model_compat_hash\x18\t \x01(\t\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04\x12\x0e\n\x06stream\x18\x0b \x01(\x08\x12\x12\n\nnum_tokens\x18\x0c \x01(\r\x12\x14\n\x0cstream_token\x18\r \x01(\t\"\x9e\x01\n\x0bKvPullReply\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.KvPullStatus\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cnum_messages\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\"*\n\nKvPullDone\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\"\x91\x02\n\rKvStreamPiece\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\r\x12\x11\n\tblock_end\x18\x04 \x01(\r\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\x12+\n\x06status\x18\x08 \x01(\x0e\x32\x1b.splitserve.v1.KvPullStatus\x12\x0f\n\x07message\x18\t \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\n \x01(\r\x12\x10\n\x08\x66inished\x18\x0b \x01(\x08\x12\x10\n\x08lease_id\x18\x0c \x01(\t*R\n\x08KvLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12+\n\'KV_LAYOUT_LAYER_KV_BLOCK_TOKEN_HEAD_DIM\x10\x01*\\\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x11\n\rKV_DTYPE_FP32\x10\x01\x12\x11\n\rKV_DTYPE_FP16\x10\x02\x12\x11\n\rKV_DTYPE_BF16\x10\x03*\xc6\x01\n\x0cKvPullStatus\x12\x1e\n\x1aKV_PULL_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11KV_PULL_STATUS_OK\x10\x01\x12 \n\x1cKV_PULL_STATUS_LEASE_UNKNOWN\x10\x02\x12 \n\x1cKV_PULL_STATUS_LEASE_EXPIRED\x10\x03\x12\x1f\n\x1bKV_PULL_STATUS_INCOMPATIBLE\x10\x04\x12\x1a\n\x16KV_PULL_STATUS_ABORTED\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16splitserve/v1/kv.proto\x12\rsplitserve.v1\"@\n\nUcxAddress\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x16\n\x0eworker_address\x18\x03 \x01(\x0c\"\x83\x01\n\x07KvShard\x12\x0f\n\x07tp_rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x15\n\rkv_head_start\x18\x03 \x01(\r\x12\x13\n\x0bkv_head_end\x18\x04 \x01(\r\x12*\n\x07\x61\x64\x64ress\x18\x05 \x01(\x0b\x32\x19.splitserve.v1.UcxAddress\"\x93\x03\n\x08KvHandle\x12*\n\x07\x61\x64\x64ress\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.UcxAddress\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\'\n\x06layout\x18\x07 \x01(\x0e\x32\x17.splitserve.v1.KvLayout\x12%\n\x05\x64type\x18\x08 \x01(\x0e\x32\x16.splitserve.v1.KvDtype\x12\x12\n\nnum_layers\x18\t \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\n \x01(\r\x12\x10\n\x08head_dim\x18\x0b \x01(\r\x12\x19\n\x11model_compat_hash\x18\x0c \x01(\t\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\r \x01(\x04\x12\x0e\n\x06ttl_ms\x18\x0e \x01(\r\x12&\n\x06shards\x18\x0f \x03(\x0b\x32\x16.splitserve.v1.KvShard\"\xdc\x02\n\rKvPullRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\'\n\x06layout\x18\x03 \x01(\x0e\x32\x17.splitserve.v1.KvLayout\x12%\n\x05\x64type\x18\x04 \x01(\x0e\x32\x16.splitserve.v1.KvDtype\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x12\n\nnum_layers\x18\x06 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x07 \x01(\r\x12\x10\n\x08head_dim\x18\x08 \x01(\r\x12\x19\n\x11model_compat_hash\x18\t \x01(\t\x12\x19\n\x11max_message_bytes\x18\n \x01(\x04\x12\x0e\n\x06stream\x18\x0b \x01(\x08\x12\x12\n\nnum_tokens\x18\x0c \x01(\r\x12\x14\n\x0cstream_token\x18\r \x01(\t\x12\x15\n\rskip_checksum\x18\x0e \x01(\x08\"\x9e\x01\n\x0bKvPullReply\x12+\n\x06status\x18\x01 \x01(\x0e\x32\x1b.splitserve.v1.KvPullStatus\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cnum_messages\x18\x04 \x01(\r\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\"*\n\nKvPullDone\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\"\x91\x02\n\rKvStreamPiece\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x13\n\x0b\x62lock_start\x18\x03 \x01(\r\x12\x11\n\tblock_end\x18\x04 \x01(\r\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\x04\x12\r\n\x05\x66inal\x18\x07 \x01(\x08\x12+\n\x06status\x18\x08 \x01(\x0e\x32\x1b.splitserve.v1.KvPullStatus\x12\x0f\n\x07message\x18\t \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\n \x01(\r\x12\x10\n\x08\x66inished\x18\x0b \x01(\x08\x12\x10\n\x08lease_id\x18\x0c \x01(\t*R\n\x08KvLayout\x12\x19\n\x15KV_LAYOUT_UNSPECIFIED\x10\x00\x12+\n\'KV_LAYOUT_LAYER_KV_BLOCK_TOKEN_HEAD_DIM\x10\x01*\\\n\x07KvDtype\x12\x18\n\x14KV_DTYPE_UNSPECIFIED\x10\x00\x12\x11\n\rKV_DTYPE_FP32\x10\x01\x12\x11\n\rKV_DTYPE_FP16\x10\x02\x12\x11\n\rKV_DTYPE_BF16\x10\x03*\xc6\x01\n\x0cKvPullStatus\x12\x1e\n\x1aKV_PULL_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11KV_PULL_STATUS_OK\x10\x01\x12 \n\x1cKV_PULL_STATUS_LEASE_UNKNOWN\x10\x02\x12 \n\x1cKV_PULL_STATUS_LEASE_EXPIRED\x10\x03\x12\x1f\n\x1bKV_PULL_STATUS_INCOMPATIBLE\x10\x04\x12\x1a\n\x16KV_PULL_STATUS_ABORTED\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.protos.kv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVLAYOUT']._serialized_start=1456
-  _globals['_KVLAYOUT']._serialized_end=1538
-  _globals['_KVDTYPE']._serialized_start=1540
-  _globals['_KVDTYPE']._serialized_end=1632
-  _globals['_KVPULLSTATUS']._serialized_start=1635
-  _globals['_KVPULLSTATUS']._serialized_end=1833
+  _globals['_KVLAYOUT']._serialized_start=1479
+  _globals['_KVLAYOUT']._serialized_end=1561
+  _globals['_KVDTYPE']._serialized_start=1563
+  _globals['_KVDTYPE']._serialized_end=1655
+  _globals['_KVPULLSTATUS']._serialized_start=1658
+  _globals['_KVPULLSTATUS']._serialized_end=1856
   _globals['_UCXADDRESS']._serialized_start=41
   _globals['_UCXADDRESS']._serialized_end=105
   _globals['_KVSHARD']._serialized_start=108
@@ -44,11 +44,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVHANDLE']._serialized_start=242
   _globals['_KVHANDLE']._serialized_end=645
   _globals['_KVPULLREQUEST']._serialized_start=648
-  _globals['_KVPULLREQUEST']._serialized_end=973
-  _globals['_KVPULLREPLY']._serialized_start=976
-  _globals['_KVPULLREPLY']._serialized_end=1134
-  _globals['_KVPULLDONE']._serialized_start=1136
-  _globals['_KVPULLDONE']._serialized_end=1178
-  _globals['_KVSTREAMPIECE']._serialized_start=1181
-  _globals['_KVSTREAMPIECE']._serialized_end=1454
+  _globals['_KVPULLREQUEST']._serialized_end=996
+  _globals['_KVPULLREPLY']._serialized_start=999
+  _globals['_KVPULLREPLY']._serialized_end=1157
+  _globals['_KVPULLDONE']._serialized_start=1159
+  _globals['_KVPULLDONE']._serialized_end=1201
+  _globals['_KVSTREAMPIECE']._serialized_start=1204
+  _globals['_KVSTREAMPIECE']._serialized_end=1477
 # @@protoc_insertion_point(module_scope)

@@ -99,7 +99,7 @@ class KvHandle(_message.Message):
     def __init__(self, address: _Optional[_Union[UcxAddress, _Mapping]] = ..., lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_tokens: _Optional[int] = ..., layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., expires_at_unix_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[KvShard, _Mapping]]] = ...) -> None: ...
 
 class KvPullRequest(_message.Message):
-    __slots__ = ("lease_id", "request_id", "layout", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "model_compat_hash", "max_message_bytes", "stream", "num_tokens", "stream_token")
+    __slots__ = ("lease_id", "request_id", "layout", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "model_compat_hash", "max_message_bytes", "stream", "num_tokens", "stream_token", "skip_checksum")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class KvPullRequest(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STREAM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SKIP_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     request_id: str
     layout: KvLayout
@@ -126,7 +127,8 @@ class KvPullRequest(_message.Message):
     stream: bool
     num_tokens: int
     stream_token: str
-    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., stream: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., stream_token: _Optional[str] = ...) -> None: ...
+    skip_checksum: bool
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, str]] = ..., dtype: _Optional[_Union[KvDtype, str]] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., max_message_bytes: _Optional[int] = ..., stream: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., stream_token: _Optional[str] = ..., skip_checksum: _Optional[bool] = ...) -> None: ...
 
 class KvPullReply(_message.Message):
     __slots__ = ("status", "message", "payload_bytes", "num_messages", "num_blocks", "checksum")

@@ -268,7 +268,7 @@ WIRE = {
     "expires_at_unix_ms=13 ttl_ms=14 shards=15",
     "KvPullRequest": "lease_id=1 request_id=2 layout=3 dtype=4 block_size=5 num_layers=6 "
     "num_kv_heads=7 head_dim=8 model_compat_hash=9 max_message_bytes=10 stream=11 num_tokens=12 "
-    "stream_token=13",
+    "stream_token=13 skip_checksum=14",
     "KvPullReply": "status=1 message=2 payload_bytes=3 num_messages=4 num_blocks=5 checksum=6",
     "KvPullDone": "lease_id=1 ok=2",
     "KvStreamPiece": "layer_start=1 layer_end=2 block_start=3 block_end=4 payload_bytes=5 "
