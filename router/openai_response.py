@@ -51,8 +51,8 @@ def usage_json(u: generate_pb2.Usage) -> dict[str, Any]:
 def kv_handover_json(k: generate_pb2.KvHandover) -> dict[str, Any]:
     """splitserve's extension on the last chunk / the whole response (like vLLM's
     kv_transfer_params): whether the decode worker recomputed the prompt instead of pulling its
-    KV, and why (README.md, "kv_handover"); whether it was streamed during the prefill, or why a stream
-    fell back to the pull after it."""
+    KV, and why (README.md, "kv_handover"); whether it was streamed during the prefill, or why
+    a stream fell back to the pull after it."""
     return {
         "recomputed": k.recomputed,
         "reason": k.reason,
