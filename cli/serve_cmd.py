@@ -42,7 +42,7 @@ from splitserve.cli.serve_args import (
     resolve_model,
 )
 from splitserve.cli.serve_children import build
-from splitserve.cli.serve_mps import plan_mps
+from splitserve.cli.serve_mps import plan_mps, start_mps
 from splitserve.cli.serve_placement import worker_flags
 from splitserve.service.net import free_port, local_dial_host
 from splitserve.service.service_process import end_with_exit_now
@@ -116,8 +116,12 @@ def run(args: argparse.Namespace) -> int:
     launcher = Launcher(log_dir, on_event=say, tls=tls)
     if why_not_mps:
         say(why_not_mps)
-    if mps is not None:
-        mps.start(say)
+    try:
+        mps = start_mps(mps, args.mps, say)  # --mps auto: time-slices if its daemon won't start
+    except RuntimeError:
+        if auto_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        raise
     try:
         build(
             launcher, args, model, num_prefill, num_decode, http_port, placement, access,

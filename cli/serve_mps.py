@@ -15,6 +15,10 @@ also sizes its KV pool (the pool takes a fraction of what the process may still 
     MpsPlan.start(say)                     joins a running control daemon (its pipe directory
                                            has a `control` pipe) or starts a private one (pipe and
                                            log directories of its own), and says which
+    start_mps(plan, mode, say)             plan.start; a private daemon that fails to start (its
+                                           control command exits non-zero, or it never answers)
+                                           means time-slicing with one line under --mps auto, and
+                                           a one-line error under --mps on
     MpsPlan.env(role)                      the worker's MPS variables
     MpsPlan.stop()                         quits the private daemon (a joined one is left running)
 """
@@ -22,6 +26,7 @@ also sizes its KV pool (the pool takes a fraction of what the process may still 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -59,6 +64,10 @@ def check_shares(args: argparse.Namespace) -> None:
             )
 
 
+class MpsStartError(RuntimeError):
+    """A private control daemon did not start (its directories already removed)."""
+
+
 @dataclass
 class MpsPlan:
     device_index: int
@@ -89,20 +98,28 @@ class MpsPlan:
             self.pipe_dir, self.log_dir = self._tmp / "pipe", self._tmp / "log"
             self.pipe_dir.mkdir()
             self.log_dir.mkdir()
-            done = subprocess.run(
-                [CONTROL, "-d"], env=self._control_env(), capture_output=True, text=True
-            )
+            try:
+                done = subprocess.run(
+                    [CONTROL, "-d"], env=self._control_env(), capture_output=True, text=True
+                )
+                code, err = done.returncode, " ".join(done.stderr.split())[:200]
+            except OSError as exc:  # on PATH but not runnable
+                code, err = None, str(exc)
             deadline = time.monotonic() + START_TIMEOUT_S
-            while done.returncode == 0 and not (self.pipe_dir / "control").exists():
+            while code == 0 and not (self.pipe_dir / "control").exists():
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
             if not (self.pipe_dir / "control").exists():
+                if code == 0:  # a daemon that may yet answer: ask it to quit (best effort)
+                    self._quit(timeout=5)
                 shutil.rmtree(self._tmp, ignore_errors=True)
-                raise RuntimeError(
-                    f"could not start an MPS control daemon ({CONTROL} -d: exit "
-                    f"{done.returncode} {done.stderr.strip()[:200]}); pass --mps off to time-slice"
+                why = (
+                    f"exit {code}" + (f": {err}" if err else "")
+                    if code != 0
+                    else f"no control pipe after {START_TIMEOUT_S:g}s"
                 )
+                raise MpsStartError(f"could not start an MPS control daemon ({CONTROL} -d: {why})")
             self.private = True
             say(f"MPS: started a private control daemon (pipe {self.pipe_dir})")
         say(
@@ -121,18 +138,22 @@ class MpsPlan:
             "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"{self.device_index}={limit_mib}M",
         }
 
+    def _quit(self, timeout: float) -> None:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            subprocess.run(
+                [CONTROL],
+                input="quit\n",
+                env=self._control_env(),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+
     def stop(self) -> None:
         if not self.private:
             return
         self.private = False
-        subprocess.run(
-            [CONTROL],
-            input="quit\n",
-            env=self._control_env(),
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        self._quit(timeout=30)
         deadline = time.monotonic() + 10
         while (self.pipe_dir / "control").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -173,3 +194,21 @@ def plan_mps(
     else:
         total = total_bytes(index)
     return MpsPlan(index, total, args.prefill_sm_share, args.prefill_memory_share), ""
+
+
+def start_mps(plan: MpsPlan | None, mode: str, say: Callable[[str], None]) -> MpsPlan | None:
+    """The started plan, or None: no plan, or (--mps auto) a daemon that would not start, said in
+    one line. RuntimeError (one line) under --mps on."""
+    if plan is None:
+        return None
+    try:
+        plan.start(say)
+    except MpsStartError as exc:
+        if mode == "on":
+            raise RuntimeError(f"--mps on: {exc}; pass --mps auto or off to time-slice") from None
+        say(
+            f"MPS: {exc}, so prefill and decode time-slice cuda:{plan.device_index} "
+            "(slower under load; see docs/gpu_sharing.md)"
+        )
+        return None
+    return plan

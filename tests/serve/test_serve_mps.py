@@ -2,8 +2,8 @@
 under an MPS control daemon with an SM and memory share each; missing MPS falls back to
 time-slicing with one line (or an error under --mps on); bad shares are refused before anything
 starts. The daemon's start and stop are checked against a stand-in `nvidia-cuda-mps-control`
-(a script that makes and removes the control pipe as the real one does); the GPU test runs the
-real daemon."""
+(a script that makes and removes the control pipe as the real one does, or one that fails: --mps
+auto then time-slices with one line, --mps on errors); the GPU test runs the real daemon."""
 
 from __future__ import annotations
 
@@ -12,12 +12,16 @@ import os
 import re
 import stat
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 from serve_helpers import cli
 
-from splitserve.cli.serve_mps import CONTROL, MpsPlan, plan_mps
+from splitserve.cli import serve_cmd, serve_mps
+from splitserve.cli.launcher import Launcher, StartError
+from splitserve.cli.serve_args import add_arguments
+from splitserve.cli.serve_mps import CONTROL, MpsPlan, plan_mps, start_mps
 
 GIB = 2**30
 SAME_GPU = ([["--device", "cuda:1"]], [["--device", "cuda:1"]])
@@ -118,6 +122,83 @@ def test_a_running_daemon_is_joined_and_left_running(tmp_path, monkeypatch):
     assert not plan.private and "joining" in said[0]
     assert plan.env("prefill")["CUDA_MPS_PIPE_DIRECTORY"] == str(running)
     assert (running / "control").exists() and not (tmp_path / "calls").exists()
+
+
+def _failing_control(bin_dir: Path, calls: Path, how: str) -> None:
+    """`-d` exits 1 with a message ("exits 1"), or exits 0 and never makes the pipe ("silent")."""
+    script = bin_dir / CONTROL
+    start = 'echo "no GPU here" >&2; exit 1' if how == "exits 1" else "exit 0"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'echo "$* $CUDA_MPS_PIPE_DIRECTORY" >> {calls}\n'
+        f'if [ "$1" = "-d" ]; then {start}; fi\n'
+        "read cmd\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+
+
+@pytest.fixture
+def failing_daemon(tmp_path, monkeypatch, request):
+    """A control command that fails as request.param says; temp directories go to tmp_path/tmp
+    (returned), and no host daemon is joined."""
+    _failing_control(tmp_path, tmp_path / "calls", request.param)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "no-daemon-here"))
+    monkeypatch.setattr(serve_mps, "START_TIMEOUT_S", 0.3)
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    return tmp_path / "tmp"
+
+
+@pytest.mark.parametrize("failing_daemon", ["exits 1", "silent"], indirect=True)
+def test_a_daemon_that_will_not_start_time_slices_under_auto(failing_daemon, tmp_path):
+    said: list[str] = []
+    assert start_mps(MpsPlan(0, 10 * GIB, 50, 30), "auto", said.append) is None
+    assert len(said) == 1 and "time-slice cuda:0" in said[0] and "\n" not in said[0], said
+    cause = "exit 1: no GPU here" if "exit 1" in said[0] else "no control pipe after 0.3s"
+    assert cause in said[0], said
+    assert os.listdir(failing_daemon) == []  # its pipe and log directories removed
+    calls = [c.split(" ")[0] for c in (tmp_path / "calls").read_text().splitlines()]
+    # a silent daemon is asked to quit (no argument, "quit" on stdin), in case it answers late
+    assert calls == (["-d"] if cause.startswith("exit") else ["-d", ""])
+
+
+@pytest.mark.parametrize("failing_daemon", ["exits 1"], indirect=True)
+def test_a_daemon_that_will_not_start_is_a_one_line_error_under_on(failing_daemon):
+    with pytest.raises(RuntimeError, match="--mps on: could not start an MPS control daemon") as e:
+        start_mps(MpsPlan(0, 10 * GIB, 50, 30), "on", lambda line: None)
+    assert "\n" not in str(e.value) and "exit 1: no GPU here" in str(e.value)
+    assert os.listdir(failing_daemon) == []
+
+
+@pytest.mark.parametrize("failing_daemon", ["exits 1"], indirect=True)
+def test_serve_starts_its_workers_without_mps_when_the_daemon_fails(
+    failing_daemon, tmp_path, monkeypatch, capsys
+):
+    """serve_cmd.run with a shared GPU planned: one MPS line, then workers with no CUDA_MPS_*
+    variables of their own (stopped before anything runs: no GPU needed)."""
+    monkeypatch.setattr(serve_cmd, "plan_mps", lambda args, *_: _plan(args))
+    monkeypatch.setattr(serve_cmd, "end_with_exit_now", lambda: None)
+    envs: dict[str, dict[str, str]] = {}
+
+    def start_all(launcher: Launcher) -> None:
+        envs.update({c.name: c.env for c in launcher.children})
+        raise StartError("stopped by the test")
+
+    monkeypatch.setattr(Launcher, "start_all", start_all)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--mps", "auto", "--log-dir", str(tmp_path / "logs"), "--no-http"])
+    with pytest.raises(RuntimeError, match="--mps on: could not start"):  # nothing started
+        serve_cmd.run(parser.parse_args(["--mps", "on", "--log-dir", str(tmp_path / "logs")]))
+    assert envs == {}
+    capsys.readouterr()
+    assert serve_cmd.run(args) == 1
+    mps_lines = [line for line in capsys.readouterr().err.splitlines() if "MPS" in line]
+    assert len(mps_lines) == 1 and "time-slice" in mps_lines[0], mps_lines
+    workers = {n: e for n, e in envs.items() if n.startswith(("prefill", "decode"))}
+    assert workers and all(not any(k.startswith("CUDA_MPS_") for k in e) for e in workers.values())
+    assert os.listdir(failing_daemon) == []
 
 
 def test_serve_refuses_a_bad_share_in_one_line(tiny_llama):
