@@ -39,9 +39,10 @@ _POLL_S = (0.001, 0.02)  # reservation retry: first and longest wait between tri
 class StreamFallback(Exception):
     """The stream did not deliver; nothing is held. `reason` labels it for the router."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, reserve_wait_s: float = 0.0) -> None:
         super().__init__(message)
         self.reason = reason
+        self.reserve_wait_s = reserve_wait_s  # how long it waited for blocks before it failed
 
 
 class StreamPuller:
@@ -59,9 +60,10 @@ class StreamPuller:
 
     async def pull(
         self, request: worker_pb2.DecodeRequest, loop: EngineLoop
-    ) -> tuple[list[int] | None, StreamResult]:
-        """(blocks holding the prompt's KV, the stream's result with the first token); None
-        blocks when that first token already ended the request (nothing to decode)."""
+    ) -> tuple[list[int] | None, StreamResult, float]:
+        """(blocks holding the prompt's KV, the stream's result with the first token, seconds
+        spent waiting for room in the pool: backpressure, 0 when the blocks were free at once);
+        None blocks when that first token already ended the request (nothing to decode)."""
         num_tokens = len(request.prompt_token_ids)
         num_blocks = -(-num_tokens // self.client.spec.block_size)
         src = request.kv_stream
@@ -75,7 +77,24 @@ class StreamPuller:
             )
         except ValueError as exc:
             raise RequestError.invalid(f"kv_stream: {exc}".replace("kv.shards", "shards")) from None
-        ids = await self._reserve(loop, num_blocks, request.request_id)
+        ids, waited_s = await self._reserve(loop, num_blocks, request.request_id)
+        try:
+            ids, result = await self._stream(request, loop, sources, num_tokens, ids)
+        except StreamFallback as fb:
+            fb.reserve_wait_s = waited_s
+            raise
+        return ids, result, waited_s
+
+    async def _stream(
+        self,
+        request: worker_pb2.DecodeRequest,
+        loop: EngineLoop,
+        sources,
+        num_tokens: int,
+        ids: list[int],
+    ) -> tuple[list[int] | None, StreamResult]:
+        """The stream into the reserved `ids` (given back on any failure)."""
+        src = request.kv_stream
         if delay := self.faults.pull_delay(request.request_id):  # tests only: held, blocks reserved
             try:
                 await asyncio.sleep(delay)
@@ -112,7 +131,10 @@ class StreamPuller:
             return None, result
         return ids, result
 
-    async def _reserve(self, loop: EngineLoop, num_blocks: int, request_id: str) -> list[int]:
+    async def _reserve(
+        self, loop: EngineLoop, num_blocks: int, request_id: str
+    ) -> tuple[list[int], float]:
+        """(the reserved blocks, seconds waited for them: 0 when the pool had room at once)."""
         start = time.perf_counter()
         wait = _POLL_S[0]
         waited = False
@@ -127,8 +149,9 @@ class StreamPuller:
                     )
                 raise
             if ids is not None:
-                self.metrics.kv_reserve_wait_seconds.observe(time.perf_counter() - start)
-                return ids
+                took = time.perf_counter() - start
+                self.metrics.kv_reserve_wait_seconds.observe(took)
+                return ids, took if waited else 0.0
             if not waited:
                 waited = True
                 self.metrics.kv_reserve_waits.inc()
@@ -136,7 +159,9 @@ class StreamPuller:
             if time.perf_counter() - start > self.reserve_wait_s:
                 # not the pool_full failure: the pull after the prefill counts that if it recomputes
                 raise StreamFallback(
-                    "pool_full", f"no room for {num_blocks} blocks within {self.reserve_wait_s:g}s"
+                    "pool_full",
+                    f"no room for {num_blocks} blocks within {self.reserve_wait_s:g}s",
+                    time.perf_counter() - start,
                 )
             await asyncio.sleep(wait)
             wait = min(2 * wait, _POLL_S[1])

@@ -126,14 +126,17 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except RequestError as err:
             await err.abort(context)
         block_ids = None
-        transfer_s = 0.0
+        transfer_s = reserve_wait_s = 0.0
         recomputed, why, streamed = False, "", False
         if request.HasField("kv_stream"):  # the KV arrives while the prompt is prefilled
             start = time.perf_counter()
             try:
-                block_ids, result = await self.streamer.pull(request, loop)
+                block_ids, result, reserve_wait_s = await self.streamer.pull(request, loop)
             except StreamFallback as fb:  # nothing held: the router falls back to the pull
-                yield worker_pb2.DecodeResponse(kv_stream_fallback=fb.reason or "failed")
+                yield worker_pb2.DecodeResponse(
+                    kv_stream_fallback=fb.reason or "failed",
+                    reserve_wait_ms=fb.reserve_wait_s * 1000,
+                )
                 return
             except RequestError as err:
                 await err.abort(context)
@@ -175,6 +178,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if first:
                 first = False
                 resp.transfer_time_ms = transfer_s * 1000
+                resp.reserve_wait_ms = reserve_wait_s * 1000
                 resp.kv_recomputed = recomputed
                 resp.kv_recompute_reason = why
                 resp.kv_streamed = streamed

@@ -167,7 +167,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[_Union[StopReason, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., kv_handover: _Optional[_Union[KvHandover, _Mapping]] = ..., timings: _Optional[_Union[RequestTimings, _Mapping]] = ...) -> None: ...
 
 class RequestTimings(_message.Message):
-    __slots__ = ("router_queue_ms", "prefill_queue_ms", "prefill_compute_ms", "prefill_sampling_ms", "first_token_delivery_ms", "second_token_gap_ms", "handover_ms", "first_decode_step_ms", "second_token_delivery_ms")
+    __slots__ = ("router_queue_ms", "prefill_queue_ms", "prefill_compute_ms", "prefill_sampling_ms", "first_token_delivery_ms", "second_token_gap_ms", "handover_ms", "first_decode_step_ms", "second_token_delivery_ms", "reserve_wait_ms")
     ROUTER_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class RequestTimings(_message.Message):
     HANDOVER_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     SECOND_TOKEN_DELIVERY_MS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     router_queue_ms: float
     prefill_queue_ms: float
     prefill_compute_ms: float
@@ -186,7 +187,8 @@ class RequestTimings(_message.Message):
     handover_ms: float
     first_decode_step_ms: float
     second_token_delivery_ms: float
-    def __init__(self, router_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., prefill_sampling_ms: _Optional[float] = ..., first_token_delivery_ms: _Optional[float] = ..., second_token_gap_ms: _Optional[float] = ..., handover_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., second_token_delivery_ms: _Optional[float] = ...) -> None: ...
+    reserve_wait_ms: float
+    def __init__(self, router_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., prefill_sampling_ms: _Optional[float] = ..., first_token_delivery_ms: _Optional[float] = ..., second_token_gap_ms: _Optional[float] = ..., handover_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ..., second_token_delivery_ms: _Optional[float] = ..., reserve_wait_ms: _Optional[float] = ...) -> None: ...
 
 class KvHandover(_message.Message):
     __slots__ = ("recomputed", "reason", "transfer_ms", "streamed", "stream_fallback")

@@ -91,7 +91,7 @@ class KvStreamSource(_message.Message):
     def __init__(self, address: _Optional[_Union[_kv_pb2.UcxAddress, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., token: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[_kv_pb2.KvShard, _Mapping]]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "transfer_time_ms", "queue_time_ms", "kv_recomputed", "kv_recompute_reason", "kv_stream_fallback", "kv_streamed", "admit_wait_ms", "local_prefill_ms")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "stop_reason", "transfer_time_ms", "queue_time_ms", "kv_recomputed", "kv_recompute_reason", "kv_stream_fallback", "kv_streamed", "admit_wait_ms", "local_prefill_ms", "reserve_wait_ms")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +104,7 @@ class DecodeResponse(_message.Message):
     KV_STREAMED_FIELD_NUMBER: _ClassVar[int]
     ADMIT_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
     finish_reason: _generate_pb2.FinishReason
@@ -116,7 +117,8 @@ class DecodeResponse(_message.Message):
     kv_streamed: bool
     admit_wait_ms: float
     local_prefill_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ..., transfer_time_ms: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_recomputed: _Optional[bool] = ..., kv_recompute_reason: _Optional[str] = ..., kv_stream_fallback: _Optional[str] = ..., kv_streamed: _Optional[bool] = ..., admit_wait_ms: _Optional[float] = ..., local_prefill_ms: _Optional[float] = ...) -> None: ...
+    reserve_wait_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[_Union[_generate_pb2.StopReason, _Mapping]] = ..., transfer_time_ms: _Optional[float] = ..., queue_time_ms: _Optional[float] = ..., kv_recomputed: _Optional[bool] = ..., kv_recompute_reason: _Optional[str] = ..., kv_stream_fallback: _Optional[str] = ..., kv_streamed: _Optional[bool] = ..., admit_wait_ms: _Optional[float] = ..., local_prefill_ms: _Optional[float] = ..., reserve_wait_ms: _Optional[float] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ("max_prefix_hashes",)

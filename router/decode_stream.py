@@ -107,6 +107,7 @@ class DecodeStream(GenerationBase):
         try:
             async for resp in call:
                 if resp.kv_stream_fallback and not self.decode_took_lease:
+                    self.timer.stream_fell_back(resp)
                     raise StreamFellBack(resp.kv_stream_fallback)
                 if not self.decode_took_lease:  # the KV is pulled once tokens come
                     self.decode_took_lease = True

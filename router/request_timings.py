@@ -13,7 +13,9 @@ prefill of the prompt fill prefill_queue and prefill_compute, and the whole gap 
 decode step. The parts are clamped at 0; unclamped they add up to the router's TTFT and gap. A
 first decode step that began before token 1 was written (a streamed hand-over brings the decode
 worker the first token early) counts only with its part inside the gap, so the gap's parts
-never add up to more than the gap.
+never add up to more than the gap. reserve_wait (the decode worker's wait for room in its block
+pool, backpressure on a streamed hand-over) is reported beside the parts, not as one of them: it
+overlaps the prefill, and what of it outlasted the prefill is inside handover.
 
 The TTFT parts are observed in `splitserve_router_ttft_component_seconds` when the first token's
 chunk is written, the gap's when the second token's is; the client gets them all on the last chunk.
@@ -61,8 +63,13 @@ class RequestTimer:
             self._colocated = True
             self._first_call_sent = now
 
+    def stream_fell_back(self, resp: worker_pb2.DecodeResponse) -> None:
+        """A streamed Decode answered kv_stream_fallback: the wait for blocks it reports."""
+        self.message.reserve_wait_ms += max(0.0, resp.reserve_wait_ms)
+
     def decode_started(self, resp: worker_pb2.DecodeResponse) -> None:
         """The Decode's first chunk (its timing fields)."""
+        self.message.reserve_wait_ms += max(0.0, resp.reserve_wait_ms)
         if self._colocated:
             self._worker_ttft_ms = (resp.admit_wait_ms, resp.local_prefill_ms, 0.0)
         else:

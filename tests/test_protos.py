@@ -249,7 +249,7 @@ WIRE = {
     "stop_reason=6 usage=7 kv_handover=8 timings=9",
     "RequestTimings": "router_queue_ms=1 prefill_queue_ms=2 prefill_compute_ms=3 "
     "prefill_sampling_ms=4 first_token_delivery_ms=5 second_token_gap_ms=6 handover_ms=7 "
-    "first_decode_step_ms=8 second_token_delivery_ms=9",
+    "first_decode_step_ms=8 second_token_delivery_ms=9 reserve_wait_ms=10",
     "KvHandover": "recomputed=1 reason=2 transfer_ms=3 streamed=4 stream_fallback=5",
     "AbortRequest": "request_id=1",
     "AbortResponse": "found=1",
@@ -283,7 +283,7 @@ WIRE = {
     "KvStreamSource": "address=1 model_compat_hash=2 token=3 shards=4",
     "DecodeResponse": "token_ids=1 logprobs=2 finish_reason=3 stop_reason=4 transfer_time_ms=5 "
     "queue_time_ms=6 kv_recomputed=7 kv_recompute_reason=8 kv_stream_fallback=9 kv_streamed=10 "
-    "admit_wait_ms=11 local_prefill_ms=12",
+    "admit_wait_ms=11 local_prefill_ms=12 reserve_wait_ms=13",
     "GetLoadRequest": "max_prefix_hashes=1",
     "PrefixCacheSummary": "block_hashes=1 num_cached_blocks=2 block_keys=3",
     "WorkerLoad": "role=1 num_running=2 num_waiting=3 free_blocks=4 total_blocks=5 block_size=6 "

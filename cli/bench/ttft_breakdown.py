@@ -10,7 +10,9 @@ gets no timings: its breakdowns are None (n/a in the table).
                       router's: its hop to the router and back, its own handling)
     token2_breakdown  second_token_gap (the router's gap between the first and the second
                       token's chunks) and its parts handover, first_decode_step,
-                      second_token_delivery
+                      second_token_delivery; beside them reserve_wait (the decode worker's
+                      wait for room in its block pool on a streamed hand-over: backpressure;
+                      not a term of the sum, it overlaps the prefill)
 
 Each part: its own median and p99 over the requests, and `at_p99`: its mean over the requests
 whose TTFT (client's) or gap is at or above that total's p99, so the parts of a p99 spike add
@@ -35,7 +37,13 @@ TTFT_PARTS = (
 )
 # summed to the router's TTFT (prefill_sampling is inside prefill_compute)
 ROUTER_TTFT_SUM = ("router_queue", "prefill_queue", "prefill_compute", "first_token_delivery")
-TOKEN2_PARTS = ("second_token_gap", "handover", "first_decode_step", "second_token_delivery")
+TOKEN2_PARTS = (
+    "second_token_gap",
+    "handover",
+    "first_decode_step",
+    "second_token_delivery",
+    "reserve_wait",
+)
 
 
 def timings_ms(msg: generate_pb2.RequestTimings) -> dict[str, float]:
@@ -53,6 +61,7 @@ def timings_ms(msg: generate_pb2.RequestTimings) -> dict[str, float]:
         out["handover"] = msg.handover_ms
         out["first_decode_step"] = msg.first_decode_step_ms
         out["second_token_delivery"] = msg.second_token_delivery_ms
+        out["reserve_wait"] = msg.reserve_wait_ms
     return out
 
 

@@ -77,6 +77,13 @@ def test_full_decode_pool_makes_streams_wait_nothing_lost(cluster, oracle, procs
         assert r.tokens == _want(oracle, p, 8)
     assert metric(dm, "splitserve_decode_kv_reserve_waits_total") > 0
     assert all(r.last.kv_handover.streamed for r in results)
+    # the wait is each request's own figure: the first to reserve had room at once (0), a later
+    # one waited; inside its transfer, and beside the gap's parts rather than one of them
+    waits = sorted(r.last.timings.reserve_wait_ms for r in results)
+    assert waits[0] == 0 and waits[-1] > 0, waits
+    for r in results:
+        t = r.last.timings
+        assert t.reserve_wait_ms <= r.last.kv_handover.transfer_ms + 0.01, (t, r.last.kv_handover)
 
 
 def test_64_concurrent_streamed_handovers_all_stream(cluster, oracle, procs, monkeypatch):
@@ -122,6 +129,8 @@ def test_a_pool_that_stays_full_falls_back_to_the_pull(cluster, oracle, procs):
     assert [t for c in a_chunks for t in c.token_ids] == _want(oracle, a_prompt, 4)
     assert b.tokens == _want(oracle, b_prompt, 8)
     assert b.last.kv_handover.stream_fallback == "pool_full" and not b.last.kv_handover.streamed
+    # B's failed stream waited its 10 ms for blocks; A found them free
+    assert b.last.timings.reserve_wait_ms >= 10, b.last.timings
 
 
 def test_stream_broken_between_layer_groups_falls_back_to_the_pull(cluster, oracle, procs):

@@ -54,3 +54,17 @@ def test_a_step_inside_the_gap_is_reported_whole_and_the_rest_is_handover_or_del
     # 7 ms of the gap is neither the step nor hidden: delivery takes it up to the call's overhead
     assert m.second_token_delivery_ms == pytest.approx(7.0, abs=1e-6)
     assert m.handover_ms == pytest.approx(0.0, abs=1e-6)
+
+
+def test_reserve_wait_is_reported_beside_the_gap_parts_and_a_fallback_adds_its_own():
+    t = _timer()
+    t.decode_sent(100.001, colocated=False)
+    t.stream_fell_back(worker_pb2.DecodeResponse(kv_stream_fallback="pool_full", reserve_wait_ms=4))
+    t.decode_started(worker_pb2.DecodeResponse(transfer_time_ms=3.0, reserve_wait_ms=1.5))
+    t.tokens_written(1, 100.010)
+    t.tokens_written(1, 100.020)
+    m = t.message
+    assert m.reserve_wait_ms == pytest.approx(5.5)
+    parts = sum(getattr(m, k) for k in GAP_PARTS)
+    assert parts == pytest.approx(m.second_token_gap_ms, abs=1e-6)  # not a term of the sum
+    assert _disaggregated(100.010, 100.020, 2.0, 3.0).reserve_wait_ms == 0

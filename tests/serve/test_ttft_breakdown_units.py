@@ -31,6 +31,7 @@ def _timed(i: int, ttft_ms: float, compute_ms: float, gap=None) -> RequestResult
             gap / 4,
             gap / 4,
         )
+        msg.reserve_wait_ms = 1.0  # beside the parts: not a term of the gap's sum
     return RequestResult(
         i, ok=True, output_len=4, ttft_s=ttft_ms / 1e3, e2e_s=1.0, timings=timings_ms(msg)
     )
@@ -57,6 +58,7 @@ def test_parts_and_the_spike_at_p99():
     assert token2["second_token_gap"]["median"] == pytest.approx(8.0)
     assert token2["handover"]["p99"] == pytest.approx(4.0)
     assert set(token2["first_decode_step"]) == {"median", "p99", "at_p99"}
+    assert token2["reserve_wait"]["median"] == pytest.approx(1.0)
 
 
 def test_client_hop_is_never_negative_and_failed_requests_are_left_out():
@@ -83,5 +85,5 @@ def test_the_table_lists_every_part():
     print_summary(out, summary, BenchConfig(address="x:1"), "m")
     text = out.getvalue()
     assert "TTFT Breakdown (ms)" in text and "Second Token Gap Breakdown (ms)" in text
-    for part in ("router_queue", "first_token_delivery", "client_hop", "handover"):
+    for part in ("router_queue", "first_token_delivery", "client_hop", "handover", "reserve_wait"):
         assert part in text, part

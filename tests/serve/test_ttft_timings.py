@@ -164,6 +164,7 @@ def test_bench_splits_ttft_into_its_parts(stack, tmp_path):
         "handover",
         "first_decode_step",
         "second_token_delivery",
+        "reserve_wait",
     }
     for parts in (ttft_parts, doc["token2_breakdown"]):
         for name, s in parts.items():
