@@ -224,7 +224,10 @@ def test_prefill_link_down_during_transfer(cluster, oracle, record_property):
         "prefill_first_success_s": served_s,
     }
     _report(record_property, f"prefill link down during transfer (failed pull: {new})", times)
-    assert evicted_s < 3.0 and done_s < 8.0  # transfer timeouts of 1-3.5 s, then the recompute
+    # no stream is open to a prefill worker: heartbeat silence (2 s) evicts it, or three 1 s
+    # probes (~3.6 s); measured 3.43 s on a loaded 2-core CI machine, so a bound here cannot
+    # tell the two apart (the eviction reason would: the router's worker_evictions metric)
+    assert evicted_s < 6.0 and done_s < 10.0  # transfer timeouts of 1-3.5 s, then the recompute
     assert (
         recovered_s < 10.0 and served_s < 12.0
     )  # reconnect backoff (5 s) + probe, then one request
