@@ -10,14 +10,8 @@ import asyncio
 
 import grpc
 from fault_helpers import start_worker
-from router_helpers import (
-    assert_workers_free,
-    generate,
-    greedy,
-    ids_request,
-    router_config,
-    running_router,
-)
+from router_helpers import assert_workers_free
+from test_stream_handover import _run  # the same router run, streaming on
 
 from splitserve.protos import worker_pb2, worker_pb2_grpc
 from splitserve.request.sampling_params import SamplingParams
@@ -38,21 +32,6 @@ def _streams(address: str, role: str) -> bool:
         return stub_cls(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=10).kv_streaming
 
 
-async def _run(model, prefill: str, decode: str, prefix: str):
-    cfg = router_config(model, [prefill], [decode], routing={"kv_streaming": True})
-    async with running_router(cfg) as (_, stub):
-        results = await asyncio.gather(
-            *(
-                generate(
-                    stub, ids_request(p, greedy(MAX_TOKENS, ignore_eos=True), f"{prefix}{i}"), 60
-                )
-                for i, p in enumerate(PROMPTS)
-            )
-        )
-    await assert_workers_free([prefill], [decode])
-    return results
-
-
 def test_a_worker_without_streaming_gets_the_pull_with_the_same_tokens(cluster, oracle, procs):
     off = {"streaming": False}
     prefill_off, _ = start_worker(
@@ -70,7 +49,9 @@ def test_a_worker_without_streaming_gets_the_pull_with_the_same_tokens(cluster, 
         oracle(p, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)).token_ids
         for p in PROMPTS
     ]
-    both = asyncio.run(_run(cluster.model, cluster.prefill, cluster.decode, "mix-both"))
+    both = asyncio.run(
+        _run(cluster.model, cluster.prefill, cluster.decode, PROMPTS, MAX_TOKENS, prefix="mix-both")
+    )
     for r, w in zip(both, want):
         assert r.tokens == w
         assert r.last.kv_handover.streamed and not r.last.kv_handover.recomputed, r.last
@@ -80,7 +61,9 @@ def test_a_worker_without_streaming_gets_the_pull_with_the_same_tokens(cluster, 
         "prefill without, streaming decode": (prefill_off.address, cluster.decode),
     }
     for k, (what, (prefill, decode)) in enumerate(pairs.items()):
-        results = asyncio.run(_run(cluster.model, prefill, decode, f"mix-{k}-"))
+        results = asyncio.run(
+            _run(cluster.model, prefill, decode, PROMPTS, MAX_TOKENS, prefix=f"mix-{k}-")
+        )
         for r, w, s in zip(results, want, both):
             assert r.tokens == w == s.tokens, what
             hand = r.last.kv_handover
