@@ -16,6 +16,9 @@ class AttentionMetadata:
     context_lens  [B] int32   tokens in the cache per sequence after this step (prefix + new)
     cu_seqlens_q  [B+1] int32 prefill only: packed query offsets
     max_query_len            prefill only: longest new chunk (a launch hint)
+    dense_causal             prefill only: one sequence with nothing cached before this step
+                             (rows = positions 0..T-1): its attention may run dense
+                             (kernels/dense_attention.py, through engine/prefill_graphs.py)
     """
 
     slot_mapping: torch.Tensor
@@ -24,3 +27,4 @@ class AttentionMetadata:
     is_prefill: bool
     cu_seqlens_q: torch.Tensor | None = None
     max_query_len: int = 1
+    dense_causal: bool = False

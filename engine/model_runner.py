@@ -231,6 +231,7 @@ class ModelRunner:
             is_prefill=True,
             cu_seqlens_q=cu_d,
             max_query_len=max(len(c.token_ids) for c in chunks),
+            dense_causal=len(chunks) == 1 and chunks[0].num_computed == 0,
         )
         if self.prefill_graphs is not None and self.prefill_graphs.bucket(len(ids)):
             # padded to a bucket, replayed (prefill_graphs.py)

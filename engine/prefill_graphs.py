@@ -25,6 +25,12 @@ captured after its pre-attention part, reading static inputs and metadata (cu_se
 context_lens / block tables of FUSED_SEQS rows, the unused ones without tokens) that two pinned
 copies fill (prefill_graph_inputs.py).
 
+A step of one fresh prompt (nothing cached before it: `meta.dense_causal`) in a bucket of at
+least DENSE_MIN_TOKENS runs its attention as one dense causal call at the bucket's size instead
+(`dense`, kernels/dense_attention.py: cuDNN's fused attention, 1.3-1.8x the Triton kernel's
+speed there); `capture` builds its plan for every such bucket, or leaves it off with one log
+line where cuDNN's attention is missing.
+
 `on_layer_kv(i)`, when set, is called right after piece i has written layer i's KV (and, in
 fused pieces, run its attention): a place for per-layer-group CUDA events, for a KV hand-over
 that streams layers as they finish. Without CUDA, or before `capture`, `run` runs
@@ -42,6 +48,8 @@ import torch
 
 from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.engine.prefill_graph_inputs import NULL_SLOT, FusedInputs
+from splitserve.engine.prefill_graph_sizes import default_sizes, graph_sizes  # noqa: F401
+from splitserve.kernels.dense_attention import dense_causal_attention
 
 log = logging.getLogger(__name__)
 
@@ -53,25 +61,9 @@ log = logging.getLogger(__name__)
 # node), where pieces start the GPU after the first and launch the rest while it works.
 FUSED_SEQS = 4
 FUSED_MAX_TOKENS = 1024
-
-
-def default_sizes(max_tokens: int, smallest: int = 16, largest: int = 8192) -> list[int]:
-    """Powers of two from `smallest` to `largest`, none above the step budget `max_tokens`."""
-    out, n = [], smallest
-    while n <= min(largest, max_tokens):
-        out.append(n)
-        n *= 2
-    return out
-
-
-def graph_sizes(sizes: Sequence[int] | None, max_num_batched_tokens: int) -> list[int]:
-    """`sizes` (None: default_sizes) to capture: no step exceeds the budget, so a count above it
-    is captured as the budget itself (the steps it would serve keep a graph, padded less)."""
-    if not sizes:
-        return default_sizes(max_num_batched_tokens)
-    if over := sorted(s for s in sizes if s > max_num_batched_tokens):
-        log.info("prefill graph sizes %s captured at the budget %d", over, max_num_batched_tokens)
-    return sorted({min(s, max_num_batched_tokens) for s in sizes if s >= 1})
+# From this bucket up a fresh single prompt leaves the fused pieces for dense attention between
+# plain pieces: the GPU's work per layer (~150 us at 512 tokens) hides the eager launches.
+DENSE_MIN_TOKENS = 512
 
 
 class PrefillGraphs:
@@ -112,6 +104,8 @@ class PrefillGraphs:
         self.on_layer_kv: Callable[[int], None] | None = None
         self.num_steps = 0  # steps run through the buckets (replayed or padded eager)
         self.num_replays = 0
+        self.dense = False  # fresh single prompts' attention dense (set by `capture`)
+        self.num_dense = 0
 
     @property
     def captured(self) -> bool:
@@ -177,6 +171,7 @@ class PrefillGraphs:
             for n in self.fused_sizes:  # (no sequence: the attention programs return at once)
                 for i in range(self.num_layers + 1):
                     self._fused_piece(n, i)
+            self.dense = self._build_dense_plans()
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
@@ -200,6 +195,21 @@ class PrefillGraphs:
             self.num_layers + 1,
         )
 
+    def _build_dense_plans(self) -> bool:
+        """One dense attention call per bucket it serves (each shape's plan built now, not
+        while a user waits); False, with one log line, where the call fails."""
+        kv, scale = self.kv_cache[0], self.model.layers[0].scale
+        try:
+            for n in self.sizes:
+                if n >= DENSE_MIN_TOKENS:
+                    dense_causal_attention(
+                        self.q[:n], kv[0], kv[1], self.slot_mapping[:n], scale, self.attn[:n]
+                    )
+        except RuntimeError as exc:  # no cuDNN attention for this GPU / dtype / head size
+            log.warning("dense prefill attention off, the Triton kernel serves: %s", exc)
+            return False
+        return any(n >= DENSE_MIN_TOKENS for n in self.sizes)
+
     def release(self) -> None:
         """Drops every graph (idempotent); eager steps from here on."""
         if self._graphs and self.kv_cache.device.type == "cuda":
@@ -212,6 +222,9 @@ class PrefillGraphs:
         self.pool = None
 
     # ---- a step -------------------------------------------------------------------------------
+    def _dense(self, n: int, fresh_single: bool) -> bool:
+        return self.dense and fresh_single and n >= DENSE_MIN_TOKENS
+
     @torch.inference_mode()
     def run(
         self,
@@ -235,6 +248,7 @@ class PrefillGraphs:
         self.slot_mapping[t:n].fill_(NULL_SLOT)
         self.attn[t:n].zero_()  # attention never writes padding rows: keep them finite
         graphs = self._graphs.get(n)
+        dense = self._dense(n, meta.dense_causal)
         for i in range(self.num_layers + 1):
             if graphs is not None:
                 graphs[i].replay()
@@ -245,8 +259,13 @@ class PrefillGraphs:
             if self.on_layer_kv is not None:
                 self.on_layer_kv(i)
             kv, layer = self.kv_cache[i], self.model.layers[i]
-            layer.attention(self.q[:t], kv[0], kv[1], meta, out=self.attn[:t])
+            if dense:  # at the bucket's size: padding rows come after every real one
+                sl = self.slot_mapping[:n]
+                dense_causal_attention(self.q[:n], kv[0], kv[1], sl, layer.scale, self.attn[:n])
+            else:
+                layer.attention(self.q[:t], kv[0], kv[1], meta, out=self.attn[:t])
         self.num_steps += 1
+        self.num_dense += dense
         self.num_replays += graphs is not None
         return self.model.final_logits(self.hidden[:t], self.residual[:t], rows)
 
@@ -266,6 +285,8 @@ class PrefillGraphs:
         n = self.bucket(len(ids))
         if n not in self.fused_sizes or len(lens) > FUSED_SEQS:
             return None
+        if self._dense(n, len(lens) == 1 and lens[0] == len(ids)):
+            return None  # `run`'s plain pieces with dense attention
         self.fused.load(n, ids, positions, slots, rows, cu, lens, tables)
         graphs = self._fused_graphs.get(n)
         for i in range(self.num_layers + 1):

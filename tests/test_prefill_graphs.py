@@ -163,3 +163,26 @@ def test_steps_above_the_largest_bucket_take_the_eager_step(pair):
     prompts = [_prompt(rng, n) for n in lengths]
     chunks = [PrefillChunk(p, 0, t) for p, t in zip(prompts, _tables(lengths, first=60))]
     _same_step(pair, chunks, bucketed_path=False)
+
+
+def test_fresh_single_prompts_take_dense_attention_and_match_the_eager_step(pair, monkeypatch):
+    """kernels/dense_attention.py (the math backend here, cuDNN on CUDA) at the bucket's size:
+    a single prompt with nothing cached; packed steps and prefix hits keep the varlen kernel."""
+    graphs = pair[1].prefill_graphs
+    monkeypatch.setattr(prefill_graphs, "DENSE_MIN_TOKENS", 32)
+    monkeypatch.setattr(graphs, "dense", True)
+    rng = random.Random(5)
+    for n, dense in ((5, False), (16, False), (17, True), (32, True), (64, True)):
+        before, fused = graphs.num_dense, graphs.num_fused
+        _same_step(pair, [PrefillChunk(_prompt(rng, n), 0, _tables([n], first=40)[0])], True)
+        assert graphs.num_dense == before + dense  # buckets under the floor: fused pieces
+        assert graphs.num_fused == fused + (not dense)
+    long = _prompt(rng, 60)
+    t_long, t_other = _tables([60, 30], first=40)
+    before = graphs.num_dense
+    _same_step(pair, [PrefillChunk(long[:36], 0, t_long)], True)  # a first chunk: fresh
+    _same_step(pair, [PrefillChunk(long[36:], 36, t_long)], True)  # a later chunk: cached part
+    _same_step(
+        pair, [PrefillChunk(long[:30], 0, t_long), PrefillChunk(long[:30], 0, t_other)], True
+    )
+    assert graphs.num_dense == before + 1

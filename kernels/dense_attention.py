@@ -1,0 +1,52 @@
+"""Causal attention of one fresh prompt as one dense SDPA call (cuDNN's fused attention on CUDA).
+
+A prefill step of a single sequence with nothing cached before it needs no block table: its
+keys are its own tokens, positions 0..T-1 in order. cuDNN's kernel outruns our varlen Triton
+kernel there (H100, d=64, GQA 32/8, bf16, causal, us per layer: 1x1024 25.8 vs 47.0, 1x3072
+113 vs 143, 1x8192 621 vs 810; torch's flash backend 37 / 180 / 998; .gpu probe in
+benchmarks/results/h100-2026-12-08/README.md), so the piecewise prefill graphs run such steps
+through here (engine/prefill_graphs.py `dense`).
+
+The step's rows may be padded to a graph bucket (padding rows: position 0, the null slot).
+Causal masking keeps every real row off the padding rows after it, so the call runs at the
+bucket's size: cuDNN builds one plan per shape, and the warm-up builds one per bucket before
+SERVING instead of one per prompt length while a user waits. The padding rows' keys come from
+the null block (finite), their outputs are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# CUDA: cuDNN only (the flash and efficient backends lose to the Triton kernel, see above);
+# elsewhere (CPU tests) the math backend.
+_CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION]
+_OTHER_BACKENDS = [SDPBackend.MATH]
+
+
+def dense_causal_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """q [N, Hq, D] (row i at position i of one sequence), its keys / values at cache `slots`
+    [N] of k_cache / v_cache [blocks, block_size, Hkv, D] -> out [N, Hq, D]."""
+    hkv, d = k_cache.shape[-2:]
+    k = k_cache.view(-1, hkv, d).index_select(0, slots)
+    v = v_cache.view(-1, hkv, d).index_select(0, slots)
+    backends = _CUDA_BACKENDS if q.device.type == "cuda" else _OTHER_BACKENDS
+    with sdpa_kernel(backends):
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(0).transpose(1, 2),  # [1, Hq, N, D] views: no copies
+            k.unsqueeze(0).transpose(1, 2),
+            v.unsqueeze(0).transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=q.shape[1] != hkv,
+        )
+    out.copy_(o[0].transpose(0, 1))
