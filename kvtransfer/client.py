@@ -50,7 +50,7 @@ from splitserve.kvtransfer.lease_request import request_lease
 from splitserve.kvtransfer.metrics import KvTransferMetrics
 from splitserve.kvtransfer.progress_wait import BOOST
 from splitserve.kvtransfer.pull_stats import PullStats, lap
-from splitserve.kvtransfer.quiet_wait import recv_all
+from splitserve.kvtransfer.quiet_wait import recv_all, retrieve_exception
 from splitserve.kvtransfer.shards import ShardSource, shard_sources
 from splitserve.protos import kv_pb2
 
@@ -58,11 +58,6 @@ from splitserve.protos import kv_pb2
 # shard somewhere other than this client's own pool
 log = logging.getLogger("splitserve.kvtransfer")
 Installer = Callable[[torch.Tensor, list[int], int, int], Awaitable[None]]
-
-
-def _retrieved(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
 
 
 class KvTransferClient:
@@ -248,7 +243,9 @@ class KvTransferClient:
         await self.stream.wait()
         t = lap(phases, "ready", t)
         trailer = asyncio.ensure_future(frames.recv(ep, kv_pb2.KvPullReply, buf))
-        trailer.add_done_callback(_retrieved)  # a failed or cancelled trailer is not an error
+        trailer.add_done_callback(
+            retrieve_exception
+        )  # a failed or cancelled trailer is not an error
         try:
             await receive_or_abort(
                 ep, self._receive(ep, buffers), cfg.data_timeout_s, trailer, keep=(staging, buf)

@@ -57,7 +57,7 @@ from splitserve.kvtransfer.config import KvTransferConfig, TransferFaults
 from splitserve.kvtransfer.descriptor import KvIncompatibleError, PoolSpec, check_compatible
 from splitserve.kvtransfer.frames import PAYLOAD_TAG
 from splitserve.kvtransfer.metrics import KvTransferMetrics
-from splitserve.kvtransfer.quiet_wait import post, post_frame, wait_all
+from splitserve.kvtransfer.quiet_wait import post, post_frame, retrieve_exception, wait_all
 from splitserve.protos import kv_pb2
 
 log = logging.getLogger("splitserve.kvtransfer")
@@ -67,11 +67,6 @@ log = logging.getLogger("splitserve.kvtransfer")
 # receiver's ack heard by the progress thread), which takes that hop off each piece's path;
 # bounded, as each holds its gathered copy.
 PAYLOADS_IN_FLIGHT = 2
-
-
-def _retrieve(send: asyncio.Future) -> None:
-    if not send.cancelled():
-        send.exception()
 
 
 @dataclass(frozen=True)
@@ -256,7 +251,9 @@ class LayerStreamSender:
             sends[0].abandon()
             raise
         send = asyncio.ensure_future(self._sent(ep, sends, timeout))
-        send.add_done_callback(_retrieve)  # a failure next to the stream's own is not logged
+        send.add_done_callback(
+            retrieve_exception
+        )  # a failure next to the stream's own is not logged
         # cancelled before its first step (a stream failing at once), the task never waits:
         # its posts are parked here, as UCX may still read them until the endpoint's abort ends
         send.add_done_callback(lambda _: [posted.abandon() for posted in sends])

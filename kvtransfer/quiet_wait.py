@@ -100,11 +100,12 @@ def _through_ucxx(ep, buffers: list, receive: bool, tag) -> Posted:
     posted before the loop's next turn)."""
     op = ep.recv if receive else ep.send
     task = asyncio.ensure_future(asyncio.gather(*(op(b, tag=tag) for b in buffers)))
-    task.add_done_callback(_retrieved)  # an abandoned one's failure is not an error
+    task.add_done_callback(retrieve_exception)  # an abandoned one's failure is not an error
     return Posted(buffers, [], None, task)
 
 
-def _retrieved(fut: asyncio.Future) -> None:
+def retrieve_exception(fut: asyncio.Future) -> None:
+    """A done-callback for a future whose failure is not an error: asyncio logs none for it."""
     if not fut.cancelled():
         fut.exception()
 
