@@ -49,7 +49,7 @@ import torch
 from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.engine.prefill_graph_inputs import NULL_SLOT, FusedInputs
 from splitserve.engine.prefill_graph_sizes import default_sizes, graph_sizes  # noqa: F401
-from splitserve.kernels.dense_attention import dense_causal_attention
+from splitserve.kernels.dense_attention import dense_causal_attention, dense_disagrees
 
 log = logging.getLogger(__name__)
 
@@ -196,19 +196,23 @@ class PrefillGraphs:
         )
 
     def _build_dense_plans(self) -> bool:
-        """One dense attention call per bucket it serves (each shape's plan built now, not
-        while a user waits); False, with one log line, where the call fails."""
-        kv, scale = self.kv_cache[0], self.model.layers[0].scale
-        try:
-            for n in self.sizes:
-                if n >= DENSE_MIN_TOKENS:
-                    dense_causal_attention(
-                        self.q[:n], kv[0], kv[1], self.slot_mapping[:n], scale, self.attn[:n]
-                    )
-        except RuntimeError as exc:  # no cuDNN attention for this GPU / dtype / head size
-            log.warning("dense prefill attention off, the Triton kernel serves: %s", exc)
+        """Checks the dense attention against the varlen kernel, then makes one call per
+        bucket it serves (each shape's plan built now, not while a user waits); False, with
+        one log line, where it fails or disagrees."""
+        dense = [n for n in self.sizes if n >= DENSE_MIN_TOKENS]
+        if not dense:
             return False
-        return any(n >= DENSE_MIN_TOKENS for n in self.sizes)
+        kv, layer = self.kv_cache[0], self.model.layers[0]
+        try:
+            bad = dense_disagrees(self.q, kv.shape[-2], kv.shape[-3], layer.scale, dense[0])
+            for n in [] if bad else dense:
+                sl = self.slot_mapping[:n]
+                dense_causal_attention(self.q[:n], kv[0], kv[1], sl, layer.scale, self.attn[:n])
+        except RuntimeError as exc:  # no cuDNN attention for this GPU / dtype / head size
+            bad = str(exc).splitlines()[0]
+        if bad:
+            log.warning("dense prefill attention off, the varlen kernel serves: %s", bad)
+        return not bad
 
     def release(self) -> None:
         """Drops every graph (idempotent); eager steps from here on."""

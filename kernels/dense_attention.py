@@ -50,3 +50,36 @@ def dense_causal_attention(
             enable_gqa=q.shape[1] != hkv,
         )
     out.copy_(o[0].transpose(0, 1))
+
+
+def dense_disagrees(
+    like: torch.Tensor, num_kv_heads: int, block_size: int, scale: float, n: int
+) -> str | None:
+    """Checks the dense call against the varlen kernel (kernels/ops.py) on `n` random tokens of
+    `like`'s shape [*, Hq, D], dtype and device, in scratch caches (the KV pool is untouched):
+    None when they agree within the dtype's tolerance, else what differs. Run once at start-up,
+    so that a backend computing something else on an untested GPU turns the dense path off."""
+    from splitserve.kernels import ops
+
+    g = torch.Generator(device=like.device).manual_seed(0)
+    hq, d = like.shape[-2:]
+    blocks = -(-n // block_size) + 1  # block 0 left out, as the null block is
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=like.device).to(like.dtype)
+
+    q = rand(n, hq, d)
+    k_cache, v_cache = (
+        rand(blocks, block_size, num_kv_heads, d),
+        rand(blocks, block_size, num_kv_heads, d),
+    )
+    slots = torch.arange(block_size, block_size + n, device=like.device)
+    table = torch.arange(1, blocks, dtype=torch.int32, device=like.device)[None]
+    cu = torch.tensor([0, n], dtype=torch.int32, device=like.device)
+    lens = cu[1:].clone()
+    want = ops.prefill_attention(q, k_cache, v_cache, table, cu, lens, n, scale)
+    got = torch.empty_like(q)
+    dense_causal_attention(q, k_cache, v_cache, slots, scale, got)
+    err = float((got.float() - want.float()).abs().max())
+    tol = 2e-2 if like.dtype in (torch.bfloat16, torch.float16) else 1e-4
+    return None if err <= tol else f"max difference {err:.3g} from the varlen kernel (> {tol})"
