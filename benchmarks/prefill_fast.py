@@ -45,6 +45,13 @@ def add_arguments(p) -> None:
     p.add_argument("--fast-out", default=None, help="also write issue 31's table here")
     p.add_argument("--fast-cases", default="1x128,1x1024,8x1024,1x8192")
     p.add_argument("--first-prompt-len", type=int, default=3072)
+    p.add_argument(
+        "--dense-min-tokens",
+        type=int,
+        default=None,
+        help="the table's engine: smallest bucket whose fresh single prompts run dense (cuDNN) "
+        "attention (engine/prefill_dense.py; default its DENSE_MIN_TOKENS)",
+    )
 
 
 def parse_cases(text: str) -> list[tuple[str, list[int]]]:
@@ -218,8 +225,13 @@ def _first_and_rest(first: dict, end: dict, key: str) -> list[float] | None:
 
 
 def write(args, base, bench, runner, worker_cfg, hf, peak, model_dir, result) -> None:
+    from splitserve.engine import prefill_dense
+
     cfg = worker_cfg.model_copy(update={"warmup": True})  # as a request meets a serving worker
+    if args.dense_min_tokens:  # (read at capture, in the engine's start)
+        prefill_dense.DENSE_MIN_TOKENS = args.dense_min_tokens
     fast = {k: result[k] for k in ("preset", "device_name", "dtype", "matmul_tflops", "torch")}
+    fast["dense_min_tokens"] = prefill_dense.DENSE_MIN_TOKENS
     fast["results"] = table(
         base,
         bench,

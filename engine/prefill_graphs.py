@@ -26,10 +26,12 @@ context_lens / block tables of FUSED_SEQS rows, the unused ones without tokens) 
 copies fill (prefill_graph_inputs.py).
 
 A step of one fresh prompt (nothing cached before it: `meta.dense_causal`) in a bucket of at
-least DENSE_MIN_TOKENS runs its attention as one dense causal call at the bucket's size instead
-(`dense`, kernels/dense_attention.py: cuDNN's fused attention, 1.3-1.8x the Triton kernel's
-speed there); `capture` builds its plan for every such bucket, or leaves it off with one log
-line where cuDNN's attention is missing.
+least DENSE_MIN_TOKENS (engine/prefill_dense.py) runs its attention as one dense causal call instead (`dense`,
+kernels/dense_attention.py: cuDNN's fused attention, 1.3-1.8x the Triton kernel's speed there),
+its T tokens padded to a multiple of `dense_step(N)` (a sixteenth of the bucket, at least 256:
+attention's work grows with the square of the length, so not to the bucket) to keep cuDNN to a
+few plans, each built at capture (never while a user waits), after a check against the varlen
+kernel; where cuDNN's attention is missing or disagrees, one log line and the varlen kernel.
 
 `on_layer_kv(i)`, when set, is called right after piece i has written layer i's KV (and, in
 fused pieces, run its attention): a place for per-layer-group CUDA events, for a KV hand-over
@@ -46,10 +48,12 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from splitserve.engine import prefill_dense
 from splitserve.engine.attention_metadata import AttentionMetadata
+from splitserve.engine.prefill_dense import build_dense_plans, dense_len
 from splitserve.engine.prefill_graph_inputs import NULL_SLOT, FusedInputs
 from splitserve.engine.prefill_graph_sizes import default_sizes, graph_sizes  # noqa: F401
-from splitserve.kernels.dense_attention import dense_causal_attention, dense_disagrees
+from splitserve.kernels.dense_attention import dense_causal_attention
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +65,6 @@ log = logging.getLogger(__name__)
 # node), where pieces start the GPU after the first and launch the rest while it works.
 FUSED_SEQS = 4
 FUSED_MAX_TOKENS = 1024
-# From this bucket up a fresh single prompt leaves the fused pieces for dense attention between
-# plain pieces: the GPU's work per layer (~150 us at 512 tokens) hides the eager launches.
-DENSE_MIN_TOKENS = 512
 
 
 class PrefillGraphs:
@@ -171,7 +172,7 @@ class PrefillGraphs:
             for n in self.fused_sizes:  # (no sequence: the attention programs return at once)
                 for i in range(self.num_layers + 1):
                     self._fused_piece(n, i)
-            self.dense = self._build_dense_plans()
+            self.dense = build_dense_plans(self)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
@@ -195,25 +196,6 @@ class PrefillGraphs:
             self.num_layers + 1,
         )
 
-    def _build_dense_plans(self) -> bool:
-        """Checks the dense attention against the varlen kernel, then makes one call per
-        bucket it serves (each shape's plan built now, not while a user waits); False, with
-        one log line, where it fails or disagrees."""
-        dense = [n for n in self.sizes if n >= DENSE_MIN_TOKENS]
-        if not dense:
-            return False
-        kv, layer = self.kv_cache[0], self.model.layers[0]
-        try:
-            bad = dense_disagrees(self.q, kv.shape[-2], kv.shape[-3], layer.scale, dense[0])
-            for n in [] if bad else dense:
-                sl = self.slot_mapping[:n]
-                dense_causal_attention(self.q[:n], kv[0], kv[1], sl, layer.scale, self.attn[:n])
-        except RuntimeError as exc:  # no cuDNN attention for this GPU / dtype / head size
-            bad = str(exc).splitlines()[0]
-        if bad:
-            log.warning("dense prefill attention off, the varlen kernel serves: %s", bad)
-        return not bad
-
     def release(self) -> None:
         """Drops every graph (idempotent); eager steps from here on."""
         if self._graphs and self.kv_cache.device.type == "cuda":
@@ -227,7 +209,7 @@ class PrefillGraphs:
 
     # ---- a step -------------------------------------------------------------------------------
     def _dense(self, n: int, fresh_single: bool) -> bool:
-        return self.dense and fresh_single and n >= DENSE_MIN_TOKENS
+        return self.dense and fresh_single and n >= prefill_dense.DENSE_MIN_TOKENS
 
     @torch.inference_mode()
     def run(
@@ -252,7 +234,7 @@ class PrefillGraphs:
         self.slot_mapping[t:n].fill_(NULL_SLOT)
         self.attn[t:n].zero_()  # attention never writes padding rows: keep them finite
         graphs = self._graphs.get(n)
-        dense = self._dense(n, meta.dense_causal)
+        dense = dense_len(n, t) if self._dense(n, meta.dense_causal) else 0
         for i in range(self.num_layers + 1):
             if graphs is not None:
                 graphs[i].replay()
@@ -263,13 +245,15 @@ class PrefillGraphs:
             if self.on_layer_kv is not None:
                 self.on_layer_kv(i)
             kv, layer = self.kv_cache[i], self.model.layers[i]
-            if dense:  # at the bucket's size: padding rows come after every real one
-                sl = self.slot_mapping[:n]
-                dense_causal_attention(self.q[:n], kv[0], kv[1], sl, layer.scale, self.attn[:n])
+            if dense:  # padding rows (null slot) come after every real one: causal, unseen
+                sl = self.slot_mapping[:dense]
+                dense_causal_attention(
+                    self.q[:dense], kv[0], kv[1], sl, layer.scale, self.attn[:dense]
+                )
             else:
                 layer.attention(self.q[:t], kv[0], kv[1], meta, out=self.attn[:t])
         self.num_steps += 1
-        self.num_dense += dense
+        self.num_dense += dense > 0
         self.num_replays += graphs is not None
         return self.model.final_logits(self.hidden[:t], self.residual[:t], rows)
 

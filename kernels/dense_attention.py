@@ -5,13 +5,12 @@ keys are its own tokens, positions 0..T-1 in order. cuDNN's kernel outruns our v
 kernel there (H100, d=64, GQA 32/8, bf16, causal, us per layer: 1x1024 25.8 vs 47.0, 1x3072
 113 vs 143, 1x8192 621 vs 810; torch's flash backend 37 / 180 / 998; .gpu probe in
 benchmarks/results/h100-2026-12-08/README.md), so the piecewise prefill graphs run such steps
-through here (engine/prefill_graphs.py `dense`).
+through here (engine/prefill_graphs.py, engine/prefill_dense.py).
 
-The step's rows may be padded to a graph bucket (padding rows: position 0, the null slot).
-Causal masking keeps every real row off the padding rows after it, so the call runs at the
-bucket's size: cuDNN builds one plan per shape, and the warm-up builds one per bucket before
-SERVING instead of one per prompt length while a user waits. The padding rows' keys come from
-the null block (finite), their outputs are never read.
+The step's rows may be padded (engine/prefill_dense.py: to a few lengths per graph bucket, so
+cuDNN builds a few plans at start-up instead of one per prompt length while a user waits). The
+padding rows (position 0, the null slot) come after every real row, which causal masking keeps
+off them; their keys come from the null block (finite), their outputs are never read.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from splitserve.config.engine_config import EngineConfig
-from splitserve.engine import prefill_graphs
+from splitserve.engine import prefill_dense, prefill_graphs
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
 from splitserve.engine.prefill_graphs import FUSED_SEQS, PrefillGraphs, default_sizes, graph_sizes
 
@@ -166,10 +166,11 @@ def test_steps_above_the_largest_bucket_take_the_eager_step(pair):
 
 
 def test_fresh_single_prompts_take_dense_attention_and_match_the_eager_step(pair, monkeypatch):
-    """kernels/dense_attention.py (the math backend here, cuDNN on CUDA) at the bucket's size:
-    a single prompt with nothing cached; packed steps and prefix hits keep the varlen kernel."""
+    """kernels/dense_attention.py (the math backend here, cuDNN on CUDA), padded to the bucket
+    here (engine/prefill_dense.py `dense_len`: at least 256): a single prompt with nothing cached;
+    packed steps and prefix hits keep the varlen kernel."""
     graphs = pair[1].prefill_graphs
-    monkeypatch.setattr(prefill_graphs, "DENSE_MIN_TOKENS", 32)
+    monkeypatch.setattr(prefill_dense, "DENSE_MIN_TOKENS", 32)
     monkeypatch.setattr(graphs, "dense", True)
     rng = random.Random(5)
     for n, dense in ((5, False), (16, False), (17, True), (32, True), (64, True)):

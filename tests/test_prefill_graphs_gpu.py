@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from splitserve.config.engine_config import EngineConfig
+from splitserve.engine import prefill_dense
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
-from splitserve.engine.prefill_graphs import DENSE_MIN_TOKENS, capture_prefill_graphs
+from splitserve.engine.prefill_graphs import capture_prefill_graphs
 
 pytestmark = pytest.mark.gpu
 
@@ -32,12 +33,17 @@ def _runner(model) -> ModelRunner:
     return ModelRunner(cfg)
 
 
+DENSE_MIN = 256  # (the default, 2048, is above these graphs: dense from the 256 bucket here)
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_llama):
     eager, graphed = _runner(tiny_llama), _runner(tiny_llama)
-    assert capture_prefill_graphs(graphed, SIZES, 512) is not None
-    graphed.kv_cache.zero_()
-    yield eager, graphed
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefill_dense, "DENSE_MIN_TOKENS", DENSE_MIN)
+        assert capture_prefill_graphs(graphed, SIZES, 512) is not None
+        graphed.kv_cache.zero_()
+        yield eager, graphed
     graphed.prefill_graphs.release()
 
 
@@ -94,13 +100,14 @@ def test_graph_replays_match_the_eager_step_on_20_random_packed_batches(pair):
 
 
 def test_fresh_single_prompts_run_dense_attention_like_the_eager_step(pair):
-    """kernels/dense_attention.py (cuDNN) from the DENSE_MIN_TOKENS bucket up, its plan built at
-    capture; a prompt after a cached prefix keeps the varlen kernel."""
+    """kernels/dense_attention.py (cuDNN) from the DENSE_MIN bucket up (the fused pieces give
+    way there), its plans built at capture; a prompt after a cached prefix keeps the varlen
+    kernel."""
     eager, graphed = pair
     graphs = graphed.prefill_graphs
-    assert graphs.dense and DENSE_MIN_TOKENS in SIZES
+    assert graphs.dense and DENSE_MIN in SIZES
     rng, decisive = random.Random(7), 0
-    for n in (DENSE_MIN_TOKENS // 2 + 1, 300, 411, DENSE_MIN_TOKENS - 1, DENSE_MIN_TOKENS):
+    for n in (DENSE_MIN // 2 + 1, 200, 300, 411, 511, 512):
         before = graphs.num_dense
         prompt = [rng.randrange(3, 500) for _ in range(n)]
         decisive += _same_step(eager, graphed, [PrefillChunk(prompt, 0, list(range(1, 34)))])

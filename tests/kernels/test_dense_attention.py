@@ -10,8 +10,45 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from splitserve.config.engine_config import EngineConfig
+from splitserve.engine import prefill_dense
+from splitserve.engine.model_runner import ModelRunner, PrefillChunk
+from splitserve.engine.prefill_dense import build_dense_plans, dense_len, dense_lengths
+from splitserve.engine.prefill_graphs import PrefillGraphs
 from splitserve.kernels import dense_attention, ops
 from splitserve.kernels.dense_attention import dense_causal_attention, dense_disagrees
+
+
+def _runner(model) -> ModelRunner:
+    cfg = EngineConfig(
+        model_path=str(model),
+        device="cpu",
+        cache={"num_blocks": 300, "block_size": 4},
+        scheduler={"max_model_len": 1024, "max_num_batched_tokens": 1024},
+    )
+    return ModelRunner(cfg)
+
+
+def test_dense_lengths_pad_to_a_sixteenth_of_the_bucket_never_past_it(monkeypatch):
+    assert [dense_len(8192, t) for t in (4097, 5000, 8192)] == [4608, 5120, 8192]
+    assert [dense_len(2048, t) for t in (1025, 1300, 2048)] == [1280, 1536, 2048]
+    assert dense_len(300, 290) == 300  # a bucket that is no multiple of the step
+    monkeypatch.setattr(prefill_dense, "DENSE_MIN_TOKENS", 2048)
+    sizes = [16, 1024, 2048, 4096]
+    assert dense_lengths(sizes) == list(range(1280, 4097, 256))  # one plan each, at capture
+
+
+def test_a_fresh_prompt_padded_inside_its_bucket_matches_the_eager_step(tiny_llama, monkeypatch):
+    eager, dense = _runner(tiny_llama), _runner(tiny_llama)
+    dense.prefill_graphs = PrefillGraphs(
+        dense.model, dense.kv_cache, dense.cos_sin, [16, 1024], dense.max_blocks_per_seq
+    )
+    monkeypatch.setattr(prefill_dense, "DENSE_MIN_TOKENS", 1024)
+    dense.prefill_graphs.dense = True
+    prompt = [(37 * i) % 500 + 3 for i in range(600)]  # dense at 768 rows of the 1024 bucket
+    chunk = [PrefillChunk(prompt, 0, list(range(1, 151)))]
+    torch.testing.assert_close(dense.prefill(chunk), eager.prefill(chunk), atol=1e-4, rtol=1e-4)
+    assert dense.prefill_graphs.num_dense == 1 and dense_len(1024, 600) == 768
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,14 +73,10 @@ def test_padding_rows_after_the_prompt_change_none_of_its_rows():
 def test_the_self_check_catches_a_backend_that_computes_something_else(
     monkeypatch, caplog, tiny_llama
 ):
-    from splitserve.config.engine_config import EngineConfig
-    from splitserve.engine import prefill_graphs
-    from splitserve.engine.model_runner import ModelRunner
-
-    runner = ModelRunner(EngineConfig(model_path=str(tiny_llama), device="cpu"))
-    sizes = [16, prefill_graphs.DENSE_MIN_TOKENS]
-    graphs = prefill_graphs.PrefillGraphs(runner.model, runner.kv_cache, runner.cos_sin, sizes)
-    assert graphs._build_dense_plans() is True  # (a CPU runner never captures: called here)
+    runner = _runner(tiny_llama)
+    graphs = PrefillGraphs(runner.model, runner.kv_cache, runner.cos_sin, [16, 512, 1024])
+    monkeypatch.setattr(prefill_dense, "DENSE_MIN_TOKENS", 1024)
+    assert build_dense_plans(graphs) is True  # (a CPU runner never captures: called here)
 
     real = F.scaled_dot_product_attention
 
@@ -53,6 +86,6 @@ def test_the_self_check_catches_a_backend_that_computes_something_else(
     monkeypatch.setattr(dense_attention.F, "scaled_dot_product_attention", not_causal)
     bad = dense_disagrees(torch.zeros(1, 8, 16), 2, 4, 0.25, 37)
     assert bad is not None and "max difference" in bad
-    with caplog.at_level(logging.WARNING, logger=prefill_graphs.__name__):
-        assert graphs._build_dense_plans() is False
+    with caplog.at_level(logging.WARNING, logger=prefill_dense.__name__):
+        assert build_dense_plans(graphs) is False
     assert "dense prefill attention off" in caplog.text and "max difference" in caplog.text

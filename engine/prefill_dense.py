@@ -1,0 +1,55 @@
+"""Dense attention for a fresh single prompt in the piecewise prefill graphs: which steps take
+it, the lengths it runs at, and the start-up that checks it and builds its cuDNN plans
+(engine/prefill_graphs.py calls it; kernels/dense_attention.py computes it)."""
+
+from __future__ import annotations
+
+import logging
+
+from splitserve.kernels.dense_attention import dense_causal_attention, dense_disagrees
+
+log = logging.getLogger(__name__)
+
+# From this bucket up a fresh single prompt's attention runs dense. Above FUSED_MAX_TOKENS the
+# plain pieces launch attention eagerly anyway; from 512 the fused pieces would give way to
+# them (measured per layer, not yet end to end: benchmarks/prefill.py --dense-min-tokens).
+DENSE_MIN_TOKENS = 2048
+
+
+def dense_step(bucket: int) -> int:
+    """The granularity a fresh prompt in `bucket` is padded to for its dense attention."""
+    return max(256, bucket // 16)
+
+
+def dense_len(bucket: int, tokens: int) -> int:
+    step = dense_step(bucket)
+    return min(bucket, -(-tokens // step) * step)
+
+
+def dense_lengths(sizes: list[int]) -> list[int]:
+    """Every length a dense call runs at, for piecewise graphs of these bucket `sizes`."""
+    out: set[int] = set()
+    for p, n in zip([0, *sizes], sizes):
+        if n >= DENSE_MIN_TOKENS:
+            out.update(dense_len(n, t) for t in range(p + 1, n + 1))
+    return sorted(out)
+
+
+def build_dense_plans(graphs) -> bool:
+    """Checks the dense attention against the varlen kernel on a PrefillGraphs' shapes, then
+    makes one call per length it runs at (each cuDNN plan built now, not while a user waits);
+    False, with one log line, where there is none, or it fails or disagrees."""
+    lengths = dense_lengths(graphs.sizes)
+    if not lengths:
+        return False
+    kv, layer = graphs.kv_cache[0], graphs.model.layers[0]
+    try:
+        bad = dense_disagrees(graphs.q, kv.shape[-2], kv.shape[-3], layer.scale, lengths[0])
+        for m in [] if bad else lengths:
+            sl = graphs.slot_mapping[:m]
+            dense_causal_attention(graphs.q[:m], kv[0], kv[1], sl, layer.scale, graphs.attn[:m])
+    except RuntimeError as exc:  # no cuDNN attention for this GPU / dtype / head size
+        bad = str(exc).splitlines()[0]
+    if bad:
+        log.warning("dense prefill attention off, the varlen kernel serves: %s", bad)
+    return not bad
