@@ -166,11 +166,7 @@ def first_prompt(
         compiles = SERVING_COMPILES.search(scraped)
         gc_max = GC_MAX_PAUSE.findall(scraped)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_worker(proc)
     after_idle, idle_parts = ttfts.pop(), parts.pop()
     rest = statistics.median(ttfts[1:])
     print(
@@ -205,6 +201,15 @@ def first_prompt(
         "gc_pause_max_ms": {g: float(v) * 1e3 for g, v in gc_max},
         "gc_heap_frozen": os.environ.get(FREEZE_OFF_ENV) != "1",
     }
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    """SIGTERM (the worker's drain), then a kill after 60 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def _scrape(port: int) -> str:

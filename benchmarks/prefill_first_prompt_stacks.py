@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     from splitserve.protos import generate_pb2, worker_pb2, worker_pb2_grpc
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from prefill_fast import SERVING_LINE, _lines
+    from prefill_fast import SERVING_LINE, _lines, stop_worker
 
     vocab = json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"]
     stacks = Path(tempfile.mkdtemp(prefix="stacks-"))
@@ -139,11 +139,7 @@ def main(argv=None) -> int:
                     timeout=30,
                 )
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_worker(proc)
     (n0, first), (n2, third) = (
         _busy(stacks / "phase_0.json"),
         _busy(stacks / f"phase_{min(2, args.prompts - 1)}.json"),
