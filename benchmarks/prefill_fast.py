@@ -49,8 +49,8 @@ def add_arguments(p) -> None:
         "--dense-min-tokens",
         type=int,
         default=None,
-        help="the table's engine: smallest bucket whose fresh single prompts run dense (cuDNN) "
-        "attention (engine/prefill_dense.py; default its DENSE_MIN_TOKENS)",
+        help="smallest bucket whose fresh single prompts run dense (cuDNN) attention, in the "
+        "table's engine and the first-prompt workers (engine/prefill_dense.py; default 2048)",
     )
 
 
@@ -233,8 +233,9 @@ def write(args, base, bench, runner, worker_cfg, hf, peak, model_dir, result) ->
     from splitserve.engine import prefill_dense
 
     cfg = worker_cfg.model_copy(update={"warmup": True})  # as a request meets a serving worker
-    if args.dense_min_tokens:  # (read at capture, in the engine's start)
+    if args.dense_min_tokens:  # here (read at capture) and in the first-prompt workers
         prefill_dense.DENSE_MIN_TOKENS = args.dense_min_tokens
+        os.environ["SPLITSERVE_DENSE_MIN_TOKENS"] = str(args.dense_min_tokens)
     fast = {k: result[k] for k in ("preset", "device_name", "dtype", "matmul_tflops", "torch")}
     fast["dense_min_tokens"] = prefill_dense.DENSE_MIN_TOKENS
     fast["results"] = table(

@@ -94,7 +94,11 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from prefill_fast import SERVING_LINE, _lines, stop_worker
 
-    vocab = json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"]
+    config = Path(args.model_dir) / "config.json"
+    if not config.is_file():
+        print(f"no checkpoint at {args.model_dir} (no config.json)", file=sys.stderr)
+        return 1
+    vocab = json.loads(config.read_text())["vocab_size"]
     stacks = Path(tempfile.mkdtemp(prefix="stacks-"))
     env = {**os.environ, "TRITON_CACHE_DIR": tempfile.mkdtemp(), "STACKS_DIR": str(stacks)}
     cmd = [
@@ -109,10 +113,12 @@ def main(argv=None) -> int:
     threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
     try:
         print("waiting for the worker to say SERVING ...", file=sys.stderr)
-        while not (m := SERVING_LINE.search(line := lines.get(timeout=600) or "")):
-            if proc.poll() is not None:
-                print(f"the worker exited ({proc.returncode}): {line.strip()}", file=sys.stderr)
-                return 1
+        seen: list[str] = []
+        while (line := lines.get(timeout=600)) is not None and not (m := SERVING_LINE.search(line)):
+            seen.append(line)
+        if line is None:  # its output ended before SERVING: say why
+            print("the worker exited before SERVING:\n" + "".join(seen[-20:]), file=sys.stderr)
+            return 1
         params = generate_pb2.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
         with grpc.insecure_channel(f"{m[1]}:{m[2]}") as channel:
             grpc.channel_ready_future(channel).result(timeout=60)
@@ -131,7 +137,11 @@ def main(argv=None) -> int:
                 ms = (time.perf_counter() - start) * 1e3
                 time.sleep(0.05)
                 proc.send_signal(signal.SIGUSR2)
+                deadline = time.monotonic() + 30
                 while not (stacks / f"phase_{i}.json").exists():
+                    if time.monotonic() > deadline or proc.poll() is not None:
+                        print(f"the worker wrote no stacks for prompt {i}", file=sys.stderr)
+                        return 1
                     time.sleep(0.01)
                 print(f"prompt {i}: {ms:.1f} ms (worker compute {resp.compute_time_ms:.1f} ms)")
                 stub.ReleaseLease(

@@ -89,6 +89,9 @@ class DecodeWorker(WorkerSkeleton):
             ),
         )
         self.loop.start()
+        graphs = self.engine.runner.prefill_graphs
+        if graphs is not None:  # its dense attention's plans where local prefills run
+            await asyncio.wrap_future(self.loop.call(graphs.prepare_dense_here))
         await rehearse(self.loop, self.engine, self.rehearsal_sizes)  # before any user request
         self.servicer.loop = self.loop
         runner = self.engine.runner

@@ -5,6 +5,8 @@ it, the lengths it runs at, and the start-up that checks it and builds its cuDNN
 from __future__ import annotations
 
 import logging
+import os
+import threading
 
 from splitserve.kernels.dense_attention import dense_causal_attention, dense_disagrees
 
@@ -12,8 +14,12 @@ log = logging.getLogger(__name__)
 
 # From this bucket up a fresh single prompt's attention runs dense. Above FUSED_MAX_TOKENS the
 # plain pieces launch attention eagerly anyway; from 512 the fused pieces would give way to
-# them (measured per layer, not yet end to end: benchmarks/prefill.py --dense-min-tokens).
-DENSE_MIN_TOKENS = 2048
+# them (measured per layer, not yet end to end). SPLITSERVE_DENSE_MIN_TOKENS sets it for an A/B
+# (benchmarks/prefill.py --dense-min-tokens; a value above every bucket turns dense off).
+_ENV = os.environ.get("SPLITSERVE_DENSE_MIN_TOKENS", "").strip()
+if _ENV and not _ENV.isdigit():
+    raise ValueError(f"SPLITSERVE_DENSE_MIN_TOKENS must be a token count, got {_ENV!r}")
+DENSE_MIN_TOKENS = int(_ENV or 2048)
 
 
 def dense_step(bucket: int) -> int:
@@ -37,8 +43,9 @@ def dense_lengths(sizes: list[int]) -> list[int]:
 
 def build_dense_plans(graphs) -> bool:
     """Checks the dense attention against the varlen kernel on a PrefillGraphs' shapes, then
-    makes one call per length it runs at (each cuDNN plan built now, not while a user waits);
-    False, with one log line, where there is none, or it fails or disagrees."""
+    makes one call per length it runs at (each cuDNN plan built now, not while a user waits, and
+    for the calling thread: torch keeps them per thread); False, with one log line, where there
+    is none, or it fails or disagrees."""
     lengths = dense_lengths(graphs.sizes)
     if not lengths:
         return False
@@ -48,8 +55,10 @@ def build_dense_plans(graphs) -> bool:
         for m in [] if bad else lengths:
             sl = graphs.slot_mapping[:m]
             dense_causal_attention(graphs.q[:m], kv[0], kv[1], sl, layer.scale, graphs.attn[:m])
-    except RuntimeError as exc:  # no cuDNN attention for this GPU / dtype / head size
+    except Exception as exc:  # e.g. no cuDNN attention for this GPU / dtype / head size
         bad = str(exc).splitlines()[0]
     if bad:
         log.warning("dense prefill attention off, the varlen kernel serves: %s", bad)
-    return not bad
+        return False
+    graphs.dense_threads.add(threading.get_ident())  # (torch keeps cuDNN's plans per thread)
+    return True

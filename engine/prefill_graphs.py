@@ -44,6 +44,7 @@ the plain eager path (model_runner.py).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 
 import torch
@@ -106,6 +107,7 @@ class PrefillGraphs:
         self.num_steps = 0  # steps run through the buckets (replayed or padded eager)
         self.num_replays = 0
         self.dense = False  # fresh single prompts' attention dense (set by `capture`)
+        self.dense_threads: set[int] = set()  # threads holding its cuDNN plans (per thread)
         self.num_dense = 0
 
     @property
@@ -209,7 +211,20 @@ class PrefillGraphs:
 
     # ---- a step -------------------------------------------------------------------------------
     def _dense(self, n: int, fresh_single: bool) -> bool:
-        return self.dense and fresh_single and n >= prefill_dense.DENSE_MIN_TOKENS
+        # torch keeps cuDNN's attention plans per thread: elsewhere the varlen kernel serves,
+        # rather than a plan built while a user waits
+        return (
+            self.dense
+            and fresh_single
+            and n >= prefill_dense.DENSE_MIN_TOKENS
+            and threading.get_ident() in self.dense_threads
+        )
+
+    def prepare_dense_here(self) -> None:
+        """Builds the dense attention's plans on the calling thread, where steps run (a decode
+        worker captures on a start-up thread and steps on its engine thread)."""
+        if self.dense and threading.get_ident() not in self.dense_threads:
+            self.dense = build_dense_plans(self)
 
     @torch.inference_mode()
     def run(

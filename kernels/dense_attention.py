@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # CUDA: cuDNN only (the flash and efficient backends lose to the Triton kernel, see above);
-# elsewhere (CPU tests) the math backend.
+# elsewhere (CPU tests) the math backend. `sdpa_kernel` sets process-wide flags for its block:
+# one thread of a worker calls this (the prefill step thread, or the decode engine thread), and
+# nothing else in a worker calls SDPA.
 _CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION]
 _OTHER_BACKENDS = [SDPBackend.MATH]
 

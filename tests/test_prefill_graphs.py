@@ -171,7 +171,9 @@ def test_fresh_single_prompts_take_dense_attention_and_match_the_eager_step(pair
     packed steps and prefix hits keep the varlen kernel."""
     graphs = pair[1].prefill_graphs
     monkeypatch.setattr(prefill_dense, "DENSE_MIN_TOKENS", 32)
-    monkeypatch.setattr(graphs, "dense", True)
+    monkeypatch.setattr(graphs, "dense_threads", set())
+    monkeypatch.setattr(graphs, "dense", prefill_dense.build_dense_plans(graphs))
+    assert graphs.dense
     rng = random.Random(5)
     for n, dense in ((5, False), (16, False), (17, True), (32, True), (64, True)):
         before, fused = graphs.num_dense, graphs.num_fused

@@ -5,6 +5,7 @@ turns the dense path off where a backend computes something else."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -39,16 +40,29 @@ def test_dense_lengths_pad_to_a_sixteenth_of_the_bucket_never_past_it(monkeypatc
 
 
 def test_a_fresh_prompt_padded_inside_its_bucket_matches_the_eager_step(tiny_llama, monkeypatch):
+    """Dense at 768 rows of the 1024 bucket, on the thread that built the plans only (torch
+    keeps cuDNN's per thread): another thread gets the varlen kernel until it builds its own."""
     eager, dense = _runner(tiny_llama), _runner(tiny_llama)
-    dense.prefill_graphs = PrefillGraphs(
+    graphs = dense.prefill_graphs = PrefillGraphs(
         dense.model, dense.kv_cache, dense.cos_sin, [16, 1024], dense.max_blocks_per_seq
     )
     monkeypatch.setattr(prefill_dense, "DENSE_MIN_TOKENS", 1024)
-    dense.prefill_graphs.dense = True
-    prompt = [(37 * i) % 500 + 3 for i in range(600)]  # dense at 768 rows of the 1024 bucket
+    graphs.dense = build_dense_plans(graphs)
+    prompt = [(37 * i) % 500 + 3 for i in range(600)]
     chunk = [PrefillChunk(prompt, 0, list(range(1, 151)))]
-    torch.testing.assert_close(dense.prefill(chunk), eager.prefill(chunk), atol=1e-4, rtol=1e-4)
-    assert dense.prefill_graphs.num_dense == 1 and dense_len(1024, 600) == 768
+    want = eager.prefill(chunk)
+    torch.testing.assert_close(dense.prefill(chunk), want, atol=1e-4, rtol=1e-4)
+    assert graphs.num_dense == 1 and dense_len(1024, 600) == 768
+
+    def elsewhere(prepare: bool) -> None:
+        if prepare:
+            graphs.prepare_dense_here()
+        torch.testing.assert_close(dense.prefill(chunk), want, atol=1e-4, rtol=1e-4)
+
+    for steps, (prepare, dense_steps) in enumerate(((False, 1), (True, 2)), start=2):
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(elsewhere, prepare).result()
+        assert (graphs.num_steps, graphs.num_dense) == (steps, dense_steps)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
