@@ -44,7 +44,7 @@ SERVING_COMPILES = re.compile(r'splitserve_kernel_compilations_total\{phase="ser
 def add_arguments(p) -> None:
     p.add_argument("--fast-out", default=None, help="also write issue 31's table here")
     p.add_argument("--fast-cases", default="1x128,1x1024,8x1024,1x8192")
-    p.add_argument("--first-prompt-len", type=int, default=3072)
+    p.add_argument("--first-prompt-len", type=int, default=3072, help="0: no first-prompt workers")
     p.add_argument(
         "--dense-min-tokens",
         type=int,
@@ -247,12 +247,15 @@ def write(args, base, bench, runner, worker_cfg, hf, peak, model_dir, result) ->
         peak,
         parse_cases(args.fast_cases),
     )
-    bs, budget = args.block_size, args.max_num_batched_tokens
+    bs, budget, length = args.block_size, args.max_num_batched_tokens, args.first_prompt_len
     vocab = runner.model_config.vocab_size
-    fast.update(first_prompt(model_dir, args.device, args.first_prompt_len, vocab, bs, budget))
-    # the same probe with the start-up rehearsal off: what the rehearsal takes away
-    off = first_prompt(model_dir, args.device, args.first_prompt_len, vocab, bs, budget, 10, False)
-    fast["no_rehearsal"] = {k: v for k, v in off.items() if k.startswith(("first_prompt", "next"))}
+    if length > 0:  # (0: the table only)
+        fast.update(first_prompt(model_dir, args.device, length, vocab, bs, budget))
+        # the same probe with the start-up rehearsal off: what the rehearsal takes away
+        off = first_prompt(model_dir, args.device, length, vocab, bs, budget, 10, False)
+        fast["no_rehearsal"] = {
+            k: v for k, v in off.items() if k.startswith(("first_prompt", "next"))
+        }
     Path(args.fast_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.fast_out).write_text(json.dumps(fast, indent=2))
     print(f"wrote {args.fast_out}", file=sys.stderr)
