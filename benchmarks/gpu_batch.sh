@@ -28,7 +28,8 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 case $part in
 a)
     step gpu_tests 150 python3 -m pytest -q -m gpu -x tests/test_prefill_graphs_gpu.py \
-        tests/kernels/test_triton_gpu.py tests/prefill_worker/test_prefill_warmup_gpu.py
+        tests/kernels/test_triton_gpu.py tests/prefill_worker/test_prefill_warmup_gpu.py \
+        tests/decode_worker/test_colocated_warmup_gpu.py
     tail -3 "$out/gpu_tests.log"
     step prefill 400 python3 benchmarks/prefill.py --model-dir "$l1b" --lengths 128,1024,8192 \
         --out "$out/prefill.json" --fast-out "$out/prefill_fast.json"
