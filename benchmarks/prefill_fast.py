@@ -50,7 +50,8 @@ def add_arguments(p) -> None:
         type=int,
         default=None,
         help="smallest bucket whose fresh single prompts run dense (cuDNN) attention, in the "
-        "table's engine and the first-prompt workers (engine/prefill_dense.py; default 2048)",
+        "table's engine and the first-prompt workers (engine/prefill_dense.py; default 2048); "
+        "the table at the default runs first, beside it (default_results)",
     )
 
 
@@ -233,20 +234,16 @@ def write(args, base, bench, runner, worker_cfg, hf, peak, model_dir, result) ->
     from splitserve.engine import prefill_dense
 
     cfg = worker_cfg.model_copy(update={"warmup": True})  # as a request meets a serving worker
-    if args.dense_min_tokens:  # here (read at capture) and in the first-prompt workers
+    fast = {k: result[k] for k in ("preset", "device_name", "dtype", "matmul_tflops", "torch")}
+    cases = parse_cases(args.fast_cases)
+    if args.dense_min_tokens:  # the default's table first, beside it in the same run
+        fast["default_dense_min_tokens"] = prefill_dense.DENSE_MIN_TOKENS
+        fast["default_results"] = table(base, bench, runner, cfg, hf, peak, cases)
+        # here (read at each engine's capture) and in the first-prompt workers
         prefill_dense.DENSE_MIN_TOKENS = args.dense_min_tokens
         os.environ["SPLITSERVE_DENSE_MIN_TOKENS"] = str(args.dense_min_tokens)
-    fast = {k: result[k] for k in ("preset", "device_name", "dtype", "matmul_tflops", "torch")}
     fast["dense_min_tokens"] = prefill_dense.DENSE_MIN_TOKENS
-    fast["results"] = table(
-        base,
-        bench,
-        runner,
-        cfg,
-        hf,
-        peak,
-        parse_cases(args.fast_cases),
-    )
+    fast["results"] = table(base, bench, runner, cfg, hf, peak, cases)
     bs, budget, length = args.block_size, args.max_num_batched_tokens, args.first_prompt_len
     vocab = runner.model_config.vocab_size
     if length > 0:  # (0: the table only)
