@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU measurements the open issues (31, 32, 35) need, in three parts that each fit one
-# 10-minute device command (with the set-up), writing into OUT (default $OUT, the device tool's folder). Assumes
+# 10-minute device command with the set-up, writing into OUT (the device tool's $OUT). Assumes
 # the project and its GPU wheels are installed and two checkpoints exist:
 #   L1B  (default /tmp/l1b):  splitserve make-model --preset llama-3.2-1b /tmp/l1b
 #   L1B3 (default /tmp/l1b3): python benchmarks/llama3_checkpoint.py /tmp/l1b TOKENIZER /tmp/l1b3
