@@ -253,16 +253,26 @@ def check_args(args: argparse.Namespace) -> tuple[int, int]:
         raise ValueError(
             f"--prefill-chunk-tokens must be >= 0 (0: whole prompts), got {args.prefill_chunk_tokens}"
         )
-    if args.port:
-        with socket.socket() as s:
-            try:
-                s.bind((args.host, args.port))
-            except OSError as exc:
-                raise ValueError(
-                    f"cannot use {args.host}:{args.port} for the router ({exc.strerror}); another "
-                    "`splitserve serve` may run there: pass --port 0 for a free port"
-                ) from None
+    if args.port and (why := _port_in_use(args.host, args.port)):
+        raise ValueError(
+            f"cannot use {args.host}:{args.port} for the router ({why}); another "
+            "`splitserve serve` may run there: pass --port 0 for a free port"
+        )
     return num_prefill, args.num_decode
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why nothing can listen on host:port now, or None. SO_REUSEADDR, as gRPC's and the HTTP
+    server's own sockets set it: a port whose last server just exited (its connections in
+    TIME_WAIT) is free to them, while one a server listens on is not."""
+    bind_host = host.strip("[]")
+    with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((bind_host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def client_tls(args: argparse.Namespace):
@@ -290,13 +300,9 @@ def check_http_port(args: argparse.Namespace) -> int | None:
         if args.http_port is not None
         else (0 if args.port == 0 else DEFAULT_HTTP_PORT)
     )
-    if port:
-        with socket.socket() as s:
-            try:
-                s.bind((args.host, port))
-            except OSError as exc:
-                raise ValueError(
-                    f"cannot use {args.host}:{port} for the OpenAI HTTP API ({exc.strerror}); pass "
-                    "--http-port 0 for a free port, or --no-http"
-                ) from None
+    if port and (why := _port_in_use(args.host, port)):
+        raise ValueError(
+            f"cannot use {args.host}:{port} for the OpenAI HTTP API ({why}); pass "
+            "--http-port 0 for a free port, or --no-http"
+        )
     return port

@@ -188,9 +188,10 @@ def test_serve_starts_its_workers_without_mps_when_the_daemon_fails(
     monkeypatch.setattr(Launcher, "start_all", start_all)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--mps", "auto", "--log-dir", str(tmp_path / "logs"), "--no-http"])
+    logs = ["--log-dir", str(tmp_path / "logs"), "--port", "0"]  # (no port of the host's)
+    args = parser.parse_args(["--mps", "auto", *logs, "--no-http"])
     with pytest.raises(RuntimeError, match="--mps on: could not start"):  # nothing started
-        serve_cmd.run(parser.parse_args(["--mps", "on", "--log-dir", str(tmp_path / "logs")]))
+        serve_cmd.run(parser.parse_args(["--mps", "on", *logs]))
     assert envs == {}
     capsys.readouterr()
     assert serve_cmd.run(args) == 1
@@ -203,7 +204,8 @@ def test_serve_starts_its_workers_without_mps_when_the_daemon_fails(
 
 def test_serve_refuses_a_bad_share_in_one_line(tiny_llama):
     done = subprocess.run(
-        [*cli("serve"), "--model", str(tiny_llama), "--prefill-sm-share", "0", "--prompt", "x"],
+        [*cli("serve"), "--model", str(tiny_llama), "--port", "0"]
+        + ["--prefill-sm-share", "0", "--prompt", "x"],
         capture_output=True,
         text=True,
         timeout=120,

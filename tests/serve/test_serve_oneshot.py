@@ -111,3 +111,34 @@ def test_colocated_refuses_prefill_workers():
         check_args(p.parse_args(["--colocated", "--num-prefill", "1", "--port", "0"]))
     with pytest.raises(ValueError, match="--num-decode must be >= 1"):
         check_args(p.parse_args(["--num-decode", "0", "--port", "0"]))
+
+
+def test_a_port_just_freed_is_usable_and_a_listened_one_is_refused():
+    """Right after a serve exits its port holds connections in TIME_WAIT, which gRPC's and the
+    HTTP server's sockets (SO_REUSEADDR) bind over: the start-up check must not refuse it; a port
+    some server listens on it refuses, naming the flag to change."""
+    import socket
+
+    from splitserve.cli.serve_args import add_arguments, check_args, check_http_port
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = srv.accept()
+        conn.close()  # the server's side closes first: its end of the connection in TIME_WAIT
+        client.close()
+    check_args(p.parse_args(["--host", "127.0.0.1", "--port", str(port)]))
+    assert check_http_port(p.parse_args(["--host", "127.0.0.1", "--http-port", str(port)])) == port
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        port = live.getsockname()[1]
+        with pytest.raises(ValueError, match="for the router .*pass --port 0"):
+            check_args(p.parse_args(["--host", "127.0.0.1", "--port", str(port)]))
+        with pytest.raises(ValueError, match="for the OpenAI HTTP API .*--http-port 0"):
+            check_http_port(p.parse_args(["--host", "127.0.0.1", "--http-port", str(port)]))
