@@ -28,7 +28,8 @@ def test_freeze_moves_the_live_heap_out_and_unfreeze_gives_it_back(monkeypatch):
     kept = _Cycle()  # alive at the freeze: frozen, so a collection no longer visits it
     try:
         frozen, _ = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() > 1000
+        # (>=: a leftover thread of an earlier in-process worker may freeze a few more)
+        assert gc.get_freeze_count() >= frozen > 1000
         assert all(o is not kept for o in gc.get_objects())
         freeze_startup_heap()  # a second worker in this process
         unfreeze_heap()
