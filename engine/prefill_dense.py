@@ -41,24 +41,35 @@ def dense_lengths(sizes: list[int]) -> list[int]:
     return sorted(out)
 
 
-def build_dense_plans(graphs) -> bool:
-    """Checks the dense attention against the varlen kernel on a PrefillGraphs' shapes, then
-    makes one call per length it runs at (each cuDNN plan built now, not while a user waits, and
-    for the calling thread: torch keeps them per thread); False, with one log line, where there
-    is none, or it fails or disagrees."""
+def check_dense(graphs) -> bool:
+    """Whether a PrefillGraphs' fresh prompts may run dense: it has a bucket for it and the
+    dense call agrees with the varlen kernel on its shapes (a random prompt of the shortest
+    dense length); False, with one log line, where the call fails or disagrees. Once, at
+    capture: a backend computing something else on an untested GPU turns the path off."""
     lengths = dense_lengths(graphs.sizes)
     if not lengths:
         return False
-    kv, layer = graphs.kv_cache[0], graphs.model.layers[0]
+    kv, scale = graphs.kv_cache[0], graphs.model.layers[0].scale
     try:
-        bad = dense_disagrees(graphs.q, kv.shape[-2], kv.shape[-3], layer.scale, lengths[0])
-        for m in [] if bad else lengths:
-            sl = graphs.slot_mapping[:m]
-            dense_causal_attention(graphs.q[:m], kv[0], kv[1], sl, layer.scale, graphs.attn[:m])
+        bad = dense_disagrees(graphs.q, kv.shape[-2], kv.shape[-3], scale, lengths[0])
     except Exception as exc:  # e.g. no cuDNN attention for this GPU / dtype / head size
         bad = str(exc).splitlines()[0]
     if bad:
         log.warning("dense prefill attention off, the varlen kernel serves: %s", bad)
+    return not bad
+
+
+def build_dense_plans(graphs) -> bool:
+    """One dense call per length a PrefillGraphs runs it at, on the calling thread: each cuDNN
+    plan built now, not while a user waits, and for this thread (torch keeps them per thread:
+    call it where steps run). False, with one log line, where a call fails."""
+    kv, scale = graphs.kv_cache[0], graphs.model.layers[0].scale
+    try:
+        for m in dense_lengths(graphs.sizes):
+            sl = graphs.slot_mapping[:m]
+            dense_causal_attention(graphs.q[:m], kv[0], kv[1], sl, scale, graphs.attn[:m])
+    except Exception as exc:
+        log.warning("dense prefill attention off, the varlen kernel serves: %s", exc)
         return False
-    graphs.dense_threads.add(threading.get_ident())  # (torch keeps cuDNN's plans per thread)
+    graphs.dense_threads.add(threading.get_ident())
     return True

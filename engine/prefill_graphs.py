@@ -26,12 +26,14 @@ context_lens / block tables of FUSED_SEQS rows, the unused ones without tokens) 
 copies fill (prefill_graph_inputs.py).
 
 A step of one fresh prompt (nothing cached before it: `meta.dense_causal`) in a bucket of at
-least DENSE_MIN_TOKENS (engine/prefill_dense.py) runs its attention as one dense causal call instead (`dense`,
-kernels/dense_attention.py: cuDNN's fused attention, 1.3-1.8x the Triton kernel's speed there),
-its T tokens padded to a multiple of `dense_step(N)` (a sixteenth of the bucket, at least 256:
-attention's work grows with the square of the length, so not to the bucket) to keep cuDNN to a
-few plans, each built at capture (never while a user waits), after a check against the varlen
-kernel; where cuDNN's attention is missing or disagrees, one log line and the varlen kernel.
+least DENSE_MIN_TOKENS (engine/prefill_dense.py) runs its attention as one dense causal call
+instead (kernels/dense_attention.py: cuDNN's fused attention, 1.3-1.8x the Triton kernel's speed
+there), its T tokens padded to a multiple of `dense_step(N)` (a sixteenth of the bucket, at
+least 256: attention's work grows with the square of the length, so not to the bucket) to keep
+cuDNN to a few plans, each built before SERVING on the thread that runs steps
+(`prepare_dense_here`; never while a user waits), after `capture` checked the call against the
+varlen kernel; where cuDNN's attention is missing or disagrees, one log line and the varlen
+kernel.
 
 `on_layer_kv(i)`, when set, is called right after piece i has written layer i's KV (and, in
 fused pieces, run its attention): a place for per-layer-group CUDA events, for a KV hand-over
@@ -51,7 +53,7 @@ import torch
 
 from splitserve.engine import prefill_dense
 from splitserve.engine.attention_metadata import AttentionMetadata
-from splitserve.engine.prefill_dense import build_dense_plans, dense_len
+from splitserve.engine.prefill_dense import build_dense_plans, check_dense, dense_len
 from splitserve.engine.prefill_graph_inputs import NULL_SLOT, FusedInputs
 from splitserve.engine.prefill_graph_sizes import default_sizes, graph_sizes  # noqa: F401
 from splitserve.kernels.dense_attention import dense_causal_attention
@@ -106,7 +108,7 @@ class PrefillGraphs:
         self.on_layer_kv: Callable[[int], None] | None = None
         self.num_steps = 0  # steps run through the buckets (replayed or padded eager)
         self.num_replays = 0
-        self.dense = False  # fresh single prompts' attention dense (set by `capture`)
+        self.dense = False  # fresh single prompts' attention dense (checked by `capture`)
         self.dense_threads: set[int] = set()  # threads holding its cuDNN plans (per thread)
         self.num_dense = 0
 
@@ -174,7 +176,7 @@ class PrefillGraphs:
             for n in self.fused_sizes:  # (no sequence: the attention programs return at once)
                 for i in range(self.num_layers + 1):
                     self._fused_piece(n, i)
-            self.dense = build_dense_plans(self)
+            self.dense = check_dense(self)  # its plans: prepare_dense_here, where steps run
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
@@ -221,7 +223,8 @@ class PrefillGraphs:
         )
 
     def prepare_dense_here(self) -> None:
-        """Builds the dense attention's plans on the calling thread, where steps run (a decode
+        """Builds the dense attention's plans on the calling thread: the thread that runs the
+        steps calls it before SERVING (the prefill worker's step thread at warm-up; a decode
         worker captures on a start-up thread and steps on its engine thread)."""
         if self.dense and threading.get_ident() not in self.dense_threads:
             self.dense = build_dense_plans(self)

@@ -19,7 +19,9 @@ def warm_up(
     the caller (after the start-up rehearsal, engine.start)."""
     sc = cfg.engine.scheduler
     if cfg.cuda_graph:
-        capture_prefill_graphs(runner, cfg.prefill_graph_sizes, sc.max_num_batched_tokens)
+        graphs = capture_prefill_graphs(runner, cfg.prefill_graph_sizes, sc.max_num_batched_tokens)
+        if graphs is not None:  # (this is the step thread: its dense attention's plans here)
+            graphs.prepare_dense_here()
         if not runner.tp.enabled:  # the first token's sampling (engine/sampler_graphs.py)
             pool = runner.prefill_graphs.pool if runner.prefill_graphs is not None else None
             sampler.capture_graphs(runner.model_config.vocab_size, runner.device, pool)

@@ -172,7 +172,8 @@ def test_fresh_single_prompts_take_dense_attention_and_match_the_eager_step(pair
     graphs = pair[1].prefill_graphs
     monkeypatch.setattr(prefill_dense, "DENSE_MIN_TOKENS", 32)
     monkeypatch.setattr(graphs, "dense_threads", set())
-    monkeypatch.setattr(graphs, "dense", prefill_dense.build_dense_plans(graphs))
+    monkeypatch.setattr(graphs, "dense", prefill_dense.check_dense(graphs))
+    graphs.prepare_dense_here()
     assert graphs.dense
     rng = random.Random(5)
     for n, dense in ((5, False), (16, False), (17, True), (32, True), (64, True)):

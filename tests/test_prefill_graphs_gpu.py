@@ -42,6 +42,7 @@ def pair(tiny_llama):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(prefill_dense, "DENSE_MIN_TOKENS", DENSE_MIN)
         assert capture_prefill_graphs(graphed, SIZES, 512) is not None
+        graphed.prefill_graphs.prepare_dense_here()  # (this thread runs the steps)
         graphed.kv_cache.zero_()
         yield eager, graphed
     graphed.prefill_graphs.release()

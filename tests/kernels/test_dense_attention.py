@@ -14,7 +14,12 @@ import torch.nn.functional as F
 from splitserve.config.engine_config import EngineConfig
 from splitserve.engine import prefill_dense
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
-from splitserve.engine.prefill_dense import build_dense_plans, dense_len, dense_lengths
+from splitserve.engine.prefill_dense import (
+    build_dense_plans,
+    check_dense,
+    dense_len,
+    dense_lengths,
+)
 from splitserve.engine.prefill_graphs import PrefillGraphs
 from splitserve.kernels import dense_attention, ops
 from splitserve.kernels.dense_attention import dense_causal_attention, dense_disagrees
@@ -47,7 +52,8 @@ def test_a_fresh_prompt_padded_inside_its_bucket_matches_the_eager_step(tiny_lla
         dense.model, dense.kv_cache, dense.cos_sin, [16, 1024], dense.max_blocks_per_seq
     )
     monkeypatch.setattr(prefill_dense, "DENSE_MIN_TOKENS", 1024)
-    graphs.dense = build_dense_plans(graphs)
+    graphs.dense = check_dense(graphs)
+    graphs.prepare_dense_here()
     prompt = [(37 * i) % 500 + 3 for i in range(600)]
     chunk = [PrefillChunk(prompt, 0, list(range(1, 151)))]
     want = eager.prefill(chunk)
@@ -90,7 +96,8 @@ def test_the_self_check_catches_a_backend_that_computes_something_else(
     runner = _runner(tiny_llama)
     graphs = PrefillGraphs(runner.model, runner.kv_cache, runner.cos_sin, [16, 512, 1024])
     monkeypatch.setattr(prefill_dense, "DENSE_MIN_TOKENS", 1024)
-    assert build_dense_plans(graphs) is True  # (a CPU runner never captures: called here)
+    assert check_dense(graphs) is True  # (a CPU runner never captures: called here)
+    assert build_dense_plans(graphs) is True
 
     real = F.scaled_dot_product_attention
 
@@ -101,5 +108,5 @@ def test_the_self_check_catches_a_backend_that_computes_something_else(
     bad = dense_disagrees(torch.zeros(1, 8, 16), 2, 4, 0.25, 37)
     assert bad is not None and "max difference" in bad
     with caplog.at_level(logging.WARNING, logger=prefill_dense.__name__):
-        assert build_dense_plans(graphs) is False
+        assert check_dense(graphs) is False
     assert "dense prefill attention off" in caplog.text and "max difference" in caplog.text
