@@ -55,7 +55,7 @@ from splitserve.engine import prefill_dense
 from splitserve.engine.attention_metadata import AttentionMetadata
 from splitserve.engine.prefill_dense import build_dense_plans, check_dense, dense_len
 from splitserve.engine.prefill_graph_inputs import NULL_SLOT, FusedInputs
-from splitserve.engine.prefill_graph_sizes import default_sizes, graph_sizes  # noqa: F401
+from splitserve.engine.prefill_graph_sizes import graph_sizes
 from splitserve.kernels.dense_attention import dense_causal_attention
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ import torch
 from splitserve.config.engine_config import EngineConfig
 from splitserve.engine import prefill_dense, prefill_graphs
 from splitserve.engine.model_runner import ModelRunner, PrefillChunk
-from splitserve.engine.prefill_graphs import FUSED_SEQS, PrefillGraphs, default_sizes, graph_sizes
+from splitserve.engine.prefill_graph_sizes import default_sizes, graph_sizes
+from splitserve.engine.prefill_graphs import FUSED_SEQS, PrefillGraphs
 
 BS = 4
 SIZES = [16, 32, 64]

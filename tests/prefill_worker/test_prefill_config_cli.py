@@ -35,7 +35,7 @@ def test_graph_flags_map_into_the_config(tmp_path):
     cfg = _load(["--model", "/m", "--no-cuda-graph", "--prefill-graph-sizes", "16,64,256"])
     assert cfg.cuda_graph is False and cfg.prefill_graph_sizes == (16, 64, 256)
     # spaces and a trailing comma are fine; counts above the step budget load (capture caps
-    # them: engine/prefill_graphs.graph_sizes)
+    # them: engine/prefill_graph_sizes.graph_sizes)
     cfg = _load(
         ["--model", "/m", "--max-num-batched-tokens", "512", "--prefill-graph-sizes", "16, 4096,"]
     )
